@@ -1,0 +1,3 @@
+"""dflash: train DFlash speculative-decoding drafters offline from a hidden-state store."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,18 @@
+"""The `dflash` command line: one click group; each stage registers the commands that work."""
+
+import click
+
+from dflash import __version__
+from dflash.store_schema.command import store
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dflash")
+def main() -> None:
+    """Train DFlash speculative-decoding drafters offline.
+
+    extract runs the target once into a Zarr feature store; train and eval read only the store.
+    """
+
+
+main.add_command(store)

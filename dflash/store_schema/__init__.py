@@ -1,0 +1,31 @@
+"""The feature-store contract: the only package that knows how a store is laid out on disk.
+
+Every stage reads and writes hs.zarr through these names. Layout: layout.py; provenance:
+meta.py; writing and reading parts: part.py; checking a store: validate.py.
+"""
+
+from dflash.store_schema.errors import StoreError
+from dflash.store_schema.layout import SCHEMA_VERSION
+from dflash.store_schema.meta import CreatedWith, SourceInfo, StoreMeta, TargetInfo, TokenizerInfo
+from dflash.store_schema.part import Part, PartWriter
+from dflash.store_schema.sample import Sample
+from dflash.store_schema.store import Store, create_store, open_store
+from dflash.store_schema.validate import Finding, validate
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CreatedWith",
+    "Finding",
+    "Part",
+    "PartWriter",
+    "Sample",
+    "SourceInfo",
+    "Store",
+    "StoreError",
+    "StoreMeta",
+    "TargetInfo",
+    "TokenizerInfo",
+    "create_store",
+    "open_store",
+    "validate",
+]

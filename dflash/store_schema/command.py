@@ -1,0 +1,95 @@
+"""`dflash store ...`: look inside a feature store and check it."""
+
+import json
+import sys
+
+import click
+
+from dflash.store_schema.errors import StoreError
+from dflash.store_schema.info import summarize
+from dflash.store_schema.store import open_store
+from dflash.store_schema.validate import validate
+
+
+@click.group("store")
+def store() -> None:
+    """Inspect and check a feature store (local path or fsspec URL such as s3://b/hs.zarr)."""
+
+
+@store.command("info")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def info(path: str, as_json: bool) -> None:
+    """Schema, provenance, sizes and extraction progress of the store at PATH."""
+    try:
+        s = open_store(path)
+        summary = summarize(s)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from e
+    meta = s.meta
+    if as_json:
+        out = {"meta": meta.to_dict(), "shard_tokens": s.shard_tokens, **vars(summary),
+               "bytes_per_token": summary.bytes_per_token,
+               "compression_ratio": summary.compression_ratio}
+        click.echo(json.dumps(out, indent=2))
+        return
+    t = meta.target
+    state = "complete" if not summary.parts_incomplete and not summary.parts_missing \
+        else "INCOMPLETE"
+    lines = [
+        f"store          {path}  (schema v{meta.schema_version}, {state})",
+        f"target         {t.name_or_path} ({t.model_type}, {t.num_hidden_layers} layers, "
+        f"hidden {t.hidden_size}, vocab {t.vocab_size})",
+        f"context layers {meta.context_layer_ids}  dtype {meta.hidden_dtype}  "
+        f"verifier top-{meta.top_k}",
+        f"source         {', '.join(meta.source.paths)}  rows {meta.source.num_rows}  "
+        f"max_length {meta.source.max_length}  regenerated {meta.source.regenerated}",
+        f"made with      dflash {meta.created_with.dflash}, torch {meta.created_with.torch}, "
+        f"transformers {meta.created_with.transformers} on {meta.created_with.device} "
+        f"({meta.created_with.kernels})",
+        f"samples        {summary.samples:,}",
+        f"tokens         {summary.tokens:,}",
+        f"bytes on disk  {summary.bytes_on_disk:,} ({_human(summary.bytes_on_disk)})",
+        f"bytes/token    {summary.bytes_per_token:,.1f}",
+        f"compression    {summary.compression_ratio:.2f}x",
+        f"parts          {summary.parts_complete}/{summary.parts_planned} complete"
+        + (f"; incomplete {summary.parts_incomplete}" if summary.parts_incomplete else "")
+        + (f"; not started {_short(summary.parts_missing)}" if summary.parts_missing else ""),
+    ]
+    click.echo("\n".join(lines))
+
+
+@store.command("validate")
+@click.argument("path")
+@click.option("--no-data", is_flag=True,
+              help="Check only metadata, offsets and shard presence; skip reading every chunk.")
+@click.option("--require-complete", is_flag=True,
+              help="Also fail if some planned part is missing or unfinished.")
+def validate_cmd(path: str, no_data: bool, require_complete: bool) -> None:
+    """Check the store at PATH; exit 1 naming the part and sample of every problem."""
+    findings = validate(path, check_data=not no_data)
+    for f in findings:
+        click.echo(str(f), err=True)
+    incomplete = False
+    if require_complete and not findings:
+        s = summarize(open_store(path))
+        incomplete = bool(s.parts_incomplete or s.parts_missing)
+        if incomplete:
+            click.echo(f"store is incomplete: parts unfinished {s.parts_incomplete}, "
+                       f"not started {_short(s.parts_missing)}", err=True)
+    if findings or incomplete:
+        click.echo(f"{path}: {len(findings)} problem(s) found", err=True)
+        sys.exit(1)
+    click.echo(f"{path}: ok")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def _short(items: list[int], limit: int = 10) -> str:
+    return str(items[:limit])[:-1] + (", ...]" if len(items) > limit else "]")

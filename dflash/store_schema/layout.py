@@ -1,0 +1,95 @@
+"""Where everything lives in a store and how it is encoded: the only place that names zarr paths.
+
+Schema v1. A store is a Zarr v3 group; samples are ragged, so each part lays its tokens along
+one flat axis and records where each sample starts in `sample_offsets`.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+SCHEMA_VERSION = 1
+META_KEY = "dflash"  # root attrs key holding the provenance (StoreMeta)
+PART_KEY = "dflash_part"  # part attrs key holding the commit record
+
+PARTS_GROUP = "parts"
+TARGET_GROUP = "target"
+FILES_GROUP = "files"
+
+# Token arrays other than `context` are small per token; chunking them like the context would
+# make one object per few KB. They are chunked `TOKEN_CHUNK_SHARDS` shards long instead and
+# rewritten whole (atomically) on each commit.
+TOKEN_CHUNK_SHARDS = 16
+SAMPLE_CHUNK = 65536
+# Inner chunk of the sharded context array: (CONTEXT_INNER_TOKENS, 1, H) so a reader can fetch
+# one layer of a few hundred tokens, and a checksum failure names a 256-token span.
+CONTEXT_INNER_TOKENS = 256
+ZSTD_LEVEL = 1  # level 1 codes at ~1 GB/s per core; higher levels gain little on hidden states
+
+HiddenDtype = str  # one of HIDDEN_DTYPES
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+# zarr has no bfloat16: its bit pattern is stored as uint16 and the logical dtype recorded.
+_STORAGE_DTYPE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+_TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class TokenArray:
+    """An array laid along a part's token axis: shape [T, *inner]."""
+
+    name: str
+    dtype: type
+    width: str | None = None
+    """None for [T]; "top_k" for [T, k]; "context" for [T, n, H] (sharded)."""
+
+
+TOKEN_ARRAYS = (
+    TokenArray("input_ids", np.int32),
+    TokenArray("loss_mask", np.bool_),
+    TokenArray("context", np.uint16, "context"),  # dtype replaced by the store's hidden dtype
+    TokenArray("verifier_topk_ids", np.int32, "top_k"),
+    TokenArray("verifier_topk_logits", np.float32, "top_k"),
+    TokenArray("verifier_lse", np.float32),
+)
+SAMPLE_ARRAYS = {"sample_offsets": np.int64, "sample_source": np.int64}
+TARGET_ARRAYS = ("embed_tokens", "lm_head", "final_norm")
+
+
+def part_path(index: int) -> str:
+    return f"{PARTS_GROUP}/{index:05d}"
+
+
+def storage_dtype(hidden_dtype: str) -> type:
+    return _STORAGE_DTYPE[hidden_dtype]
+
+
+def torch_dtype(hidden_dtype: str) -> torch.dtype:
+    return _TORCH_DTYPE[hidden_dtype]
+
+
+def hidden_to_numpy(t: torch.Tensor, hidden_dtype: str) -> np.ndarray:
+    """A hidden-state tensor as the numpy array that is written (bf16 -> its uint16 bits)."""
+    t = t.detach().to("cpu").contiguous()
+    if hidden_dtype == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def hidden_from_numpy(a: np.ndarray, hidden_dtype: str) -> torch.Tensor:
+    a = np.ascontiguousarray(a)
+    if hidden_dtype == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def nonfinite_hidden(a: np.ndarray, hidden_dtype: str) -> np.ndarray:
+    """Boolean mask of NaN/Inf entries, read straight from the stored bits (no conversion)."""
+    if hidden_dtype == "bfloat16":
+        return (a & 0x7F80) == 0x7F80  # exponent all ones: Inf or NaN
+    return ~np.isfinite(a)
+
+
+def token_compressors() -> list:
+    return [ZstdCodec(level=ZSTD_LEVEL), Crc32cCodec()]

@@ -1,0 +1,223 @@
+"""Create and open stores (local path or fsspec URL) and reach their parts and frozen rows."""
+
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import zarr
+from zarr.core.sync import sync
+from zarr.storage import FsspecStore, LocalStore
+
+from dflash.store_schema.errors import StoreError
+from dflash.store_schema.layout import (
+    FILES_GROUP,
+    META_KEY,
+    PARTS_GROUP,
+    SCHEMA_VERSION,
+    TARGET_ARRAYS,
+    TARGET_GROUP,
+    hidden_from_numpy,
+    hidden_to_numpy,
+    part_path,
+    storage_dtype,
+    token_compressors,
+    torch_dtype,
+)
+from dflash.store_schema.meta import StoreMeta
+from dflash.store_schema.part import Part, PartWriter
+
+LAYOUT_KEY = "dflash_layout"  # root attrs: how arrays are chunked (not provenance)
+
+
+def zarr_store(url: str, read_only: bool):
+    """The zarr store behind `url`: a LocalStore for paths, an FsspecStore for URLs."""
+    if "://" in url and not url.startswith("file://"):
+        try:
+            return FsspecStore.from_url(url, read_only=read_only)
+        except Exception as e:  # fsspec raises many types for a bad URL or missing backend
+            raise StoreError(f"cannot open {url}: {e}") from e
+    path = Path(url.removeprefix("file://"))
+    if read_only and not path.exists():
+        raise StoreError(f"{url}: no such store")
+    return LocalStore(path, read_only=read_only)
+
+
+def _has_any_key(zstore) -> bool:
+    async def first():
+        async for _ in zstore.list_prefix(""):
+            return True
+        return False
+
+    return sync(first())
+
+
+def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024) -> "Store":
+    """Create a store at `url`, or reopen it for resume if one with equal provenance is there."""
+    if shard_tokens < 1 or shard_tokens % 8:
+        raise StoreError(f"shard_tokens must be a positive multiple of 8, got {shard_tokens}")
+    zstore = zarr_store(url, read_only=False)
+    if _has_any_key(zstore):
+        store = _open(url, zstore, mode="r+")
+        diffs = store.meta.mismatches(meta)
+        if diffs:
+            raise StoreError(
+                f"{url} already holds a store made differently; refusing to mix them:\n  "
+                + "\n  ".join(diffs)
+            )
+        return store
+    root = zarr.create_group(zstore, attributes={
+        META_KEY: meta.to_dict(),
+        LAYOUT_KEY: {"shard_tokens": shard_tokens},
+    })
+    root.create_group(PARTS_GROUP)
+    return Store(url, root, meta, mode="r+")
+
+
+def open_store(url: str, mode: Literal["r", "r+"] = "r") -> "Store":
+    """Open an existing store; StoreError if it is missing, not a dflash store, or too new."""
+    return _open(url, zarr_store(url, read_only=mode == "r"), mode)
+
+
+def read_meta_dict(root: zarr.Group, url: str) -> dict:
+    attrs = dict(root.attrs)
+    if META_KEY not in attrs:
+        raise StoreError(f"{url} is a zarr group but not a dflash store (no '{META_KEY}' attrs)")
+    d = attrs[META_KEY]
+    version = d.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise StoreError(
+            f"{url} has schema version {version!r}; this dflash reads up to {SCHEMA_VERSION}. "
+            "Upgrade dflash to read it."
+        )
+    return d
+
+
+def _open(url: str, zstore, mode: str) -> "Store":
+    try:
+        root = zarr.open_group(zstore, mode=mode)
+    except Exception as e:  # zarr raises several types for a missing or torn group
+        raise StoreError(f"{url} is not a readable zarr store: {e}") from e
+    return Store(url, root, StoreMeta.from_dict(read_meta_dict(root, url)), mode=mode)
+
+
+class Store:
+    """An open store. Parts are written by PartWriter and read through Part."""
+
+    def __init__(self, url: str, root: zarr.Group, meta: StoreMeta, mode: str):
+        self.url = url
+        self.root = root
+        self.meta = meta
+        self.mode = mode
+        layout = dict(root.attrs).get(LAYOUT_KEY, {})
+        self.shard_tokens = int(layout.get("shard_tokens", 1024))
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, parts={self.meta.num_parts})"
+
+    def _require_writable(self) -> None:
+        if self.mode == "r":
+            raise StoreError(f"{self.url} is open read-only")
+
+    # -- frozen target rows ------------------------------------------------------------
+
+    def write_target_rows(
+        self, embed_tokens: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor
+    ) -> None:
+        """Copy the frozen rows the drafter borrows, in the store's hidden dtype."""
+        self._require_writable()
+        vocab, hidden = self.meta.target.vocab_size, self.meta.target.hidden_size
+        rows = {"embed_tokens": embed_tokens, "lm_head": lm_head, "final_norm": final_norm}
+        shapes = {"embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden),
+                  "final_norm": (hidden,)}
+        dt = self.meta.hidden_dtype
+        group = self.root.require_group(TARGET_GROUP)
+        for name in TARGET_ARRAYS:
+            t = rows[name].detach().to("cpu", dtype=torch.float32).to(torch_dtype(dt))
+            if tuple(t.shape) != shapes[name]:
+                raise StoreError(f"target row {name} has shape {tuple(t.shape)}, "
+                                 f"expected {shapes[name]} from the store's provenance")
+            chunks = (min(vocab, max(1, (64 << 20) // (2 * hidden))), hidden) if t.ndim == 2 \
+                else (hidden,)
+            arr = group.create_array(name, shape=t.shape, chunks=chunks,
+                                     dtype=storage_dtype(dt), compressors=token_compressors(),
+                                     overwrite=True)
+            arr[...] = hidden_to_numpy(t, dt)
+
+    def target_rows(self) -> dict[str, torch.Tensor]:
+        """embed_tokens [V, H], lm_head [V, H], final_norm [H] in the hidden dtype."""
+        try:
+            group = self.root[TARGET_GROUP]
+            return {n: hidden_from_numpy(group[n][...], self.meta.hidden_dtype)
+                    for n in TARGET_ARRAYS}
+        except KeyError as e:
+            raise StoreError(f"{self.url} holds no frozen target rows ({e}); "
+                             "was extract interrupted before writing them?") from e
+
+    # -- opaque files (tokenizer) ------------------------------------------------------
+
+    def write_files(self, group: str, files: dict[str, bytes]) -> None:
+        """Keep small files (e.g. the tokenizer) inside the store as uint8 arrays."""
+        self._require_writable()
+        g = self.root.require_group(f"{FILES_GROUP}/{group}")
+        for name, data in files.items():
+            a = np.frombuffer(data, dtype=np.uint8)
+            arr = g.create_array(name, shape=a.shape, chunks=(max(1, a.size),), dtype=np.uint8,
+                                 compressors=token_compressors(), overwrite=True)
+            if a.size:
+                arr[...] = a
+
+    def read_files(self, group: str) -> dict[str, bytes]:
+        try:
+            g = self.root[f"{FILES_GROUP}/{group}"]
+        except KeyError as e:
+            raise StoreError(f"{self.url} holds no '{group}' files") from e
+        return {name: arr[...].tobytes() for name, arr in g.arrays()}
+
+    # -- parts -------------------------------------------------------------------------
+
+    def part_writer(self, index: int, row_start: int, row_stop: int) -> PartWriter:
+        """Create part `index` (source rows [row_start, row_stop)) or resume it."""
+        self._require_writable()
+        if not 0 <= index < self.meta.num_parts:
+            raise StoreError(f"part {index} is outside the plan of {self.meta.num_parts} parts")
+        return PartWriter(self, index, row_start, row_stop)
+
+    def part(self, index: int) -> Part:
+        try:
+            group = self.root[part_path(index)]
+        except KeyError as e:
+            raise StoreError(f"{self.url}: part {index} does not exist") from e
+        except Exception as e:  # a torn zarr.json surfaces as a JSON or metadata error
+            raise StoreError(f"{self.url}: part {index} metadata is unreadable: {e}") from e
+        return Part(self, index, group)
+
+    def part_names(self) -> list[str]:
+        """Names under parts/, listed without opening them (one may be torn)."""
+        prefix = f"{self.root.path}/{PARTS_GROUP}" if self.root.path else PARTS_GROUP
+
+        async def names():
+            return sorted([n async for n in self.root.store.list_dir(prefix)
+                           if n != "zarr.json"])
+
+        return sync(names())
+
+    def part_indices(self) -> list[int]:
+        return [int(n) for n in self.part_names() if n.isdigit()]
+
+    def parts(self) -> list[Part]:
+        return [self.part(i) for i in self.part_indices()]
+
+    @property
+    def complete(self) -> bool:
+        parts = self.parts()
+        return len(parts) == self.meta.num_parts and all(p.complete for p in parts)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(p.num_samples for p in self.parts())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.parts())
+

@@ -1,0 +1,68 @@
+"""Small stores with random contents, for the store tests."""
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.store_schema import (
+    CreatedWith,
+    Sample,
+    SourceInfo,
+    StoreMeta,
+    TargetInfo,
+    TokenizerInfo,
+)
+
+HIDDEN, LAYERS, TOP_K, VOCAB = 16, 3, 4, 97
+
+
+def make_meta(num_parts: int = 2, hidden_dtype: str = "bfloat16", **target) -> StoreMeta:
+    t = dict(name_or_path="tiny", revision=None, model_type="qwen3_5", num_hidden_layers=8,
+             hidden_size=HIDDEN, vocab_size=VOCAB, config_sha256="0" * 64)
+    t.update(target)
+    return StoreMeta(
+        target=TargetInfo(**t),
+        tokenizer=TokenizerInfo(sha256="1" * 64, chat_template_sha256=None, enable_thinking=False),
+        source=SourceInfo(paths=["x.jsonl"], sha256=["2" * 64], max_length=4096,
+                          regenerated=False, num_rows=1000),
+        created_with=CreatedWith(dflash="test", torch=torch.__version__, transformers="-",
+                                 device="cpu", kernels="torch"),
+        context_layer_ids=[1, 3, 5],
+        top_k=TOP_K,
+        hidden_dtype=hidden_dtype,
+        num_parts=num_parts,
+    )
+
+
+def random_sample(length: int, row: int, gen: torch.Generator, dtype=torch.bfloat16) -> Sample:
+    logits = torch.randn(length, TOP_K, generator=gen).sort(dim=1, descending=True).values
+    return Sample(
+        input_ids=torch.randint(0, VOCAB, (length,), generator=gen, dtype=torch.int32),
+        loss_mask=torch.rand(length, generator=gen) > 0.3,
+        # Wide range of magnitudes, as real hidden states with outlier channels have.
+        context=(torch.randn(length, LAYERS, HIDDEN, generator=gen) * 100).to(dtype),
+        topk_ids=torch.randint(0, VOCAB, (length, TOP_K), generator=gen, dtype=torch.int32),
+        topk_logits=logits,
+        lse=logits[:, 0] + torch.rand(length, generator=gen) + 0.1,
+        source_row=row,
+    )
+
+
+def assert_same_sample(a: Sample, b: Sample) -> None:
+    assert a.source_row == b.source_row
+    for name in ("input_ids", "loss_mask", "topk_ids", "topk_logits", "lse"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.context.dtype == b.context.dtype
+    # Bit-exact, NaN-safe: compare the raw bits.
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    assert torch.equal(a.context.view(bits[a.context.dtype]), b.context.view(bits[b.context.dtype]))
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(0)

@@ -1,0 +1,56 @@
+"""`dflash store info` and `dflash store validate` as a user runs them."""
+
+import json
+
+from click.testing import CliRunner
+
+from dflash.cli import main
+from dflash.store_schema import create_store
+from dflash.store_schema.layout import part_path
+from tests.store_schema.conftest import make_meta, random_sample
+
+
+def _store(tmp_path, gen, finish_parts=(0,)):
+    url = str(tmp_path / "hs.zarr")
+    store = create_store(url, make_meta(num_parts=3), shard_tokens=64)
+    for p in (0, 1):
+        w = store.part_writer(p, p * 10, p * 10 + 10)
+        for row in range(p * 10, p * 10 + 4):
+            w.append(random_sample(50, row, gen))
+        if p in finish_parts:
+            w.finish()
+    return url
+
+
+def test_info_reports_counts_sizes_and_unfinished_parts(tmp_path, gen):
+    url = _store(tmp_path, gen)
+    result = CliRunner().invoke(main, ["store", "info", url, "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    # Part 0 finished (4 samples); unfinished part 1 wrote 3 whole shards (192 tokens), so
+    # only its 3 samples lying wholly inside them (150 tokens) are committed.
+    assert info["samples"] == 4 + 3 and info["tokens"] == 200 + 150
+    assert info["parts_complete"] == 1 and info["parts_incomplete"] == [1]
+    assert info["parts_missing"] == [2]
+    assert info["bytes_per_token"] > 0 and info["compression_ratio"] > 0
+    text = CliRunner().invoke(main, ["store", "info", url]).output
+    assert "INCOMPLETE" in text and "1/3 complete" in text and "not started [2]" in text
+
+
+def test_validate_exits_nonzero_naming_part_and_sample(tmp_path, gen):
+    url = _store(tmp_path, gen)
+    ok = CliRunner().invoke(main, ["store", "validate", url])
+    assert ok.exit_code == 0 and "ok" in ok.output
+    incomplete = CliRunner().invoke(main, ["store", "validate", url, "--require-complete"])
+    assert incomplete.exit_code == 1 and "incomplete" in incomplete.output
+    shard = tmp_path / "hs.zarr" / part_path(0) / "context" / "c" / "1" / "0" / "0"
+    shard.unlink()  # tokens [64, 128): samples 1 and 2 of part 0
+    bad = CliRunner().invoke(main, ["store", "validate", url])
+    assert bad.exit_code == 1
+    assert "part 0 sample 1: [missing]" in bad.output and "part 0 sample 2: [missing]" in bad.output
+
+
+def test_info_on_a_missing_store_is_one_clear_line(tmp_path):
+    result = CliRunner().invoke(main, ["store", "info", str(tmp_path / "nope.zarr")])
+    assert result.exit_code == 1
+    assert "no such store" in result.output and "Traceback" not in result.output

@@ -1,0 +1,122 @@
+"""What goes in through the part writer comes out bit-exact, at the right offsets."""
+
+import pytest
+import torch
+
+from dflash.store_schema import StoreError, create_store, open_store, validate
+from tests.store_schema.conftest import VOCAB, assert_same_sample, make_meta, random_sample
+
+
+def _write(url, lengths, gen, shard_tokens=64, dtype=torch.bfloat16, hidden_dtype="bfloat16"):
+    store = create_store(url, make_meta(hidden_dtype=hidden_dtype), shard_tokens=shard_tokens)
+    writer = store.part_writer(0, 0, len(lengths))
+    samples = [random_sample(n, row, gen, dtype) for row, n in enumerate(lengths)]
+    for s in samples:
+        writer.append(s)
+    writer.finish()
+    return store, samples
+
+
+@pytest.mark.parametrize("hidden_dtype,dtype", [
+    ("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)])
+def test_random_hidden_states_read_back_bit_exact(tmp_path, gen, hidden_dtype, dtype):
+    url = str(tmp_path / "hs.zarr")
+    _, samples = _write(url, [7, 1, 130, 64, 65, 3], gen, dtype=dtype, hidden_dtype=hidden_dtype)
+    part = open_store(url).part(0)
+    assert part.complete and part.num_samples == len(samples)
+    for i, s in enumerate(samples):
+        assert_same_sample(s, part.sample(i))
+    for s, r in zip(samples, part.iter_samples(), strict=True):
+        assert_same_sample(s, r)
+
+
+def test_ragged_lengths_1_to_4096_land_at_their_offsets(tmp_path, gen):
+    lengths = [1, 2, 3, 5, 8, 17, 255, 256, 257, 1023, 1024, 1025, 4095, 4096, 1, 4096, 9]
+    url = str(tmp_path / "hs.zarr")
+    _, samples = _write(url, lengths, gen, shard_tokens=1024)
+    part = open_store(url).part(0)
+    expected = [0]
+    for n in lengths:
+        expected.append(expected[-1] + n)
+    assert part.offsets().tolist() == expected
+    assert part.sample_lengths().tolist() == lengths
+    assert part.num_tokens == sum(lengths)
+    # Read a few samples out of order: each one's tokens must be its own.
+    for i in (13, 0, 16, 10, 6):
+        assert_same_sample(samples[i], part.sample(i))
+    assert validate(url) == []
+
+
+def test_memory_url_works_through_the_same_api(gen):
+    url = "memory://dflash-test/hs.zarr"
+    _, samples = _write(url, [5, 100, 33], gen)
+    store = open_store(url)
+    assert [p.index for p in store.parts()] == [0]
+    for s, r in zip(samples, store.part(0).iter_samples(), strict=True):
+        assert_same_sample(s, r)
+    assert validate(url) == []
+
+
+def test_target_rows_and_files_round_trip(tmp_path, gen):
+    store = create_store(str(tmp_path / "hs.zarr"), make_meta())
+    embed = torch.randn(VOCAB, 16, generator=gen).to(torch.bfloat16)
+    head = torch.randn(VOCAB, 16, generator=gen).to(torch.bfloat16)
+    norm = torch.randn(16, generator=gen).to(torch.bfloat16)
+    store.write_target_rows(embed, head, norm)
+    store.write_files("tokenizer", {"tokenizer.json": b'{"a": 1}', "empty.txt": b""})
+    again = open_store(store.url)
+    rows = again.target_rows()
+    assert torch.equal(rows["embed_tokens"], embed) and torch.equal(rows["lm_head"], head)
+    assert torch.equal(rows["final_norm"], norm)
+    assert again.read_files("tokenizer") == {"tokenizer.json": b'{"a": 1}', "empty.txt": b""}
+
+
+def test_reopening_with_other_provenance_names_every_difference(tmp_path):
+    url = str(tmp_path / "hs.zarr")
+    create_store(url, make_meta())
+    other = make_meta(name_or_path="Qwen/Other")
+    other.context_layer_ids = [1, 2, 3]
+    with pytest.raises(StoreError) as e:
+        create_store(url, other)
+    msg = str(e.value)
+    assert "target.name_or_path: 'tiny' != 'Qwen/Other'" in msg
+    assert "context_layer_ids" in msg
+    # Same provenance (but another machine) reopens it for resume.
+    same = make_meta()
+    same.created_with.device = "cuda:3"
+    assert create_store(url, same).meta.target.name_or_path == "tiny"
+
+
+def test_a_directory_that_is_not_a_store_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="not a dflash store|not a readable zarr"):
+        create_store(str(tmp_path), make_meta())
+    with pytest.raises(StoreError, match="no such store"):
+        open_store(str(tmp_path / "missing.zarr"))
+
+
+def test_writer_rejects_wrong_shapes_and_out_of_order_rows(tmp_path, gen):
+    store = create_store(str(tmp_path / "hs.zarr"), make_meta())
+    writer = store.part_writer(0, 10, 20)
+    good = random_sample(5, 12, gen)
+    writer.append(good)
+    with pytest.raises(StoreError, match="source row must be in"):
+        writer.append(random_sample(5, 12, gen))
+    bad = random_sample(5, 13, gen)
+    bad.context = bad.context[:, :2]
+    with pytest.raises(StoreError, match=r"part 0 sample 1 \(source row 13\): context has shape"):
+        writer.append(bad)
+    nan = random_sample(5, 14, gen)
+    nan.context[2, 1, 3] = float("nan")
+    with pytest.raises(StoreError, match="sample 1 .*NaN"):
+        writer.append(nan)
+    with pytest.raises(StoreError, match="part 0 holds rows"):
+        store.part_writer(0, 0, 20)
+
+
+def test_empty_part_can_be_completed(tmp_path):
+    store = create_store(str(tmp_path / "hs.zarr"), make_meta())
+    store.part_writer(1, 500, 1000).finish()
+    part = store.part(1)
+    assert part.complete and part.num_samples == 0 and list(part.iter_samples()) == []
+    assert validate(store.url) == []
