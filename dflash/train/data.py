@@ -1,0 +1,236 @@
+"""Stream a store into padded training batches: deterministic, rank-disjoint, bounded memory.
+
+The order of an epoch is a PLAN computed from sample lengths alone (the stores' offsets, a few
+bytes per sample): parts are opened lazily a window at a time, their read units (runs of
+samples about one shard long) shuffled across the window and dealt to ranks, and samples then
+drawn at random from a buffer bounded in tokens. Because the plan never looks at hidden
+states, resuming at batch N replays the plan without reading data, and every rank can compute
+its share without talking to the others. Data is read per sample; the sharded context array
+makes that a read of only the inner chunks the sample covers.
+
+Never touches labels or noise: a batch carries the stored arrays as they are.
+"""
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dflash.store_schema import Part, Sample, Store, StoreError, open_store
+
+
+@dataclass
+class LoaderConfig:
+    """How the store is streamed into batches."""
+
+    batch_tokens: int = 16384
+    """Padded tokens per batch (batch size x longest sample) at most; one longer sample
+    still forms a batch of its own."""
+    shuffle_buffer_tokens: int = 65536
+    """Tokens held for shuffling samples; bounds the loader's memory with batch_tokens."""
+    part_window: int = 8
+    """Parts opened at once; their read units are shuffled together."""
+    max_length: int | None = None
+    """Samples longer than this are cut to their first max_length tokens."""
+    prefetch_batches: int = 2
+    """Batches read ahead in a background thread, overlapping I/O with compute."""
+    seed: int = 0
+    """Seeds the order; epoch e of seed s is the same on every run and every rank."""
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where a sample lives: store, part and index within the part."""
+
+    store: int
+    part: int
+    index: int
+    length: int
+
+
+@dataclass
+class Batch:
+    """Padded samples; position t of row b is valid where t < lengths[b]."""
+
+    input_ids: torch.Tensor  # int64 [b, T]
+    loss_mask: torch.Tensor  # bool [b, T], False on padding
+    context: torch.Tensor  # [b, T, n, H]
+    topk_ids: torch.Tensor  # int64 [b, T, k]
+    topk_logits: torch.Tensor  # float32 [b, T, k]
+    lse: torch.Tensor  # float32 [b, T]
+    lengths: torch.Tensor  # int64 [b]
+    refs: list[SampleRef] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def _read_units(lengths: np.ndarray, unit_tokens: int) -> list[tuple[int, int]]:
+    """Runs [i, j) of consecutive samples holding about unit_tokens tokens each."""
+    units, i, acc = [], 0, 0
+    for j, n in enumerate(lengths):
+        acc += int(n)
+        if acc >= unit_tokens:
+            units.append((i, j + 1))
+            i, acc = j + 1, 0
+    if i < len(lengths):
+        units.append((i, len(lengths)))
+    return units
+
+
+def plan_epoch(
+    parts: list[tuple[int, Part]], cfg: LoaderConfig, epoch: int, rank: int = 0, world: int = 1
+) -> Iterator[list[SampleRef]]:
+    """The batches of one epoch for `rank` of `world`, from sample lengths only."""
+    rng = np.random.default_rng([cfg.seed, epoch])
+    order = rng.permutation(len(parts))
+    buffer: list[SampleRef] = []
+    buffered = 0
+    batch: list[SampleRef] = []
+    dealt = 0  # read units dealt so far, across windows: unit k goes to rank k % world
+    for w in range(0, len(order), cfg.part_window):
+        units = []
+        for store_i, part in (parts[i] for i in order[w : w + cfg.part_window]):
+            lengths = part.sample_lengths()
+            if cfg.max_length:
+                lengths = np.minimum(lengths, cfg.max_length)
+            for a, b in _read_units(lengths, part.store.shard_tokens):
+                units.append([SampleRef(store_i, part.index, s, int(lengths[s]))
+                              for s in range(a, b)])
+        for u in rng.permutation(len(units)):
+            mine = dealt % world == rank
+            dealt += 1
+            if not mine:
+                continue
+            for ref in units[u]:
+                buffer.append(ref)
+                buffered += ref.length
+                while buffered > cfg.shuffle_buffer_tokens:
+                    ref_out = buffer.pop(int(rng.integers(len(buffer))))
+                    buffered -= ref_out.length
+                    batch = yield from _add(batch, ref_out, cfg.batch_tokens)
+    while buffer:
+        ref_out = buffer.pop(int(rng.integers(len(buffer))))
+        batch = yield from _add(batch, ref_out, cfg.batch_tokens)
+    if batch:
+        yield batch
+
+
+def _add(batch: list[SampleRef], ref: SampleRef, budget: int):
+    """Append ref to batch, first yielding the batch if the padded size would exceed budget."""
+    longest = max([r.length for r in batch] + [ref.length])
+    if batch and longest * (len(batch) + 1) > budget:
+        yield batch
+        batch = []
+    batch.append(ref)
+    return batch
+
+
+def collate(samples: list[Sample], refs: list[SampleRef]) -> Batch:
+    """Pad samples to the longest; padding is never a loss position."""
+    b, t = len(samples), max(len(s) for s in samples)
+    s0 = samples[0]
+    n, h = s0.context.shape[1:]
+    k = s0.topk_ids.shape[1]
+    out = Batch(
+        input_ids=torch.zeros(b, t, dtype=torch.int64),
+        loss_mask=torch.zeros(b, t, dtype=torch.bool),
+        context=torch.zeros(b, t, n, h, dtype=s0.context.dtype),
+        topk_ids=torch.zeros(b, t, k, dtype=torch.int64),
+        topk_logits=torch.full((b, t, k), float("-inf")),
+        lse=torch.zeros(b, t),
+        lengths=torch.tensor([len(s) for s in samples], dtype=torch.int64),
+        refs=refs,
+    )
+    for i, s in enumerate(samples):
+        n_i = len(s)
+        out.input_ids[i, :n_i] = s.input_ids
+        out.loss_mask[i, :n_i] = s.loss_mask
+        out.context[i, :n_i] = s.context
+        out.topk_ids[i, :n_i] = s.topk_ids
+        out.topk_logits[i, :n_i] = s.topk_logits
+        out.lse[i, :n_i] = s.lse
+    return out
+
+
+def _truncate(s: Sample, length: int) -> Sample:
+    if len(s) <= length:
+        return s
+    return Sample(s.input_ids[:length], s.loss_mask[:length], s.context[:length],
+                  s.topk_ids[:length], s.topk_logits[:length], s.lse[:length], s.source_row)
+
+
+class StoreLoader:
+    """Batches of one epoch at a time from one or more stores, read ahead in a thread."""
+
+    def __init__(self, urls: list[str], cfg: LoaderConfig, rank: int = 0, world: int = 1):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.stores: list[Store] = [open_store(u) for u in urls]
+        first = self.stores[0].meta
+        for s in self.stores[1:]:
+            diffs = [d for d in first.mismatches(s.meta) if not d.startswith("source")]
+            if diffs:
+                raise StoreError(f"{s.url} does not match {self.stores[0].url}: {diffs}")
+        self.parts = [(i, p) for i, s in enumerate(self.stores) for p in s.parts() if p.complete]
+        if not self.parts:
+            raise StoreError(f"no complete part in {urls}: finish extraction first")
+
+    def plan(self, epoch: int) -> Iterator[list[SampleRef]]:
+        return plan_epoch(self.parts, self.cfg, epoch, self.rank, self.world)
+
+    def _load(self, refs: list[SampleRef]) -> Batch:
+        by_key = {(i, p.index): p for i, p in self.parts}
+        samples = [by_key[(r.store, r.part)].sample(r.index) for r in refs]
+        if self.cfg.max_length:
+            samples = [_truncate(s, self.cfg.max_length) for s in samples]
+        return collate(samples, refs)
+
+    def epoch(self, epoch: int, skip_batches: int = 0) -> Iterator[Batch]:
+        """Batches of `epoch`, starting after `skip_batches` (resume: no data is read for them)."""
+        plan = self.plan(epoch)
+        for _ in range(skip_batches):
+            if next(plan, None) is None:
+                return
+        yield from _prefetch(map(self._load, plan), self.cfg.prefetch_batches)
+
+
+def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:
+    """Run the iterator in a background thread, `depth` items ahead; re-raise its errors."""
+    if depth <= 0:
+        yield from batches
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def work():
+        try:
+            for item in batches:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as e:  # surfaced in the consumer, not lost in the thread
+            q.put(e)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

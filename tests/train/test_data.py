@@ -1,0 +1,94 @@
+"""The store loader: each sample once per epoch, disjoint across ranks, resumable, bounded."""
+
+import pytest
+import torch
+
+from dflash.store_schema import create_store
+from dflash.train.data import LoaderConfig, StoreLoader
+from tests.store_schema.conftest import make_meta, random_sample
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory) -> str:
+    url = str(tmp_path_factory.mktemp("loader") / "hs.zarr")
+    store = create_store(url, make_meta(num_parts=3), shard_tokens=64)
+    gen = torch.Generator().manual_seed(1)
+    for p in range(3):
+        w = store.part_writer(p, p * 100, p * 100 + 100)
+        for row in range(p * 100, p * 100 + 40):
+            w.append(random_sample(1 + (row * 13) % 90, row, gen))
+        if p < 2:
+            w.finish()  # part 2 stays unfinished: the loader must not read it
+    return url
+
+
+def _keys(batches):
+    return [(r.part, r.index) for b in batches for r in b]
+
+
+def _cfg(**kw):
+    base = dict(batch_tokens=256, shuffle_buffer_tokens=300, part_window=2, seed=7,
+                prefetch_batches=0)
+    base.update(kw)
+    return LoaderConfig(**base)
+
+
+def test_every_committed_sample_of_complete_parts_comes_once_per_epoch(store_url):
+    loader = StoreLoader([store_url], _cfg())
+    keys = _keys(loader.plan(0))
+    assert sorted(keys) == [(p, i) for p in (0, 1) for i in range(40)]
+
+
+def test_ranks_read_disjoint_samples_that_cover_the_epoch(store_url):
+    plans = [_keys(StoreLoader([store_url], _cfg(), rank=r, world=2).plan(3)) for r in (0, 1)]
+    assert plans[0] and plans[1]
+    assert not set(plans[0]) & set(plans[1])
+    assert sorted(plans[0] + plans[1]) == [(p, i) for p in (0, 1) for i in range(40)]
+
+
+def test_order_is_fixed_by_seed_and_epoch_and_changes_between_epochs(store_url):
+    loader = StoreLoader([store_url], _cfg())
+    assert _keys(loader.plan(1)) == _keys(StoreLoader([store_url], _cfg()).plan(1))
+    assert _keys(loader.plan(1)) != _keys(loader.plan(2))
+    assert _keys(loader.plan(1)) != sorted(_keys(loader.plan(1)))  # actually shuffled
+
+
+def test_batches_keep_the_padded_token_budget(store_url):
+    for batch in StoreLoader([store_url], _cfg(batch_tokens=200)).plan(0):
+        longest = max(r.length for r in batch)
+        assert len(batch) == 1 or longest * len(batch) <= 200
+
+
+def test_batches_hold_the_stored_samples_padded_with_no_loss(store_url):
+    loader = StoreLoader([store_url], _cfg(prefetch_batches=2))
+    part = {p.index: p for _, p in loader.parts}
+    seen = 0
+    for batch in loader.epoch(0):
+        for row, ref in enumerate(batch.refs):
+            n = ref.length
+            stored = part[ref.part].sample(ref.index)
+            assert int(batch.lengths[row]) == n == len(stored)
+            assert torch.equal(batch.input_ids[row, :n], stored.input_ids.long())
+            assert torch.equal(batch.context[row, :n], stored.context)
+            assert torch.equal(batch.topk_ids[row, :n], stored.topk_ids.long())
+            assert not batch.loss_mask[row, n:].any()
+            seen += 1
+    assert seen == 80
+
+
+def test_resume_skips_batches_without_changing_what_follows(store_url):
+    loader = StoreLoader([store_url], _cfg())
+    full = [b.refs for b in loader.epoch(4)]
+    resumed = [b.refs for b in loader.epoch(4, skip_batches=5)]
+    assert len(full) > 5 and resumed == full[5:]
+
+
+def test_max_length_truncates_samples(store_url):
+    loader = StoreLoader([store_url], _cfg(max_length=10))
+    stored = {p.index: p for _, p in loader.parts}
+    for batch in loader.epoch(0):
+        assert batch.input_ids.shape[1] <= 10
+        ref = batch.refs[0]
+        full = stored[ref.part].sample(ref.index)
+        expect = full.input_ids[:10].long()
+        assert torch.equal(batch.input_ids[0, : len(expect)], expect)
