@@ -7,6 +7,7 @@ import click
 
 from dflash.store_schema.errors import StoreError
 from dflash.store_schema.info import summarize
+from dflash.store_schema.stats import store_stats
 from dflash.store_schema.store import open_store
 from dflash.store_schema.validate import validate
 
@@ -81,6 +82,36 @@ def validate_cmd(path: str, no_data: bool, require_complete: bool) -> None:
         click.echo(f"{path}: {len(findings)} problem(s) found", err=True)
         sys.exit(1)
     click.echo(f"{path}: ok")
+
+
+@store.command("stats")
+@click.argument("path")
+@click.option("--recompute", is_flag=True, help="Ignore the statistics cached in the store.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def stats(path: str, recompute: bool, as_json: bool) -> None:
+    """Per-context-layer mean, RMS, absmax and outlier channels over the whole store.
+
+    Computed in parallel with dask and cached in the store; training scales its noise by them.
+    """
+    try:
+        try:
+            s = open_store(path, mode="r+")
+        except StoreError:
+            s = open_store(path)  # read-only location: compute without caching
+        result = store_stats(s, recompute=recompute)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps({"tokens": result.tokens,
+                               "layers": [vars(layer) for layer in result.layers]}, indent=2))
+        return
+    click.echo(f"{result.tokens:,} tokens")
+    click.echo(f"{'layer':>5} {'mean':>10} {'rms':>10} {'absmax':>10}  largest channels (rms)")
+    for layer in result.layers:
+        top = ", ".join(f"{c} ({r:.3g})" for c, r in
+                        zip(layer.outlier_channels[:4], layer.outlier_rms[:4], strict=True))
+        click.echo(f"{layer.layer_id:>5} {layer.mean:>10.4g} {layer.rms:>10.4g} "
+                   f"{layer.absmax:>10.4g}  {top}")
 
 
 def _human(n: float) -> str:

@@ -1,0 +1,60 @@
+"""Store statistics equal a direct computation over every sample, and are cached."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.cli import main
+from dflash.store_schema import create_store, open_store
+from dflash.store_schema.stats import STATS_KEY, store_stats
+from tests.store_schema.conftest import make_meta, random_sample
+
+
+@pytest.fixture
+def store(tmp_path, gen):
+    s = create_store(str(tmp_path / "hs.zarr"), make_meta(num_parts=2), shard_tokens=64)
+    for p in range(2):
+        w = s.part_writer(p, p * 10, p * 10 + 10)
+        for row in range(p * 10, p * 10 + 6):
+            sample = random_sample(30 + 17 * (row % 5), row, gen)
+            sample.context[:, 1, 7] *= 50  # an outlier channel in layer 1
+            w.append(sample)
+        w.finish()
+    return s
+
+
+def test_stats_match_a_direct_computation_over_all_samples(store):
+    x = torch.cat([s.context for p in store.parts() for s in p.iter_samples()]).double()
+    stats = store_stats(store)
+    assert stats.tokens == x.shape[0] == store.num_tokens
+    for i, layer in enumerate(stats.layers):
+        v = x[:, i]
+        assert layer.layer_id == store.meta.context_layer_ids[i]
+        assert layer.mean == pytest.approx(v.mean().item(), rel=1e-9)
+        assert layer.rms == pytest.approx(v.pow(2).mean().sqrt().item(), rel=1e-9)
+        assert layer.absmax == pytest.approx(v.abs().max().item())
+        channel_rms = v.pow(2).mean(0).sqrt().numpy()
+        assert layer.outlier_channels[0] == int(np.argmax(channel_rms))
+    assert stats.layers[1].outlier_channels[0] == 7
+
+
+def test_stats_are_cached_and_recomputed_when_the_token_count_changes(store):
+    first = store_stats(store)
+    cached = dict(store.root.attrs)[STATS_KEY]
+    cached["layers"][0]["rms"] = 123.0  # a marker only a cache read can return
+    store.root.attrs[STATS_KEY] = cached
+    assert store_stats(open_store(store.url)).layers[0].rms == 123.0
+    cached["tokens"] += 1  # as if the store had grown since
+    store.root.attrs[STATS_KEY] = cached
+    assert store_stats(open_store(store.url, mode="r+")) == first
+
+
+def test_stats_command_prints_each_layer(store):
+    result = CliRunner().invoke(main, ["store", "stats", store.url, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert [layer["layer_id"] for layer in doc["layers"]] == store.meta.context_layer_ids
+    assert doc["tokens"] == store.num_tokens
