@@ -1,0 +1,240 @@
+"""The decay-weighted block loss against a naive restatement of its formula."""
+
+import math
+
+import pytest
+import torch
+
+from dflash.blocks import BLOCK_SIZE, IGNORE_LABEL, BlockError
+from dflash.train.loss import (
+    DEFAULT_GAMMA,
+    LossConfig,
+    block_ce_loss,
+    block_kl_topk_loss,
+    decay_weights,
+    slot_weights,
+    topk_target_probs,
+)
+
+V = 23
+H = 6
+
+
+def _batch(seed: int, n: int = 4, block: int = BLOCK_SIZE, p_valid: float = 0.7):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, block, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    valid = torch.rand(n, block, generator=gen) < p_valid
+    valid[:, 0] = False
+    labels = torch.randint(0, V, (n, block), generator=gen)
+    labels[~valid] = IGNORE_LABEL
+    return hidden, weight, labels, valid
+
+
+def _naive_ce(logits, labels, valid, gamma):
+    num, den = 0.0, 0.0
+    n, block, _ = logits.shape
+    for i in range(n):
+        for k in range(1, block):
+            if not valid[i, k]:
+                continue
+            w = math.exp(-(k - 1) / gamma)
+            logp = torch.log_softmax(logits[i, k].double(), dim=-1)
+            num += w * -float(logp[labels[i, k]])
+            den += w
+    return num / den
+
+
+def test_project_default_gamma_is_ten():
+    assert DEFAULT_GAMMA == 10.0
+    assert LossConfig().gamma == 10.0 and LossConfig().kind == "ce"
+
+
+def test_decay_weights_follow_the_formula_and_skip_the_anchor():
+    for gamma in [1.0, 7.0, 10.0]:
+        w = decay_weights(BLOCK_SIZE, gamma)
+        assert w[0] == 0.0
+        for k in range(1, BLOCK_SIZE):
+            assert w[k].item() == pytest.approx(math.exp(-(k - 1) / gamma), rel=1e-6)
+    assert decay_weights()[1] == 1.0
+
+
+def test_slot_weights_zero_exactly_where_labels_are_invalid():
+    _, _, _, valid = _batch(0)
+    w = slot_weights(valid)
+    assert torch.equal(w > 0, valid)
+
+
+@pytest.mark.parametrize("gamma", [7.0, 10.0, 2.5])
+def test_ce_loss_matches_a_naive_loop(gamma):
+    hidden, weight, labels, valid = _batch(1)
+    logits = hidden @ weight.T
+    got = block_ce_loss(labels, valid, logits=logits, gamma=gamma)
+    assert got.item() == pytest.approx(_naive_ce(logits, labels, valid, gamma), rel=1e-6)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 10_000])
+def test_hidden_path_equals_logits_path_in_value_and_gradient(chunk_rows):
+    hidden, weight, labels, valid = _batch(2)
+    h1 = hidden.clone().requires_grad_()
+    h2 = hidden.clone().requires_grad_()
+    from_logits = block_ce_loss(labels, valid, logits=h1 @ weight.T)
+    from_hidden = block_ce_loss(
+        labels, valid, hidden=h2, lm_head_weight=weight, chunk_rows=chunk_rows
+    )
+    torch.testing.assert_close(from_hidden, from_logits)
+    from_logits.backward()
+    from_hidden.backward()
+    torch.testing.assert_close(h2.grad, h1.grad)
+
+
+def test_hidden_path_never_saves_full_logits_for_backward():
+    hidden, weight, labels, valid = _batch(3, n=8)
+    valid[:, 1:] = True
+    weight = torch.randn(2000, H, dtype=torch.float64)
+    labels = torch.randint(0, 2000, labels.shape)
+    rows = int(valid.sum())
+    saved: list[int] = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    h = hidden.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight, chunk_rows=16)
+    loss.backward()  # backward recomputes each chunk's logits
+    assert max(saved) < 16 * 2000 <= rows * 2000
+    assert h.grad is not None and h.grad.abs().sum() > 0
+
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block_ce_loss(labels, valid, logits=h @ weight.T)
+    assert max(saved) >= rows * 2000  # the check above would catch an unchunked path
+
+
+def test_slots_without_labels_get_no_gradient():
+    hidden, weight, labels, valid = _batch(4)
+    h = hidden.clone().requires_grad_()
+    block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight, chunk_rows=3).backward()
+    assert torch.all(h.grad[~valid] == 0)
+    assert torch.all(h.grad[valid].abs().sum(-1) > 0)
+
+
+def test_no_valid_slot_gives_an_attached_zero():
+    hidden, weight, labels, valid = _batch(5)
+    valid[:] = False
+    h = hidden.clone().requires_grad_()
+    loss = block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.all(h.grad == 0)
+
+
+def test_denominator_override_rescales_the_weighted_sum():
+    hidden, weight, labels, valid = _batch(6)
+    logits = hidden @ weight.T
+    local = block_ce_loss(labels, valid, logits=logits)
+    local_sum = float(slot_weights(valid).sum())
+    scaled = block_ce_loss(labels, valid, logits=logits, denominator=3 * local_sum)
+    assert scaled.item() == pytest.approx(local.item() / 3, rel=1e-9)
+
+
+def test_bf16_autocast_hidden_path_stays_close_to_fp32():
+    hidden, weight, labels, valid = _batch(7)
+    exact = block_ce_loss(labels, valid, logits=hidden @ weight.T).item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        approx = block_ce_loss(
+            labels, valid, hidden=hidden.float(), lm_head_weight=weight.float(), chunk_rows=8
+        )
+    assert approx.dtype == torch.float32
+    assert approx.item() == pytest.approx(exact, rel=0.05)
+
+
+def test_shape_mismatch_and_missing_lm_head_are_refused():
+    hidden, weight, labels, valid = _batch(8)
+    with pytest.raises(BlockError):
+        block_ce_loss(labels[:, :-1], valid, logits=hidden @ weight.T)
+    with pytest.raises(BlockError, match="lm_head_weight"):
+        block_ce_loss(labels, valid, hidden=hidden)
+    with pytest.raises(BlockError, match="exactly one"):
+        block_ce_loss(labels, valid)
+    with pytest.raises(BlockError):
+        LossConfig(kind="dpace")
+    with pytest.raises(BlockError):
+        LossConfig(gamma=0)
+
+
+# --- kl-topk (an option, never the default) -------------------------------------------
+
+
+def _soft_targets(seed: int, n: int, k: int, verifier_logits=None):
+    gen = torch.Generator().manual_seed(seed)
+    if verifier_logits is None:
+        verifier_logits = 3 * torch.randn(n, BLOCK_SIZE, V, generator=gen, dtype=torch.float64)
+    top = verifier_logits.topk(k, dim=-1)
+    lse = torch.logsumexp(verifier_logits, dim=-1)
+    return top.indices, top.values, lse
+
+
+def _naive_kl(logits, ids, tlogits, lse, valid, gamma):
+    num, den = 0.0, 0.0
+    for i in range(logits.shape[0]):
+        for k in range(1, logits.shape[1]):
+            if not valid[i, k]:
+                continue
+            w = math.exp(-(k - 1) / gamma)
+            logq = torch.log_softmax(logits[i, k].double(), dim=-1)
+            slot = 0.0
+            for j in range(ids.shape[-1]):
+                p = math.exp(float(tlogits[i, k, j] - lse[i, k]))
+                slot += p * (math.log(p) - float(logq[ids[i, k, j]]))
+            num += w * slot
+            den += w
+    return num / den
+
+
+def test_topk_probs_are_softmax_probabilities():
+    ids, tlogits, lse = _soft_targets(9, 2, V)
+    probs = topk_target_probs(tlogits, lse)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, BLOCK_SIZE), rtol=0, atol=1e-5)
+
+
+def test_kl_topk_matches_a_naive_loop_and_ignores_mass_outside_topk():
+    hidden, weight, _, valid = _batch(10)
+    logits = hidden @ weight.T
+    ids, tlogits, lse = _soft_targets(11, hidden.shape[0], 4)
+    got = block_kl_topk_loss(ids, tlogits, lse, valid, logits=logits, gamma=7.0)
+    assert got.item() == pytest.approx(_naive_kl(logits, ids, tlogits, lse, valid, 7.0), rel=1e-5)
+
+
+def test_kl_topk_is_zero_when_the_drafter_reproduces_the_verifier():
+    hidden, weight, _, valid = _batch(12)
+    logits = hidden @ weight.T
+    ids, tlogits, lse = _soft_targets(0, hidden.shape[0], V, verifier_logits=logits.clone())
+    loss = block_kl_topk_loss(ids, tlogits, lse, valid, logits=logits)
+    assert abs(loss.item()) < 1e-6
+
+
+def test_kl_topk_hidden_path_equals_logits_path():
+    hidden, weight, _, valid = _batch(13)
+    ids, tlogits, lse = _soft_targets(14, hidden.shape[0], 5)
+    h1 = hidden.clone().requires_grad_()
+    h2 = hidden.clone().requires_grad_()
+    a = block_kl_topk_loss(ids, tlogits, lse, valid, logits=h1 @ weight.T)
+    b = block_kl_topk_loss(ids, tlogits, lse, valid, hidden=h2, lm_head_weight=weight, chunk_rows=3)
+    torch.testing.assert_close(b, a)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(h2.grad, h1.grad)
+
+
+def test_kl_topk_with_one_hot_target_equals_hard_ce():
+    hidden, weight, labels, valid = _batch(15)
+    logits = hidden @ weight.T
+    ids = labels.clamp(min=0).unsqueeze(-1)  # top-1 only, all mass on the label
+    tlogits = torch.zeros(ids.shape, dtype=torch.float64)
+    lse = torch.zeros(labels.shape, dtype=torch.float64)
+    soft = block_kl_topk_loss(ids, tlogits, lse, valid, logits=logits)
+    hard = block_ce_loss(labels, valid, logits=logits)
+    torch.testing.assert_close(soft, hard)
