@@ -1,0 +1,68 @@
+"""Tiny drafters built in-process: hidden 64, 4 q heads / 2 kv heads of 16, vocab 100."""
+
+import pytest
+import torch
+
+from dflash.drafter import DFlashDrafter, DrafterConfig, build_block_ids
+
+VOCAB = 100
+HIDDEN = 64
+MASK_ID = 99
+N_FEATURES = 3
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    fields = dict(
+        hidden_size=HIDDEN,
+        vocab_size=VOCAB,
+        intermediate_size=128,
+        target_layer_ids=[1, 3, 5],
+        num_target_layers=8,
+        mask_token_id=MASK_ID,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        block_size=4,
+    )
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
+def tiny_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
+    """A randomly initialised tiny drafter with its borrowed head attached, in eval mode."""
+    torch.manual_seed(seed)
+    config = tiny_config(**overrides)
+    embed = torch.randn(VOCAB, HIDDEN)
+    head = torch.randn(VOCAB, HIDDEN) / HIDDEN**0.5
+    # std 0.2 (not the 0.02 training init) so attention is far from uniform and every
+    # visibility change moves the logits well above float32 noise.
+    model = DFlashDrafter(config, embed_tokens=embed, lm_head=head)
+    model.reset_parameters(std=0.2)
+    return model.eval()
+
+
+def random_batch(model: DFlashDrafter, seed: int, n: int = 2, t: int = 24, k: int = 4,
+                 lengths: list[int] | None = None):
+    """Context features, valid lengths, block ids and anchors for n sequences of k blocks.
+
+    Anchors are distinct and drawn from 1 .. length-1 of each sequence.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    lengths = lengths or [t] * n
+    features = torch.randn(n, t, cfg.num_context_features, cfg.hidden_size, generator=gen)
+    tokens = torch.randint(0, VOCAB - 1, (n, t), generator=gen)
+    anchors = torch.stack([
+        1 + torch.randperm(length - 1, generator=gen)[:k] for length in lengths
+    ])
+    ids = build_block_ids(torch.gather(tokens, 1, anchors), cfg.mask_token_id, cfg.block_size)
+    return features, torch.tensor(lengths), ids, anchors
+
+
+@pytest.fixture
+def model() -> DFlashDrafter:
+    return tiny_drafter()

@@ -1,0 +1,93 @@
+"""Block positions and the attention masks, checked against the rules written out longhand."""
+
+import itertools
+
+import pytest
+import torch
+
+from dflash.drafter import BlockLayout, block_positions, dense_mask, flex_block_mask
+
+B = 4
+RULES = list(itertools.product([False, True], [None, 3, 6]))  # (causal, window)
+
+
+def _layout(seed: int) -> BlockLayout:
+    gen = torch.Generator().manual_seed(seed)
+    t, k = 10, 3
+    lengths = torch.tensor([10, 7])
+    anchors = torch.stack([torch.randperm(int(n) + 1, generator=gen)[:k] for n in lengths])
+    return BlockLayout.build(anchors, lengths, t, B)
+
+
+def _expected_mask(layout: BlockLayout, causal: bool, window: int | None) -> torch.Tensor:
+    """The visibility rule, one (query, key) pair at a time."""
+    n, k = layout.anchors.shape
+    t = layout.context_len
+    out = torch.zeros(n, k * B, t + k * B, dtype=torch.bool)
+    for s, blk, slot in itertools.product(range(n), range(k), range(B)):
+        a = int(layout.anchors[s, blk])
+        q_pos = a + slot
+        for j in range(t):  # context keys: strictly before the anchor, inside the valid length
+            ok = j < a and j < int(layout.context_lengths[s])
+            if window is not None:
+                ok = ok and q_pos - j < window
+            out[s, blk * B + slot, j] = ok
+        for other in range(B):  # own block only; other blocks never
+            k_pos = a + other
+            ok = not causal or other <= slot
+            if window is not None:
+                ok = ok and abs(q_pos - k_pos) < window
+            out[s, blk * B + slot, t + blk * B + other] = ok
+    return out
+
+
+def test_block_positions_are_anchor_to_anchor_plus_b_minus_1():
+    anchors = torch.tensor([[0, 7, 31], [5, 2, 100]])
+    got = block_positions(anchors, 16)
+    for s, blk in itertools.product(range(2), range(3)):
+        a = int(anchors[s, blk])
+        assert got[s, blk].tolist() == list(range(a, a + 16))
+
+
+def test_layout_query_and_key_positions_follow_the_key_order():
+    layout = BlockLayout.build(torch.tensor([[3, 8]]), torch.tensor([10]), 10, B)
+    assert layout.query_positions().tolist() == [[3, 4, 5, 6, 8, 9, 10, 11]]
+    assert layout.key_positions().tolist() == [list(range(10)) + [3, 4, 5, 6, 8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("causal, window", RULES)
+def test_dense_mask_matches_the_rule_written_out(causal, window):
+    for seed in range(3):
+        layout = _layout(seed)
+        got = dense_mask(layout, causal, window)
+        assert got.shape == (2, 1, 3 * B, 10 + 3 * B)
+        assert torch.equal(got[:, 0], _expected_mask(layout, causal, window))
+
+
+@pytest.mark.parametrize("causal, window", RULES)
+def test_flex_mask_mod_matches_dense_mask(causal, window):
+    layout = _layout(seed=1)
+    block_mask = flex_block_mask(layout, causal, window)
+    n, q, kv = 2, layout.num_queries, layout.num_keys
+    got = block_mask.mask_mod(
+        torch.arange(n)[:, None, None], torch.zeros(()), torch.arange(q)[None, :, None],
+        torch.arange(kv)[None, None, :],
+    )
+    assert torch.equal(got, dense_mask(layout, causal, window)[:, 0])
+
+
+def test_block_never_sees_its_anchor_position_but_sees_the_one_before():
+    layout = BlockLayout.build(torch.tensor([[5, 9]]), torch.tensor([12]), 12, B)
+    mask = dense_mask(layout, causal=False, window=None)[0, 0]
+    for blk, a in enumerate((5, 9)):
+        rows = mask[blk * B:(blk + 1) * B]
+        assert not rows[:, a:12].any(), "context at or after the anchor leaked"
+        assert rows[:, :a].all(), "context before the anchor hidden"
+
+
+def test_every_query_sees_at_least_itself():
+    # A fully masked row would make softmax NaN; the block's own slot is always visible.
+    for causal, window in RULES:
+        layout = BlockLayout.build(torch.tensor([[0, 0]]), torch.tensor([0]), 3, B)
+        mask = dense_mask(layout, causal, window)[0, 0]
+        assert mask[torch.arange(2 * B), 3 + torch.arange(2 * B)].all()

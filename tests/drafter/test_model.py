@@ -1,0 +1,318 @@
+"""The drafter forward: visibility properties, positions, flex = dense, train = live."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dflash.drafter.masks as masks
+from dflash.drafter import ContextCache, DrafterError
+
+from .conftest import MASK_ID, VOCAB, random_batch, tiny_drafter
+
+# float32 forward of a 2-layer width-64 model: reordering the same sums (SDPA vs flex vs a
+# shorter key list) moves logits by ~1e-6; any visibility change moves them by > 1e-2.
+SAME = dict(atol=2e-5, rtol=1e-5)
+CHANGED = 1e-3
+
+
+def _logits(model, features, lengths, ids, anchors, attention="dense"):
+    with torch.no_grad():
+        return model.forward_logits(features, lengths, ids, anchors, attention=attention)
+
+
+def _max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_and_dense_paths_give_same_logits():
+    # CPU runs flex_attention eagerly (forward only): same logits as the dense SDPA path.
+    for seed, overrides in enumerate([{}, {"is_causal": True}, {"sliding_window": 3}]):
+        model = tiny_drafter(seed, **overrides)
+        batch = random_batch(model, seed, lengths=[24, 17])
+        dense = _logits(model, *batch, attention="dense")
+        flex = _logits(model, *batch, attention="flex")
+        torch.testing.assert_close(flex, dense, **SAME)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for compiled flex")
+def test_flex_matches_dense_on_cuda_with_gradients():
+    model = tiny_drafter(0).cuda().train()
+    batch = [t.cuda() for t in random_batch(model, 0, lengths=[24, 17])]
+    grads = {}
+    for attention in ("dense", "flex"):
+        model.zero_grad()
+        logits = model.forward_logits(*batch, attention=attention)
+        logits.float().square().mean().backward()
+        grads[attention] = (logits.detach(), model.fc.weight.grad.clone())
+    torch.testing.assert_close(grads["flex"][0], grads["dense"][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grads["flex"][1], grads["dense"][1], atol=1e-4, rtol=1e-3)
+
+
+def test_context_at_or_after_the_anchor_never_reaches_the_block():
+    for seed in range(8):
+        model = tiny_drafter(seed)
+        features, lengths, ids, anchors = random_batch(model, seed)
+        base = _logits(model, features, lengths, ids, anchors)
+        gen = torch.Generator().manual_seed(100 + seed)
+        s, blk = seed % 2, int(torch.randint(0, 4, (), generator=gen))
+        a = int(anchors[s, blk])
+        j = int(torch.randint(a, 24, (), generator=gen))
+        changed = features.clone()
+        changed[s, j] += 3 * torch.randn(changed[s, j].shape, generator=gen)
+        after = _logits(model, changed, lengths, ids, anchors)
+        torch.testing.assert_close(after[s, blk], base[s, blk], **SAME)
+        # Blocks with a later anchor see position j and must move: the change was real.
+        later = [b for b in range(4) if int(anchors[s, b]) > j]
+        for b in later:
+            assert _max_diff(after[s, b], base[s, b]) > CHANGED
+
+
+def test_context_before_the_anchor_reaches_the_block():
+    for seed in range(8):
+        model = tiny_drafter(seed)
+        features, lengths, ids, anchors = random_batch(model, seed)
+        base = _logits(model, features, lengths, ids, anchors)
+        gen = torch.Generator().manual_seed(200 + seed)
+        s, blk = seed % 2, int(torch.randint(0, 4, (), generator=gen))
+        a = int(anchors[s, blk])
+        j = int(torch.randint(0, a, (), generator=gen))  # anchors are >= 1
+        changed = features.clone()
+        changed[s, j] += 3 * torch.randn(changed[s, j].shape, generator=gen)
+        after = _logits(model, changed, lengths, ids, anchors)
+        assert _max_diff(after[s, blk], base[s, blk]) > CHANGED
+
+
+def test_blocks_never_see_each_other():
+    for seed in range(8):
+        model = tiny_drafter(seed)
+        features, lengths, ids, anchors = random_batch(model, seed)
+        base = _logits(model, features, lengths, ids, anchors)
+        gen = torch.Generator().manual_seed(300 + seed)
+        s, blk = seed % 2, int(torch.randint(0, 4, (), generator=gen))
+        other = (blk + 1 + int(torch.randint(0, 3, (), generator=gen))) % 4
+        changed = ids.clone()
+        changed[s, other] = torch.randint(0, VOCAB - 1, (model.config.block_size,), generator=gen)
+        after = _logits(model, features, lengths, changed, anchors)
+        for b in range(4):
+            if b != other:
+                torch.testing.assert_close(after[s, b], base[s, b], **SAME)
+        assert _max_diff(after[s, other], base[s, other]) > CHANGED
+
+
+def test_padding_context_is_invisible():
+    model = tiny_drafter(0)
+    features, lengths, ids, anchors = random_batch(model, 0, lengths=[24, 12])
+    anchors[1] = torch.tensor([11, 12, 12, 12])  # anchors at or past the valid length
+    base = _logits(model, features, lengths, ids, anchors)
+    changed = features.clone()
+    changed[1, 12:] = torch.randn_like(changed[1, 12:])
+    torch.testing.assert_close(_logits(model, changed, lengths, ids, anchors), base, **SAME)
+
+
+def test_training_forward_matches_live_forward_on_every_block():
+    for seed, overrides in enumerate([{}, {"sliding_window": 3}, {"is_causal": False}]):
+        model = tiny_drafter(seed, **overrides)
+        features, lengths, ids, anchors = random_batch(model, seed, lengths=[24, 15])
+        train = model(features, lengths, ids, anchors).detach()
+        for s in range(2):
+            for blk in range(4):
+                a = int(anchors[s, blk])
+                cache = ContextCache()
+                # Feed the context the way live decoding does: in uneven committed chunks.
+                for start in range(0, a, 3):
+                    model.extend_context(cache, features[s:s + 1, start:min(a, start + 3)])
+                assert cache.length == a
+                live = model.draft_block(cache, ids[s:s + 1, blk])
+                torch.testing.assert_close(live[0], train[s, blk], **SAME)
+
+
+def _block_logits_after_changing_slot(model, slot):
+    features, lengths, ids, anchors = random_batch(model, 5)
+    base = _logits(model, features, lengths, ids, anchors)
+    changed = ids.clone()
+    changed[:, :, slot] = (changed[:, :, slot] + 7) % (VOCAB - 1)
+    return base, _logits(model, features, lengths, changed, anchors)
+
+
+def test_sliding_layers_are_causal_within_the_block():
+    model = tiny_drafter(1, layer_types=["sliding_attention"] * 2, sliding_window=64)
+    base, after = _block_logits_after_changing_slot(model, slot=2)
+    torch.testing.assert_close(after[:, :, :2], base[:, :, :2], **SAME)
+    assert _max_diff(after[:, :, 2:], base[:, :, 2:]) > CHANGED
+
+
+def test_full_layers_are_bidirectional_within_the_block():
+    model = tiny_drafter(1, layer_types=["full_attention"] * 2, sliding_window=None)
+    base, after = _block_logits_after_changing_slot(model, slot=2)
+    for slot in range(2):
+        assert _max_diff(after[:, :, slot], base[:, :, slot]) > CHANGED
+
+
+def test_sliding_window_limits_each_slot_context():
+    # One sliding layer, window 6, block at a = 12: slot i sees context j > 12 + i - 6.
+    model = tiny_drafter(2, num_hidden_layers=1, layer_types=["sliding_attention"],
+                         sliding_window=6)
+    features, lengths, ids, _ = random_batch(model, 2, n=1, k=1)
+    anchors = torch.tensor([[12]])
+    base = _logits(model, features, lengths, ids, anchors)
+    for j, slots_that_see_it in ((6, []), (7, [0]), (9, [0, 1, 2])):
+        changed = features.clone()
+        changed[0, j] += 3.0
+        after = _logits(model, changed, lengths, ids, anchors)
+        for slot in range(4):
+            moved = _max_diff(after[0, 0, slot], base[0, 0, slot])
+            assert (moved > CHANGED) == (slot in slots_that_see_it), (j, slot, moved)
+
+
+def _rms(x, weight, eps):
+    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rotate(x, positions, theta):
+    """RoPE on pairs (x_m, x_{m + d/2}) at angle pos * theta^(-2m/d), written out."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / x.shape[-1])
+    angle = positions.double()[:, None, None] * freq
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()],
+                     dim=-1)
+
+
+def _reference_block_hidden(model, features, ids, a):
+    """One block at anchor a, float64, from the DFlash description (REFERENCE.md 1) only:
+    the context it is given is features[:a], attention is computed query by query."""
+    cfg = model.config
+    w = {k: v.double() for k, v in model.state_dict().items()}
+    eps, d, b = cfg.rms_norm_eps, cfg.head_dim, cfg.block_size
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    ctx = _rms(features[:a].flatten(1).double() @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    x = model.target_embed_tokens[ids].double()
+    positions = torch.cat([torch.arange(a), a + torch.arange(b)])
+    for layer in range(cfg.num_hidden_layers):
+        def p(name, layer=layer):
+            return w[f"layers.{layer}.{name}.weight"]
+
+        h = _rms(x, p("input_layernorm"), eps)
+        q = _rms((h @ p("self_attn.q_proj").T).view(b, heads, d), p("self_attn.q_norm"), eps)
+        q = _rotate(q, positions[a:], cfg.rope_theta)
+        kv_in = torch.cat([ctx, h])
+        k = _rms((kv_in @ p("self_attn.k_proj").T).view(-1, kv_heads, d),
+                 p("self_attn.k_norm"), eps)
+        k = _rotate(k, positions, cfg.rope_theta)
+        v = (kv_in @ p("self_attn.v_proj").T).view(-1, kv_heads, d)
+        causal, window = cfg.layer_is_causal(layer), cfg.layer_window(layer)
+        out = torch.zeros(b, heads, d, dtype=torch.float64)
+        for i in range(b):
+            q_pos = a + i
+            keys = []
+            for m, k_pos in enumerate(positions.tolist()):
+                in_block = m >= a
+                if in_block and causal and k_pos > q_pos:
+                    continue
+                if window is not None and abs(q_pos - k_pos) >= window:
+                    continue
+                keys.append(m)
+            for head in range(heads):
+                group = head // (heads // kv_heads)
+                scores = k[keys, group] @ q[i, head] / math.sqrt(d)
+                out[i, head] = torch.softmax(scores, 0) @ v[keys, group]
+        x = x + out.flatten(1) @ p("self_attn.o_proj").T
+        h = _rms(x, p("post_attention_layernorm"), eps)
+        x = x + (F.silu(h @ p("mlp.gate_proj").T) * (h @ p("mlp.up_proj").T)) @ p(
+            "mlp.down_proj").T
+    return _rms(x, w["norm.weight"], eps)
+
+
+def _forward_vs_reference(model):
+    features, lengths, ids, anchors = random_batch(model, 3)
+    with torch.no_grad():
+        hidden = model(features, lengths, ids, anchors)
+    return max(
+        _max_diff(hidden[s, blk].double(),
+                  _reference_block_hidden(model, features[s], ids[s, blk], int(anchors[s, blk])))
+        for s in range(2) for blk in range(4)
+    )
+
+
+def test_forward_matches_a_longhand_reference():
+    model = tiny_drafter(4, sliding_window=5)
+    assert _forward_vs_reference(model) < 1e-4
+
+
+def test_block_positions_off_by_one_is_caught(monkeypatch):
+    # Rule 3 of DESIGN.md: positions a..a+B-1. Shift them to a+1..a+B and the same
+    # comparison must fail, so the test above really pins the positions.
+    model = tiny_drafter(4, sliding_window=5)
+    monkeypatch.setattr(
+        masks, "block_positions",
+        lambda anchors, b: anchors.unsqueeze(-1) + 1 + torch.arange(b, device=anchors.device),
+    )
+    assert _forward_vs_reference(model) > CHANGED
+
+
+def test_matches_transformers_qwen3_when_the_block_has_no_context():
+    # Anchor 0 sees no context; with causal full layers the drafter is then a plain Qwen3
+    # decoder stack over the block, so HF's Qwen3Model must agree, with our weight names.
+    from transformers import Qwen3Config, Qwen3Model
+
+    model = tiny_drafter(6, layer_types=["full_attention"] * 2, sliding_window=None,
+                         is_causal=True)
+    cfg = model.config
+    hf = Qwen3Model(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=64,
+        attn_implementation="eager",
+    )).eval()
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith(("fc.", "hidden_"))}
+    hf.load_state_dict({**state, "embed_tokens.weight": model.target_embed_tokens}, strict=True)
+    features, lengths, ids, _ = random_batch(model, 6, n=1, k=1)
+    with torch.no_grad():
+        ours = model(features, lengths, ids, torch.tensor([[0]]))[0, 0]
+        theirs = hf(input_ids=ids[0], position_ids=torch.arange(4)[None]).last_hidden_state[0]
+    torch.testing.assert_close(ours, theirs, **SAME)
+
+
+def test_borrowed_head_is_frozen_and_not_in_state_dict(model):
+    names = {name for name, _ in model.named_parameters()}
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert not any("embed" in k or "lm_head" in k for k in model.state_dict())
+    assert model.target_embed_tokens is not None and not model.target_embed_tokens.requires_grad
+
+
+def test_training_forward_backpropagates_into_every_parameter(model):
+    features, lengths, ids, anchors = random_batch(model, 0)
+    model.train()
+    model.forward_logits(features, lengths, ids, anchors).square().mean().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_logits_can_be_applied_in_chunks(model):
+    features, lengths, ids, anchors = random_batch(model, 0)
+    with torch.no_grad():
+        hidden = model(features, lengths, ids, anchors)
+    whole = model.logits(hidden)
+    chunked = torch.cat([model.logits(part) for part in hidden.split(1, dim=1)], dim=1)
+    assert whole.shape == (2, 4, 4, VOCAB)
+    torch.testing.assert_close(chunked, whole, **SAME)
+
+
+def test_wrong_inputs_name_what_is_wrong(model):
+    features, lengths, ids, anchors = random_batch(model, 0)
+    with pytest.raises(DrafterError, match="context features"):
+        model(features[..., :2, :], lengths, ids, anchors)
+    with pytest.raises(DrafterError, match="block_size"):
+        model(features, lengths, ids[..., :3], anchors)
+    with pytest.raises(DrafterError, match="anchors shape"):
+        model(features, lengths, ids, anchors[:, :2])
+    bare = tiny_drafter(0)
+    bare.target_embed_tokens = None
+    with pytest.raises(DrafterError, match="attach_target_head"):
+        bare(features, lengths, ids, anchors)
+    with pytest.raises(DrafterError, match="lm_head"):
+        bare.attach_target_head(torch.zeros(VOCAB, 64), torch.zeros(VOCAB, 63))
+    assert MASK_ID == model.config.mask_token_id
