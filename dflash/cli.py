@@ -4,6 +4,7 @@ import click
 
 from dflash import __version__
 from dflash.store_schema.command import store
+from dflash.train.command import train_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -16,3 +17,4 @@ def main() -> None:
 
 
 main.add_command(store)
+main.add_command(train_command)

@@ -76,12 +76,15 @@ class Part:
     def sample_lengths(self) -> np.ndarray:
         return np.diff(self.offsets())
 
-    def read_tokens(self, start: int, stop: int) -> dict[str, np.ndarray]:
-        """Stored arrays of tokens [start, stop), all within the committed range."""
+    def read_tokens(
+        self, start: int, stop: int, names: tuple[str, ...] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Stored arrays (all, or `names`) of tokens [start, stop) within the committed range."""
         if not 0 <= start <= stop <= self.num_tokens:
             raise StoreError(f"part {self.index}: tokens [{start}, {stop}) outside the "
                              f"{self.num_tokens} committed")
-        return {a.name: self.array(a.name)[start:stop] for a in TOKEN_ARRAYS}
+        names = names or tuple(a.name for a in TOKEN_ARRAYS)
+        return {name: self.array(name)[start:stop] for name in names}
 
     def sample(self, i: int) -> Sample:
         if not 0 <= i < self.num_samples:

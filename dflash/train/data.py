@@ -2,11 +2,12 @@
 
 The order of an epoch is a PLAN computed from sample lengths alone (the stores' offsets, a few
 bytes per sample): parts are opened lazily a window at a time, their read units (runs of
-samples about one shard long) shuffled across the window and dealt to ranks, and samples then
-drawn at random from a buffer bounded in tokens. Because the plan never looks at hidden
-states, resuming at batch N replays the plan without reading data, and every rank can compute
-its share without talking to the others. Data is read per sample; the sharded context array
-makes that a read of only the inner chunks the sample covers.
+samples about one shard long) shuffled across the window, and samples then drawn at random
+from a buffer bounded in tokens into GLOBAL batches. Rank r of W takes samples r, r+W, ... of
+each global batch, so a run on W ranks sees exactly the batches of a run on one. Because the
+plan never looks at hidden states, resuming at batch N replays it without reading data, and
+every rank computes it without talking to the others. Data is read per sample; the sharded
+context array makes that a read of only the inner chunks the sample covers.
 
 Never touches labels or noise: a batch carries the stored arrays as they are.
 """
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from dflash.store_schema import Part, Sample, Store, StoreError, open_store
+from dflash.store_schema.sample import sample_from_arrays
 
 
 @dataclass
@@ -27,8 +29,8 @@ class LoaderConfig:
     """How the store is streamed into batches."""
 
     batch_tokens: int = 16384
-    """Padded tokens per batch (batch size x longest sample) at most; one longer sample
-    still forms a batch of its own."""
+    """Padded tokens per GLOBAL batch (samples x longest sample) at most, summed over ranks;
+    one longer sample still forms a batch of its own."""
     shuffle_buffer_tokens: int = 65536
     """Tokens held for shuffling samples; bounds the loader's memory with batch_tokens."""
     part_window: int = 8
@@ -49,6 +51,8 @@ class SampleRef:
     part: int
     index: int
     length: int
+    unit: tuple[int, int] = (0, 0)
+    """The read unit [first, last + 1) of samples it is read with."""
 
 
 @dataclass
@@ -83,15 +87,14 @@ def _read_units(lengths: np.ndarray, unit_tokens: int) -> list[tuple[int, int]]:
 
 
 def plan_epoch(
-    parts: list[tuple[int, Part]], cfg: LoaderConfig, epoch: int, rank: int = 0, world: int = 1
+    parts: list[tuple[int, Part]], cfg: LoaderConfig, epoch: int
 ) -> Iterator[list[SampleRef]]:
-    """The batches of one epoch for `rank` of `world`, from sample lengths only."""
+    """The global batches of one epoch, from sample lengths only."""
     rng = np.random.default_rng([cfg.seed, epoch])
     order = rng.permutation(len(parts))
     buffer: list[SampleRef] = []
     buffered = 0
     batch: list[SampleRef] = []
-    dealt = 0  # read units dealt so far, across windows: unit k goes to rank k % world
     for w in range(0, len(order), cfg.part_window):
         units = []
         for store_i, part in (parts[i] for i in order[w : w + cfg.part_window]):
@@ -99,13 +102,9 @@ def plan_epoch(
             if cfg.max_length:
                 lengths = np.minimum(lengths, cfg.max_length)
             for a, b in _read_units(lengths, part.store.shard_tokens):
-                units.append([SampleRef(store_i, part.index, s, int(lengths[s]))
+                units.append([SampleRef(store_i, part.index, s, int(lengths[s]), (a, b))
                               for s in range(a, b)])
         for u in rng.permutation(len(units)):
-            mine = dealt % world == rank
-            dealt += 1
-            if not mine:
-                continue
             for ref in units[u]:
                 buffer.append(ref)
                 buffered += ref.length
@@ -157,13 +156,6 @@ def collate(samples: list[Sample], refs: list[SampleRef]) -> Batch:
     return out
 
 
-def _truncate(s: Sample, length: int) -> Sample:
-    if len(s) <= length:
-        return s
-    return Sample(s.input_ids[:length], s.loss_mask[:length], s.context[:length],
-                  s.topk_ids[:length], s.topk_logits[:length], s.lse[:length], s.source_row)
-
-
 class StoreLoader:
     """Batches of one epoch at a time from one or more stores, read ahead in a thread."""
 
@@ -180,22 +172,69 @@ class StoreLoader:
             raise StoreError(f"no complete part in {urls}: finish extraction first")
 
     def plan(self, epoch: int) -> Iterator[list[SampleRef]]:
-        return plan_epoch(self.parts, self.cfg, epoch, self.rank, self.world)
+        """This rank's share of each global batch (possibly empty when W > batch size)."""
+        for batch in plan_epoch(self.parts, self.cfg, epoch):
+            yield batch[self.rank :: self.world]
 
-    def _load(self, refs: list[SampleRef]) -> Batch:
-        by_key = {(i, p.index): p for i, p in self.parts}
-        samples = [by_key[(r.store, r.part)].sample(r.index) for r in refs]
-        if self.cfg.max_length:
-            samples = [_truncate(s, self.cfg.max_length) for s in samples]
-        return collate(samples, refs)
+    def batches_per_epoch(self, epoch: int = 0) -> int:
+        return sum(1 for _ in plan_epoch(self.parts, self.cfg, epoch))
 
-    def epoch(self, epoch: int, skip_batches: int = 0) -> Iterator[Batch]:
-        """Batches of `epoch`, starting after `skip_batches` (resume: no data is read for them)."""
+    def epoch(self, epoch: int, skip_batches: int = 0) -> Iterator[Batch | None]:
+        """Batches of `epoch`, starting after `skip_batches` (resume: no data is read for them).
+
+        None stands for a global batch with no sample for this rank (it must still step)."""
         plan = self.plan(epoch)
+        reader = _UnitReader({(i, p.index): p for i, p in self.parts}, self.cfg.max_length)
         for _ in range(skip_batches):
-            if next(plan, None) is None:
+            refs = next(plan, None)
+            if refs is None:
                 return
-        yield from _prefetch(map(self._load, plan), self.cfg.prefetch_batches)
+            reader.skip(refs)
+        yield from _prefetch(map(reader.load, plan), self.cfg.prefetch_batches)
+
+
+_SMALL_ARRAYS = ("input_ids", "loss_mask", "verifier_topk_ids", "verifier_topk_logits",
+                 "verifier_lse")
+
+
+class _UnitReader:
+    """Reads the small per-token arrays a read unit at a time (one request per array instead of
+    one per sample) and each sample's context on its own. A unit's small arrays are dropped as
+    soon as its last sample has been served, so they cost ~137 bytes per token in flight."""
+
+    def __init__(self, parts: dict[tuple[int, int], Part], max_length: int | None):
+        self.parts = parts
+        self.max_length = max_length
+        self.open: dict[tuple, tuple[int, dict[str, np.ndarray]]] = {}
+        self.served: dict[tuple, int] = {}
+
+    def skip(self, refs: list[SampleRef]) -> None:
+        for r in refs:
+            key = (r.store, r.part, r.unit)
+            self.served[key] = self.served.get(key, 0) + 1
+
+    def _sample(self, r: SampleRef) -> Sample:
+        part = self.parts[(r.store, r.part)]
+        key = (r.store, r.part, r.unit)
+        offsets = part.offsets()
+        if key not in self.open:
+            start, stop = int(offsets[r.unit[0]]), int(offsets[r.unit[1]])
+            self.open[key] = (start, part.read_tokens(start, stop, _SMALL_ARRAYS))
+        base, small = self.open[key]
+        t0, t1 = int(offsets[r.index]), int(offsets[r.index + 1])
+        if self.max_length:
+            t1 = min(t1, t0 + self.max_length)
+        arrays = {k: v[t0 - base : t1 - base] for k, v in small.items()}
+        arrays["context"] = part.array("context")[t0:t1]
+        self.served[key] = self.served.get(key, 0) + 1
+        if self.served[key] == r.unit[1] - r.unit[0]:
+            del self.open[key], self.served[key]
+        return sample_from_arrays(arrays, part.store.meta.hidden_dtype, part.sources()[r.index])
+
+    def load(self, refs: list[SampleRef]) -> Batch | None:
+        if not refs:
+            return None
+        return collate([self._sample(r) for r in refs], refs)
 
 
 def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:

@@ -1,0 +1,140 @@
+"""Training checkpoints: written whole or not at all, resumed exactly.
+
+A checkpoint is a directory `checkpoints/step_00000100/` holding
+  drafter/          the drafter in the serving format (dflash export copies it),
+  trainer.pt        optimiser, scheduler, step / epoch / batch position, RNG states,
+  provenance.json   the store's provenance it was trained on (checked on resume and eval),
+  config.toml       the resolved training config,
+  COMPLETE          written last; a directory without it is never trusted.
+It is assembled under a temporary name and renamed into place, so a crash mid-save leaves the
+previous checkpoint as the latest one.
+"""
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.drafter import DRAFTER_SUBDIR, save_drafter
+from dflash.store_schema import StoreMeta
+from dflash.train.errors import TrainError
+
+COMPLETE = "COMPLETE"
+PROVENANCE = "provenance.json"
+TRAINER_STATE = "trainer.pt"
+CONFIG = "config.toml"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class TrainState:
+    """Where the run is: resume continues from exactly here."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens_seen: int = 0
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    state: TrainState,
+    provenance: StoreMeta,
+    config_toml: str,
+    keep: int = 3,
+) -> Path:
+    """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest."""
+    final = checkpoint_dir(run_dir, state.step)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_drafter(model, tmp / DRAFTER_SUBDIR)
+    torch.save({
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "state": asdict(state),
+        "torch_rng": torch.get_rng_state(),
+    }, tmp / TRAINER_STATE)
+    (tmp / PROVENANCE).write_text(json.dumps(provenance.to_dict(), indent=2))
+    (tmp / CONFIG).write_text(config_toml)
+    (tmp / COMPLETE).write_text(f"step {state.step}\n")
+    _fsync_tree(tmp)
+    if final.exists():  # the same step saved again (e.g. resumed exactly at it)
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def read_provenance(path: str | Path) -> StoreMeta | None:
+    """The store provenance a checkpoint was trained on, or None for a bare drafter dir."""
+    file = Path(path) / PROVENANCE
+    if not file.is_file():
+        return None
+    return StoreMeta.from_dict(json.loads(file.read_text()))
+
+
+def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, where: str) -> None:
+    """Refuse a store made from another target or layer set than the checkpoint's."""
+    keys = ("target.name_or_path", "target.model_type", "target.num_hidden_layers",
+            "target.hidden_size", "target.vocab_size", "target.config_sha256",
+            "context_layer_ids", "hidden_dtype", "tokenizer.sha256")
+    diffs = [d for d in checkpoint.mismatches(store) if d.split(":")[0] in keys]
+    if diffs:
+        raise TrainError(
+            f"{where} was trained on a store of another target or layer set than {store_url} "
+            "(checkpoint != store):\n  " + "\n  ".join(diffs))
+
+
+def load_trainer_state(path: str | Path, optimizer, scheduler) -> TrainState:
+    """Restore optimiser, scheduler and RNG from a checkpoint; returns the run position."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise TrainError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    blob = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    return TrainState(**blob["state"])
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,263 @@
+"""The training loop: store -> batches -> blocks -> noised fc input -> drafter -> loss -> step.
+
+Reads top to bottom: set up (distributed, device, data, drafter, optimiser, resume), then one
+loop over epochs and batches, logging and checkpointing as it goes. Everything random is keyed
+by (seed, epoch, sample) or (seed, step), so a resumed run continues bit-for-bit.
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dflash.blocks import draft_topk
+from dflash.drafter import DFlashDrafter, DrafterConfig, load_drafter
+from dflash.evaluate.metrics import AcceptanceStats
+from dflash.store_schema import Store, StoreError
+from dflash.store_schema.stats import store_stats
+from dflash.train.checkpoint import (
+    TrainState,
+    check_provenance,
+    latest_checkpoint,
+    load_trainer_state,
+    read_provenance,
+    save_checkpoint,
+)
+from dflash.train.config import TrainConfig, to_toml
+from dflash.train.data import Batch, StoreLoader
+from dflash.train.errors import TrainError
+from dflash.train.noise import add_context_noise, noise_std_at
+from dflash.train.step import block_loss, make_blocks, weight_sum
+
+TARGET_CONFIG_FILES = "target"  # store files group holding the target's config.json
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    checkpoint: Path
+    run_dir: Path
+
+
+def _distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _device(name: str, rank: int) -> torch.device:
+    if name == "auto":
+        name = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def drafter_config(cfg: TrainConfig, store: Store) -> DrafterConfig:
+    """The drafter's shape: width, vocab and layer ids from the store; the rest from cfg."""
+    meta = store.meta
+    try:
+        target = json.loads(store.read_files(TARGET_CONFIG_FILES)["config.json"])
+    except (StoreError, KeyError) as e:
+        raise TrainError(f"{store.url} holds no target config.json; re-run extract") from e
+    mask = cfg.model.mask_token_id
+    if mask is None:
+        mask = meta.extra.get("mask_token_id")
+    if mask is None:
+        raise TrainError(f"{store.url} records no mask token id; pass --model.mask_token_id")
+    m = cfg.model
+    text = target.get("text_config") or target
+    overrides = {k: v for k, v in dict(
+        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads
+        or text.get("num_attention_heads"), num_key_value_heads=m.num_key_value_heads
+        or text.get("num_key_value_heads"), head_dim=m.head_dim or text.get("head_dim"),
+        intermediate_size=m.intermediate_size,
+    ).items() if v is not None}
+    if m.sliding_layers:
+        overrides["layer_types"] = (["sliding_attention"] * m.sliding_layers
+                                    + ["full_attention"] * (m.num_hidden_layers - m.sliding_layers))
+        overrides["sliding_window"] = m.sliding_window
+    return DrafterConfig.for_target(target, int(mask), target_layer_ids=meta.context_layer_ids,
+                                    **overrides)
+
+
+def _lr_lambda(total: int, warmup: int, min_ratio: float):
+    def scale(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return scale
+
+
+def _empty_batch_like(store: Store) -> Batch:
+    """A one-token batch with nothing to learn: a rank with no sample in a step still steps."""
+    m = store.meta
+    from dflash.store_schema.layout import torch_dtype
+
+    return Batch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.bool),
+                 torch.zeros(1, 1, m.num_context_layers, m.target.hidden_size,
+                             dtype=torch_dtype(m.hidden_dtype)),
+                 torch.zeros(1, 1, m.top_k, dtype=torch.long), torch.zeros(1, 1, m.top_k),
+                 torch.zeros(1, 1), torch.ones(1, dtype=torch.long), refs=[])
+
+
+def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
+    """Run (or resume) training as configured; returns where the final checkpoint is."""
+    if not cfg.stores:
+        raise TrainError("no store given: pass --store PATH")
+    rank, world = _distributed()
+    device = _device(cfg.run.device, rank)
+    precision = cfg.run.precision
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    run_dir = Path(cfg.run.out_dir)
+    torch.manual_seed(cfg.run.seed)
+
+    # Data: a deterministic plan over complete parts; this rank reads only its share.
+    loader = StoreLoader(cfg.stores, cfg.loader, rank=rank, world=world)
+    store = loader.stores[0]
+    steps_per_epoch = loader.batches_per_epoch()
+    total_steps = steps_per_epoch * cfg.optim.epochs
+    if cfg.optim.max_steps is not None:
+        total_steps = min(total_steps, cfg.optim.max_steps)
+
+    # Drafter: built for the store's target, borrowing its frozen embed_tokens / lm_head.
+    rows = store.target_rows()
+    dcfg = drafter_config(cfg, store)
+    if cfg.model.init_from:
+        model = load_drafter(cfg.model.init_from)
+        init_meta = read_provenance(cfg.model.init_from)
+        if init_meta is not None:
+            check_provenance(init_meta, store.meta, store.url, cfg.model.init_from)
+    else:
+        model = DFlashDrafter(dcfg)
+    head_dtype = torch.bfloat16 if use_bf16 else torch.float32
+    model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
+                             rows["lm_head"].to(device, head_dtype))
+    model.to(device)
+    model.train()
+    layer_rms = None
+    if cfg.noise.kind != "none" and not cfg.noise.absolute:
+        layer_rms = torch.tensor(store_stats(store).rms, device=device)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                  weight_decay=cfg.optim.weight_decay)
+    warmup = max(1, round(cfg.optim.warmup_ratio * total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(total_steps, warmup, cfg.optim.min_lr_ratio))
+
+    state = TrainState()
+    if resume:
+        found = latest_checkpoint(run_dir)
+        if found is None:
+            raise TrainError(f"--resume: no complete checkpoint under {run_dir}/checkpoints")
+        check_provenance(read_provenance(found), store.meta, store.url, str(found))
+        model.load_state_dict(load_drafter(found).state_dict())
+        state = load_trainer_state(found, optimizer, scheduler)
+        echo(f"resumed from {found} (step {state.step}, epoch {state.epoch})")
+    ddp_model = model
+    if world > 1:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    config_toml = to_toml(cfg)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_toml)
+    log = (run_dir / "log.jsonl").open("a") if rank == 0 else None
+    bar = tqdm(total=total_steps, initial=state.step, disable=rank != 0 or not cfg.run.progress,
+               desc="train", unit="step", dynamic_ncols=True)
+    last_loss = float("nan")
+    checkpoint = None
+
+    def save() -> Path:
+        return save_checkpoint(run_dir, model, optimizer, scheduler, state, store.meta,
+                               config_toml, keep=cfg.run.keep_checkpoints)
+
+    while state.epoch < cfg.optim.epochs and state.step < total_steps:
+        batches = loader.epoch(state.epoch, skip_batches=state.batch_in_epoch)
+        wait_start = time.perf_counter()
+        for batch in batches:
+            data_wait = time.perf_counter() - wait_start
+            step_start = time.perf_counter()
+            batch = batch if batch is not None else _empty_batch_like(store)
+            blocks = make_blocks(batch, mask_token_id=dcfg.mask_token_id,
+                                 block_size=dcfg.block_size,
+                                 anchors_per_seq=cfg.run.anchors_per_seq, seed=cfg.run.seed,
+                                 epoch=state.epoch, soft_targets=cfg.loss.kind == "kl-topk")
+            # Labels and weights are fixed above from stored verifier ids; only now is the
+            # context noised, on a copy that nothing but the drafter's fc reads.
+            noise_gen = torch.Generator(device).manual_seed(cfg.run.seed * 1_000_003 + state.step)
+            context = add_context_noise(batch.context.to(device), layer_rms, cfg.noise, noise_gen,
+                                        step=state.step)
+            denominator = weight_sum(blocks, cfg.loss.gamma).to(device)
+            if world > 1:
+                dist.all_reduce(denominator)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                hidden = ddp_model(context, batch.lengths.to(device), blocks.block_ids.to(device),
+                                   blocks.anchors.to(device))
+                # DDP averages gradients over ranks; each rank's share of the global weighted
+                # sum is scaled back up so the result is the single-process gradient.
+                loss = block_loss(hidden, blocks, model.target_lm_head, cfg.loss,
+                                  denominator=denominator.clamp(min=1e-12)) * world
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
+            optimizer.step()
+            scheduler.step()
+            state.step += 1
+            state.batch_in_epoch += 1
+            state.tokens_seen += int(batch.lengths.sum())
+            last_loss = loss.item() / world
+            if log is not None:
+                record = {
+                    "step": state.step, "epoch": state.epoch, "loss": last_loss,
+                    "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                    "tokens": int(batch.lengths.sum()), "samples": len(batch.refs),
+                    "blocks": int(blocks.valid.any(-1).sum()),
+                    "noise_std": noise_std_at(cfg.noise, state.step - 1),
+                    "data_wait_s": data_wait, "step_s": time.perf_counter() - step_start,
+                }
+                record["tokens_per_s"] = record["tokens"] / max(1e-9, data_wait + record["step_s"])
+                if state.step % cfg.run.log_every == 0 or state.step == total_steps:
+                    record.update(_accuracy(hidden.detach(), blocks, model.target_lm_head))
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{last_loss:.3f}", epoch=state.epoch)
+            if rank == 0 and state.step % cfg.run.checkpoint_every == 0:
+                checkpoint = save()
+            if state.step >= total_steps:
+                break
+            wait_start = time.perf_counter()
+        else:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+            continue
+        break
+    bar.close()
+    if rank == 0 and (checkpoint is None or checkpoint.name != f"step_{state.step:08d}"):
+        checkpoint = save()
+    if log is not None:
+        log.close()
+    if world > 1:
+        dist.barrier()
+    return TrainResult(state.step, last_loss, checkpoint or latest_checkpoint(run_dir), run_dir)
+
+
+@torch.no_grad()
+def _accuracy(hidden: torch.Tensor, blocks, lm_head: torch.Tensor) -> dict:
+    """Per-slot top-1 accuracy and the training tau estimate on this batch's blocks."""
+    _, ids = draft_topk(hidden.flatten(0, 1).float(), lm_head.float(), k=1)
+    stats = AcceptanceStats(block_size=hidden.shape[2], recall_at=(1,))
+    stats.update(ids.cpu(), blocks.labels.flatten(0, 1), blocks.valid.flatten(0, 1))
+    s = stats.summary()
+    return {"slot_acc": s["slot_accuracy"], "train_tau": s["mean_tau"]}

@@ -1,0 +1,157 @@
+"""The training loop end to end on a synthetic store whose verifier follows a learnable rule."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.blocks import draft_topk
+from dflash.cli import main
+from dflash.drafter import load_drafter
+from dflash.evaluate.metrics import AcceptanceStats
+from dflash.store_schema import open_store
+from dflash.train.checkpoint import latest_checkpoint
+from dflash.train.config import load_config
+from dflash.train.data import LoaderConfig, StoreLoader
+from dflash.train.errors import TrainError
+from dflash.train.loop import train
+from dflash.train.step import make_blocks
+from tests.train.conftest import MASK, build_store
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(store, out, **extra):
+    overrides = {"stores": [store], "run.out_dir": str(out), "model.num_hidden_layers": 1,
+                 "loader.batch_tokens": 256, "run.anchors_per_seq": 8, "optim.lr": 3e-3,
+                 "run.progress": False, "run.log_every": 1, "loader.prefetch_batches": 0}
+    overrides.update(extra)
+    return load_config(None, overrides)
+
+
+@torch.no_grad()
+def held_out_tau(checkpoint, store_url) -> float:
+    """Mean acceptance length over every eligible anchor of a held-out store."""
+    model = load_drafter(checkpoint)
+    rows = open_store(store_url).target_rows()
+    model.attach_target_head(rows["embed_tokens"], rows["lm_head"])
+    stats = AcceptanceStats(block_size=model.config.block_size, recall_at=(1,))
+    loader = StoreLoader([store_url], LoaderConfig(batch_tokens=512, prefetch_batches=0))
+    for batch in loader.epoch(0):
+        blocks = make_blocks(batch, mask_token_id=MASK, block_size=16, anchors_per_seq=10**6,
+                             seed=0, epoch=0)
+        hidden = model(batch.context, batch.lengths, blocks.block_ids, blocks.anchors)
+        _, ids = draft_topk(hidden.flatten(0, 1), model.target_lm_head, k=1)
+        stats.update(ids, blocks.labels.flatten(0, 1), blocks.valid.flatten(0, 1))
+    return stats.summary()["mean_tau"]
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> str:
+    url = str(tmp_path_factory.mktemp("held_out") / "hs.zarr")
+    build_store(url, rows=8, parts=1, seed=0)  # same target (code table), other rows
+    return url
+
+
+def test_loss_falls_and_held_out_tau_rises(synthetic_store, held_out, tmp_path):
+    untrained = train(_cfg(synthetic_store, tmp_path / "r0", **{"optim.max_steps": 1,
+                                                              "optim.lr": 1e-12}))
+    result = train(_cfg(synthetic_store, tmp_path / "r1", **{"optim.epochs": 40}))
+    log = [json.loads(line) for line in (tmp_path / "r1" / "log.jsonl").open()]
+    first = sum(r["loss"] for r in log[:5]) / 5
+    last = sum(r["loss"] for r in log[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    tau0 = held_out_tau(untrained.checkpoint, held_out)
+    tau1 = held_out_tau(result.checkpoint, held_out)
+    assert tau1 > tau0 + 2.0, (tau0, tau1)
+
+
+def test_noise_never_reaches_labels_only_the_fc_input(synthetic_store, tmp_path):
+    result = train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 1}))
+    model = load_drafter(result.checkpoint)
+    rows = open_store(synthetic_store).target_rows()
+    model.attach_target_head(rows["embed_tokens"], rows["lm_head"])
+    batch = next(StoreLoader([synthetic_store], LoaderConfig(prefetch_batches=0)).epoch(0))
+    clean_context = batch.context.clone()
+    from dflash.train.noise import NoiseConfig, add_context_noise
+
+    seen = {}
+    model.fc.register_forward_pre_hook(lambda m, args: seen.__setitem__("fc", args[0].clone()))
+    embeds = []
+    original_embed = model._embed
+    model._embed = lambda ids: embeds.append(ids.clone()) or original_embed(ids)
+
+    reference = make_blocks(batch, mask_token_id=MASK, block_size=16, anchors_per_seq=8,
+                            seed=3, epoch=0)
+    for seed, std in [(0, 0.0), (1, 0.05), (2, 1.0), (3, 10.0)]:
+        blocks = make_blocks(batch, mask_token_id=MASK, block_size=16, anchors_per_seq=8,
+                             seed=3, epoch=0)
+        noised = add_context_noise(batch.context, torch.ones(2), NoiseConfig(std=std),
+                                   torch.Generator().manual_seed(seed))
+        model(noised, batch.lengths, blocks.block_ids, blocks.anchors)
+        assert torch.equal(blocks.labels, reference.labels)
+        assert torch.equal(blocks.valid, reference.valid)
+        assert torch.equal(batch.context, clean_context)  # the batch itself is never noised
+        assert torch.equal(embeds[-1], reference.block_ids)  # block tokens are clean
+        fc_in = seen["fc"].view_as(batch.context)
+        assert torch.equal(fc_in, noised) and (std == 0) == torch.equal(fc_in, clean_context)
+
+
+def test_checkpoint_refuses_a_store_of_another_target(synthetic_store, tmp_path):
+    first = train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 2}))
+    other = str(tmp_path / "other.zarr")
+    build_store(other, rows=8, parts=1, name="another-target")
+    cfg = _cfg(other, tmp_path / "r2", **{"model.init_from": str(first.checkpoint)})
+    with pytest.raises(TrainError) as e:
+        train(cfg)
+    assert "target.name_or_path: 'tiny' != 'another-target'" in str(e.value)
+    cli = CliRunner().invoke(main, ["train", "--store", other, "--out", str(tmp_path / "r"),
+                                    "--resume", "--no-progress"])
+    assert cli.exit_code == 1 and "another-target" in cli.output
+    assert "Traceback" not in cli.output
+
+
+def _final_weights(run_dir) -> dict[str, torch.Tensor]:
+    return load_drafter(latest_checkpoint(run_dir)).state_dict()
+
+
+def test_killed_run_resumes_to_the_same_weights(synthetic_store, tmp_path):
+    args = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "256",
+            "--anchors-per-seq", "8", "--epochs", "3", "--no-progress",
+            "--set", "run.checkpoint_every=4", "--set", "loader.prefetch_batches=0"]
+    whole = CliRunner().invoke(main, ["train", "--out", str(tmp_path / "whole"), *args])
+    assert whole.exit_code == 0, whole.output
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--out", str(run), *args],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while latest_checkpoint(run) is None or latest_checkpoint(run).name < "step_00000008":
+        assert proc.poll() is None and time.time() < deadline, "run ended before the kill"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = CliRunner().invoke(main, ["train", "--out", str(run), "--resume", *args])
+    assert resumed.exit_code == 0, resumed.output
+    assert "resumed from" in resumed.output
+    a, b = _final_weights(tmp_path / "whole"), _final_weights(run)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_unknown_setting_is_an_error_naming_it(synthetic_store, tmp_path):
+    result = CliRunner().invoke(main, ["train", "--store", synthetic_store, "--set",
+                                       "optim.learning_rate=1"])
+    assert result.exit_code == 1 and "unknown key(s) ['learning_rate']" in result.output
+
+
+def test_gamma_defaults_to_10():
+    assert load_config(None, {}).loss.gamma == 10.0
