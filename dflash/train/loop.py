@@ -2,7 +2,8 @@
 
 Reads top to bottom: set up (distributed, device, data, drafter, optimiser, resume), then one
 loop over epochs and batches, logging and checkpointing as it goes. Everything random is keyed
-by (seed, epoch, sample) or (seed, step), so a resumed run continues bit-for-bit.
+by (seed, epoch, sample), so a resumed run continues bit-for-bit and W ranks train what
+one process trains.
 """
 
 import json
@@ -32,8 +33,8 @@ from dflash.train.checkpoint import (
 from dflash.train.config import TrainConfig, to_toml
 from dflash.train.data import Batch, StoreLoader
 from dflash.train.errors import TrainError
-from dflash.train.noise import add_context_noise, noise_std_at
-from dflash.train.step import block_loss, make_blocks, weight_sum
+from dflash.train.noise import noise_std_at
+from dflash.train.step import block_loss, make_blocks, noised_context, weight_sum
 
 TARGET_CONFIG_FILES = "target"  # store files group holding the target's config.json
 
@@ -194,9 +195,8 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
                                  epoch=state.epoch, soft_targets=cfg.loss.kind == "kl-topk")
             # Labels and weights are fixed above from stored verifier ids; only now is the
             # context noised, on a copy that nothing but the drafter's fc reads.
-            noise_gen = torch.Generator(device).manual_seed(cfg.run.seed * 1_000_003 + state.step)
-            context = add_context_noise(batch.context.to(device), layer_rms, cfg.noise, noise_gen,
-                                        step=state.step)
+            context = noised_context(batch, layer_rms, cfg.noise, seed=cfg.run.seed,
+                                     epoch=state.epoch, step=state.step, device=device)
             denominator = weight_sum(blocks, cfg.loss.gamma).to(device)
             if world > 1:
                 dist.all_reduce(denominator)
@@ -216,7 +216,10 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
             state.step += 1
             state.batch_in_epoch += 1
             state.tokens_seen += int(batch.lengths.sum())
-            last_loss = loss.item() / world
+            reported = loss.detach() / world  # this rank's share of the global loss
+            if world > 1:
+                dist.all_reduce(reported)
+            last_loss = reported.item()
             if log is not None:
                 record = {
                     "step": state.step, "epoch": state.epoch, "loss": last_loss,

@@ -18,6 +18,7 @@ from dflash.blocks import (
 )
 from dflash.train.data import Batch, SampleRef
 from dflash.train.loss import LossConfig, block_ce_loss, block_kl_topk_loss, slot_weights
+from dflash.train.noise import NoiseConfig, add_context_noise
 
 
 @dataclass
@@ -83,6 +84,32 @@ def make_blocks(
             out.target_logits[row, :m] = verifier_rows(batch.topk_logits[row, :n], anchors,
                                                        block_size)
             out.target_lse[row, :m] = verifier_rows(batch.lse[row, :n], anchors, block_size)
+    return out
+
+
+def noised_context(
+    batch: Batch,
+    layer_rms: torch.Tensor | None,
+    cfg: NoiseConfig,
+    *,
+    seed: int,
+    epoch: int,
+    step: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The fc input of a batch: each sample's context plus noise drawn from a generator keyed
+    by (seed, epoch, sample), so the noise a sample gets does not depend on its batch or rank.
+    Returns a new tensor; the batch is untouched."""
+    context = batch.context.to(device)
+    if cfg.kind == "none":
+        return context
+    out = context.clone()
+    for row, ref in enumerate(batch.refs):
+        n = int(batch.lengths[row])
+        # Offset the key so the noise stream never coincides with the anchor stream.
+        key = anchor_generator(seed + 0x5EED, epoch, sample_uid(ref)).initial_seed()
+        gen = torch.Generator(device).manual_seed(key)
+        out[row, :n] = add_context_noise(context[row, :n], layer_rms, cfg, gen, step=step)
     return out
 
 

@@ -22,7 +22,8 @@ from dflash.train.config import load_config
 from dflash.train.data import LoaderConfig, StoreLoader
 from dflash.train.errors import TrainError
 from dflash.train.loop import train
-from dflash.train.step import make_blocks
+from dflash.train.noise import NoiseConfig
+from dflash.train.step import make_blocks, noised_context
 from tests.train.conftest import MASK, build_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +81,6 @@ def test_noise_never_reaches_labels_only_the_fc_input(synthetic_store, tmp_path)
     model.attach_target_head(rows["embed_tokens"], rows["lm_head"])
     batch = next(StoreLoader([synthetic_store], LoaderConfig(prefetch_batches=0)).epoch(0))
     clean_context = batch.context.clone()
-    from dflash.train.noise import NoiseConfig, add_context_noise
 
     seen = {}
     model.fc.register_forward_pre_hook(lambda m, args: seen.__setitem__("fc", args[0].clone()))
@@ -93,8 +93,8 @@ def test_noise_never_reaches_labels_only_the_fc_input(synthetic_store, tmp_path)
     for seed, std in [(0, 0.0), (1, 0.05), (2, 1.0), (3, 10.0)]:
         blocks = make_blocks(batch, mask_token_id=MASK, block_size=16, anchors_per_seq=8,
                              seed=3, epoch=0)
-        noised = add_context_noise(batch.context, torch.ones(2), NoiseConfig(std=std),
-                                   torch.Generator().manual_seed(seed))
+        noised = noised_context(batch, torch.ones(2), NoiseConfig(std=std), seed=seed, epoch=0,
+                                step=0, device=torch.device("cpu"))
         model(noised, batch.lengths, blocks.block_ids, blocks.anchors)
         assert torch.equal(blocks.labels, reference.labels)
         assert torch.equal(blocks.valid, reference.valid)

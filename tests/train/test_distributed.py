@@ -1,0 +1,40 @@
+"""Two processes under torchrun (gloo, CPU) train exactly what one process trains."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from dflash.cli import main
+from dflash.drafter import load_drafter
+from dflash.train.checkpoint import latest_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_two_ranks_match_one_process(synthetic_store, tmp_path):
+    args = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "256",
+            "--anchors-per-seq", "8", "--max-steps", "6", "--lr", "3e-3", "--no-progress",
+            "--set", "loader.prefetch_batches=0", "--set", "run.log_every=1"]
+    one = CliRunner().invoke(main, ["train", "--out", str(tmp_path / "one"), *args])
+    assert one.exit_code == 0, one.output
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "dflash", "train", "--out", str(tmp_path / "two"), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (tmp_path / run / "log.jsonl").open()]
+
+    a, b = losses("one"), losses("two")
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b, strict=True):
+        assert abs(x - y) <= 1e-4 * max(1.0, abs(x)), (a, b)
+    wa = load_drafter(latest_checkpoint(tmp_path / "one")).state_dict()
+    wb = load_drafter(latest_checkpoint(tmp_path / "two")).state_dict()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
