@@ -3,6 +3,7 @@
 import click
 
 from dflash import __version__
+from dflash.drafter.command import export_command
 from dflash.store_schema.command import store
 from dflash.train.command import train_command
 
@@ -18,3 +19,4 @@ def main() -> None:
 
 main.add_command(store)
 main.add_command(train_command)
+main.add_command(export_command)

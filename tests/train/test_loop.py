@@ -155,3 +155,19 @@ def test_unknown_setting_is_an_error_naming_it(synthetic_store, tmp_path):
 
 def test_gamma_defaults_to_10():
     assert load_config(None, {}).loss.gamma == 10.0
+
+
+def test_export_writes_the_serving_directory(synthetic_store, tmp_path):
+    result = train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 1}))
+    out = tmp_path / "served"
+    cli = CliRunner().invoke(main, ["export", str(result.checkpoint), str(out)])
+    assert cli.exit_code == 0, cli.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2]
+    exported = load_drafter(out).state_dict()
+    trained = load_drafter(result.checkpoint).state_dict()
+    assert exported.keys() == trained.keys()
+    assert all(exported[k].dtype == torch.bfloat16 for k in exported)
+    again = CliRunner().invoke(main, ["export", str(result.checkpoint), str(out)])
+    assert again.exit_code == 1 and "Traceback" not in again.output
