@@ -5,7 +5,7 @@ import click
 from dflash import __version__
 from dflash.drafter.command import export_command
 from dflash.store_schema.command import store
-from dflash.train.command import train_command
+from dflash.train.command import log_group, train_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,3 +20,4 @@ def main() -> None:
 main.add_command(store)
 main.add_command(train_command)
 main.add_command(export_command)
+main.add_command(log_group)

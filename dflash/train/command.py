@@ -79,3 +79,27 @@ def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
         raise click.ClickException(str(e)) from e
     click.echo(f"trained {result.steps} steps, final loss {result.final_loss:.4f}; "
                f"checkpoint {result.checkpoint}; log {result.run_dir / 'log.jsonl'}")
+
+
+@click.group("log")
+def log_group() -> None:
+    """Read a training run's log."""
+
+
+@log_group.command("summary")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--ranges", default=5, show_default=True, type=click.IntRange(1),
+              help="Step ranges to split loss and accuracy over.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def log_summary(run_dir: str, ranges: int, as_json: bool) -> None:
+    """Loss and per-slot accuracy by step range, lr phase, noise early vs late, epoch
+    boundaries, batch sizes, throughput consistency and data-wait share of RUN_DIR."""
+    import json
+
+    from dflash.train.log_summary import format_summary, read_log, summarize_log
+
+    try:
+        summary = summarize_log(read_log(run_dir), ranges)
+    except TrainError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
