@@ -114,6 +114,14 @@ class StoreMeta:
         return [f"{k}: {va!r} != {vb!r}" for k, va, vb in _diff(a, b)]
 
 
+    def target_mismatches(self, other: "StoreMeta") -> list[str]:
+        """Differences that make features incompatible: another target, tokenizer or layer set.
+
+        Stores that differ only in data, parts, top-k or chat options hold the same features."""
+        keys = ("target.", "tokenizer.sha256", "context_layer_ids")
+        return [d for d in self.mismatches(other) if d.startswith(keys)]
+
+
 def _diff(a: Any, b: Any, prefix: str = ""):
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):

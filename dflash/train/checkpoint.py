@@ -102,10 +102,7 @@ def read_provenance(path: str | Path) -> StoreMeta | None:
 
 def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, where: str) -> None:
     """Refuse a store made from another target or layer set than the checkpoint's."""
-    keys = ("target.name_or_path", "target.model_type", "target.num_hidden_layers",
-            "target.hidden_size", "target.vocab_size", "target.config_sha256",
-            "context_layer_ids", "hidden_dtype", "tokenizer.sha256")
-    diffs = [d for d in checkpoint.mismatches(store) if d.split(":")[0] in keys]
+    diffs = checkpoint.target_mismatches(store)
     if diffs:
         raise TrainError(
             f"{where} was trained on a store of another target or layer set than {store_url} "

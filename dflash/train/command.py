@@ -23,12 +23,14 @@ _FLAGS = {
     "layers": "model.num_hidden_layers",
     "device": "run.device",
     "seed": "run.seed",
+    "weights": "loader.store_weights",
 }
 
 
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--store", "stores", multiple=True, required=True,
               help="Feature store to train on (repeat to mix several of one target).")
+@click.option("--weights", help="Comma-separated passes per epoch over each --store, e.g. 1,0.5.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="TOML file of settings ([loader], [model], [loss], [noise], [optim], [run]).")
 @click.option("--out", help="Run directory for checkpoints and logs.  [default: runs/drafter]")

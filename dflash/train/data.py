@@ -14,6 +14,7 @@ Never touches labels or noise: a batch carries the stored arrays as they are.
 
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -41,6 +42,11 @@ class LoaderConfig:
     """Batches read ahead in a background thread, overlapping I/O with compute."""
     seed: int = 0
     """Seeds the order; epoch e of seed s is the same on every run and every rank."""
+    store_weights: list[float] | None = None
+    """Per store: passes over it per epoch (fractions draw that share of its read units
+    afresh each epoch). None: every store once."""
+    unit_cache_tokens: int = 1 << 20
+    """Tokens of small per-token arrays (~137 B each) kept for read units still being served."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ def plan_epoch(
 ) -> Iterator[list[SampleRef]]:
     """The global batches of one epoch, from sample lengths only."""
     rng = np.random.default_rng([cfg.seed, epoch])
+    weights = cfg.store_weights
     order = rng.permutation(len(parts))
     buffer: list[SampleRef] = []
     buffered = 0
@@ -101,9 +108,11 @@ def plan_epoch(
             lengths = part.sample_lengths()
             if cfg.max_length:
                 lengths = np.minimum(lengths, cfg.max_length)
+            weight = 1.0 if weights is None else weights[store_i]
             for a, b in _read_units(lengths, part.store.shard_tokens):
-                units.append([SampleRef(store_i, part.index, s, int(lengths[s]), (a, b))
-                              for s in range(a, b)])
+                copies = int(weight) + int(rng.random() < weight - int(weight))
+                units += [[SampleRef(store_i, part.index, s, int(lengths[s]), (a, b))
+                           for s in range(a, b)]] * copies
         for u in rng.permutation(len(units)):
             for ref in units[u]:
                 buffer.append(ref)
@@ -164,12 +173,17 @@ class StoreLoader:
         self.stores: list[Store] = [open_store(u) for u in urls]
         first = self.stores[0].meta
         for s in self.stores[1:]:
-            diffs = [d for d in first.mismatches(s.meta) if not d.startswith("source")]
+            diffs = first.target_mismatches(s.meta) + [
+                d for d in first.mismatches(s.meta) if d.startswith(("hidden_dtype", "top_k"))]
             if diffs:
                 raise StoreError(f"{s.url} does not match {self.stores[0].url}: {diffs}")
         self.parts = [(i, p) for i, s in enumerate(self.stores) for p in s.parts() if p.complete]
         if not self.parts:
             raise StoreError(f"no complete part in {urls}: finish extraction first")
+        weights = cfg.store_weights
+        if weights is not None and (len(weights) != len(urls) or min(weights) < 0):
+            raise StoreError(f"store_weights {weights} must give one weight >= 0 per store "
+                             f"({len(urls)} stores)")
 
     def plan(self, epoch: int) -> Iterator[list[SampleRef]]:
         """This rank's share of each global batch (possibly empty when W > batch size)."""
@@ -184,12 +198,10 @@ class StoreLoader:
 
         None stands for a global batch with no sample for this rank (it must still step)."""
         plan = self.plan(epoch)
-        reader = _UnitReader({(i, p.index): p for i, p in self.parts}, self.cfg.max_length)
+        reader = _UnitReader({(i, p.index): p for i, p in self.parts}, self.cfg)
         for _ in range(skip_batches):
-            refs = next(plan, None)
-            if refs is None:
+            if next(plan, None) is None:
                 return
-            reader.skip(refs)
         yield from _prefetch(map(reader.load, plan), self.cfg.prefetch_batches)
 
 
@@ -199,36 +211,39 @@ _SMALL_ARRAYS = ("input_ids", "loss_mask", "verifier_topk_ids", "verifier_topk_l
 
 class _UnitReader:
     """Reads the small per-token arrays a read unit at a time (one request per array instead of
-    one per sample) and each sample's context on its own. A unit's small arrays are dropped as
-    soon as its last sample has been served, so they cost ~137 bytes per token in flight."""
+    one per sample) and each sample's context on its own. Units stay in a least-recently-used
+    cache bounded in tokens; one evicted too early is simply read again."""
 
-    def __init__(self, parts: dict[tuple[int, int], Part], max_length: int | None):
+    def __init__(self, parts: dict[tuple[int, int], Part], cfg: LoaderConfig):
         self.parts = parts
-        self.max_length = max_length
-        self.open: dict[tuple, tuple[int, dict[str, np.ndarray]]] = {}
-        self.served: dict[tuple, int] = {}
+        self.max_length = cfg.max_length
+        self.capacity = cfg.unit_cache_tokens
+        self.cache: OrderedDict[tuple, tuple[int, dict[str, np.ndarray]]] = OrderedDict()
+        self.cached_tokens = 0
 
-    def skip(self, refs: list[SampleRef]) -> None:
-        for r in refs:
-            key = (r.store, r.part, r.unit)
-            self.served[key] = self.served.get(key, 0) + 1
+    def _unit(self, part: Part, key: tuple, unit: tuple[int, int]):
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        offsets = part.offsets()
+        start, stop = int(offsets[unit[0]]), int(offsets[unit[1]])
+        entry = (start, part.read_tokens(start, stop, _SMALL_ARRAYS))
+        self.cache[key] = entry
+        self.cached_tokens += stop - start
+        while self.cached_tokens > self.capacity and len(self.cache) > 1:
+            _, (_, old) = self.cache.popitem(last=False)
+            self.cached_tokens -= len(old["input_ids"])
+        return entry
 
     def _sample(self, r: SampleRef) -> Sample:
         part = self.parts[(r.store, r.part)]
-        key = (r.store, r.part, r.unit)
+        base, small = self._unit(part, (r.store, r.part, r.unit), r.unit)
         offsets = part.offsets()
-        if key not in self.open:
-            start, stop = int(offsets[r.unit[0]]), int(offsets[r.unit[1]])
-            self.open[key] = (start, part.read_tokens(start, stop, _SMALL_ARRAYS))
-        base, small = self.open[key]
         t0, t1 = int(offsets[r.index]), int(offsets[r.index + 1])
         if self.max_length:
             t1 = min(t1, t0 + self.max_length)
         arrays = {k: v[t0 - base : t1 - base] for k, v in small.items()}
         arrays["context"] = part.array("context")[t0:t1]
-        self.served[key] = self.served.get(key, 0) + 1
-        if self.served[key] == r.unit[1] - r.unit[0]:
-            del self.open[key], self.served[key]
         return sample_from_arrays(arrays, part.store.meta.hidden_dtype, part.sources()[r.index])
 
     def load(self, refs: list[SampleRef]) -> Batch | None:

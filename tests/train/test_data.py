@@ -92,3 +92,24 @@ def test_max_length_truncates_samples(store_url):
         full = stored[ref.part].sample(ref.index)
         expect = full.input_ids[:10].long()
         assert torch.equal(batch.input_ids[0, : len(expect)], expect)
+
+
+def test_store_weights_repeat_or_subsample_each_store(store_url, tmp_path):
+    other = str(tmp_path / "other.zarr")
+    store = create_store(other, make_meta(num_parts=1), shard_tokens=64)
+    w = store.part_writer(0, 0, 200)
+    gen = torch.Generator().manual_seed(5)
+    for row in range(200):
+        w.append(random_sample(10, row, gen))
+    w.finish()
+    loader = StoreLoader([store_url, other], _cfg(store_weights=[2.0, 0.5]))
+    counts: dict = {}
+    for batch in loader.plan(0):
+        for r in batch:
+            counts[(r.store, r.part, r.index)] = counts.get((r.store, r.part, r.index), 0) + 1
+    first = [c for (s, _, _), c in counts.items() if s == 0]
+    second = [c for (s, _, _), c in counts.items() if s == 1]
+    assert len(first) == 80 and set(first) == {2}  # every sample of store 0, twice
+    assert set(second) == {1} and 40 <= len(second) <= 160  # about half of store 1's units
+    loaded = sum(len(b.refs) for b in loader.epoch(0) if b is not None)
+    assert loaded == sum(counts.values())
