@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from dflash.drafter.config import DrafterConfig
 from dflash.drafter.errors import DrafterError
@@ -196,6 +197,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.register_buffer("target_embed_tokens", None, persistent=False)
         self.register_buffer("target_lm_head", None, persistent=False)
+        self.gradient_checkpointing = False
+        """Recompute each layer in backward instead of keeping its activations (training)."""
         self.reset_parameters()
         if embed_tokens is not None or lm_head is not None:
             self.attach_target_head(embed_tokens, lm_head)
@@ -289,8 +292,11 @@ class DFlashDrafter(nn.Module):
             if rule not in attends:
                 attends[rule] = _flex_attend(layout, *rule) if use_flex else _dense_attend(
                     dense_mask(layout, *rule))
-            context_kv = layer.self_attn.keys_values(ctx, ctx_rope)
-            x = layer(x, context_kv, block_rope, attends[rule])
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(_layer_with_context, layer, x, ctx, ctx_rope, block_rope,
+                               attends[rule], use_reentrant=False)
+            else:
+                x = _layer_with_context(layer, x, ctx, ctx_rope, block_rope, attends[rule])
         return self.norm(x).view(n, k, b, -1)
 
     def forward_logits(self, *args, **kwargs) -> torch.Tensor:
@@ -332,6 +338,12 @@ class DFlashDrafter(nn.Module):
             attend = _dense_attend(dense_mask(layout, *rule))
             x = layer(x, (cache.keys[i], cache.values[i]), rope, attend)
         return self.norm(x)
+
+
+def _layer_with_context(layer, x, ctx, ctx_rope, block_rope, attend):
+    """One drafter layer with its own K/V projection of the context (KV injection)."""
+    context_kv = layer.self_attn.keys_values(ctx, ctx_rope)
+    return layer(x, context_kv, block_rope, attend)
 
 
 def _dense_attend(mask: torch.Tensor) -> Attend:

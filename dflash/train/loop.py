@@ -143,6 +143,7 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
                              rows["lm_head"].to(device, head_dtype))
     model.to(device)
+    model.gradient_checkpointing = cfg.run.gradient_checkpointing
     model.train()
     layer_rms = None
     if cfg.noise.kind != "none" and not cfg.noise.absolute:

@@ -316,3 +316,35 @@ def test_wrong_inputs_name_what_is_wrong(model):
     with pytest.raises(DrafterError, match="lm_head"):
         bare.attach_target_head(torch.zeros(VOCAB, 64), torch.zeros(VOCAB, 63))
     assert MASK_ID == model.config.mask_token_id
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=32, vocab_size=50, intermediate_size=64,
+                        target_layer_ids=[0, 1], num_target_layers=3, mask_token_id=49,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, block_size=4)
+    model = DFlashDrafter(cfg, torch.randn(50, 32), torch.randn(50, 32))
+    context = torch.randn(2, 12, 2, 32)
+    lengths = torch.tensor([12, 9])
+    anchors = torch.tensor([[3, 7], [2, 5]])
+    ids = torch.randint(0, 49, (2, 2, 4))
+
+    calls = []
+    model.layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))
+
+    def grads(checkpointing: bool):
+        model.zero_grad()
+        model.gradient_checkpointing = checkpointing
+        calls.clear()
+        model(context, lengths, ids, anchors).pow(2).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads(False)
+    assert len(calls) == 1
+    recomputed = grads(True)
+    assert len(calls) == 2  # the layer really ran again in backward
+    for name in plain:
+        torch.testing.assert_close(recomputed[name], plain[name], rtol=1e-5, atol=1e-6)
