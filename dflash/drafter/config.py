@@ -18,6 +18,19 @@ DEFAULT_BLOCK_SIZE = 16
 """Tokens per drafted block: the anchor plus 15 drafts (REFERENCE.md 1, DFlash b16)."""
 
 
+KNOWN_MASK_TOKEN_IDS = {"qwen3_5": 248070, "qwen3_5_text": 248070, "qwen3": 151669}
+"""Mask token of the published drafters per target model_type (REFERENCE.md 1); the token
+already exists in the target vocabulary and keeps the target's embedding row."""
+
+
+def default_mask_token_id(model_type: str, vocab_size: int, tokenizer_mask_id: int | None):
+    """The tokenizer's own mask token, else the published id for this model type, else None."""
+    if tokenizer_mask_id is not None:
+        return int(tokenizer_mask_id)
+    known = KNOWN_MASK_TOKEN_IDS.get(model_type)
+    return known if known is not None and known < vocab_size else None
+
+
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
     """The n target layers whose outputs feed the drafter (REFERENCE.md 2).
 

@@ -206,7 +206,15 @@ class Store:
         return [int(n) for n in self.part_names() if n.isdigit()]
 
     def parts(self) -> list[Part]:
-        return [self.part(i) for i in self.part_indices()]
+        """Parts with a commit record, in index order. A part whose creation was torn by a
+        crash has none: it holds nothing and counts as not started."""
+        found = []
+        for i in self.part_indices():
+            try:
+                found.append(self.part(i))
+            except StoreError:
+                continue
+        return found
 
     @property
     def complete(self) -> bool:

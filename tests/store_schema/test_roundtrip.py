@@ -120,3 +120,14 @@ def test_empty_part_can_be_completed(tmp_path):
     part = store.part(1)
     assert part.complete and part.num_samples == 0 and list(part.iter_samples()) == []
     assert validate(store.url) == []
+
+
+def test_part_torn_at_creation_counts_as_not_started_and_is_recreated(tmp_path, gen):
+    store = create_store(str(tmp_path / "hs.zarr"), make_meta())
+    store.root.require_group("parts/00001")  # a crash right after the group was made
+    assert [p.index for p in store.parts()] == [] and not store.complete
+    writer = store.part_writer(1, 0, 10)
+    assert writer.committed_samples == 0 and writer.next_row == 0
+    writer.append(random_sample(3, 0, gen))
+    writer.finish()
+    assert [p.index for p in open_store(store.url).parts()] == [1]

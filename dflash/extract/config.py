@@ -1,0 +1,53 @@
+"""The settings of one extract run (what the CLI options fill)."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ExtractConfig:
+    """Everything `dflash extract` needs; the CLI maps its options one to one onto these."""
+
+    model: str
+    """Target checkpoint: a local directory (or a hub id already in the local cache)."""
+    data: list[str]
+    """Input files, .jsonl or .parquet, of chats ("messages") or "prompt"/"response" pairs."""
+    out: str
+    """Store to create or resume: a local path or an fsspec URL."""
+    layers: str | None = None
+    """Comma-separated layer ids (id k = HF hidden_states[k + 1]); None = DFlash default."""
+    top_k: int = 16
+    """Verifier top-k logits stored per token."""
+    max_length: int = 4096
+    """Longest sample in tokens; longer ones are truncated or skipped (see `overlong`)."""
+    overlong: Literal["truncate", "skip"] = "truncate"
+    """What to do with a sample longer than max_length."""
+    batch_tokens: int = 16384
+    """Padded tokens per forward batch (count x longest)."""
+    rows_per_part: int = 1024
+    """Source rows per part; the unit of resume and of sharding across ranks."""
+    shard_tokens: int = 1024
+    """Tokens per stored shard: the unit of crash-safe commits."""
+    device: str = "cuda"
+    """Torch device; "cpu" for tiny models (GPU-only kernels are then never used)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Compute and storage dtype of hidden states; auto = bf16 on CUDA, fp32 on CPU."""
+    load_as: Literal["causal-lm", "multimodal"] = "causal-lm"
+    """Load the checkpoint as its CausalLM or as the multimodal wrapper (same states)."""
+    revision: str | None = None
+    """Hub revision of the model, recorded in provenance."""
+    enable_thinking: bool = False
+    """Passed to the chat template; must match how the target will be served."""
+    regenerate: bool = False
+    """Replace each last assistant turn by the target's own greedy continuation."""
+    max_new_tokens: int = 1024
+    """Tokens to generate per prompt with `regenerate`."""
+    mask_token_id: int | None = None
+    """Token the drafter fills block slots with; None: the tokenizer's mask token, else the
+    published id for the model type (Qwen3.5/3.6: 248070, Qwen3: 151669)."""
+    dry_run: bool = False
+    """Print sizes and the parts plan, then stop before loading the model."""
+    progress: bool = True
+    """Show a progress bar."""
+    extra: dict = field(default_factory=dict)
+    """Free-form provenance recorded in the store."""

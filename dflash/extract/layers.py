@@ -1,0 +1,37 @@
+"""Which target layers extract captures: the DFlash default formula and the user's --layers.
+
+Owns the choice and checking of layer ids only; never touches a model.
+"""
+
+from dflash.drafter.config import default_target_layer_ids
+from dflash.drafter.errors import DrafterError
+from dflash.extract.errors import ExtractError
+
+DEFAULT_NUM_FEATURES = 5
+"""Context layers a DFlash drafter reads by default (REFERENCE.md 2)."""
+
+
+def resolve_layer_ids(spec: str | None, num_layers: int) -> list[int]:
+    """Layer ids from a comma list such as "1,16,31", or the default formula when None."""
+    if spec is None or not spec.strip():
+        # tiny targets (L < n + 4) make the formula repeat ids; keep each once
+        try:
+            ids = list(dict.fromkeys(default_target_layer_ids(num_layers, DEFAULT_NUM_FEATURES)))
+        except DrafterError as e:
+            raise ExtractError(f"{e}; pass --layers") from e
+    else:
+        try:
+            ids = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError as e:
+            raise ExtractError(f"--layers {spec!r}: expected comma-separated integers") from e
+    if not ids:
+        raise ExtractError(f"--layers {spec!r}: no layer ids")
+    bad = [k for k in ids if not 0 <= k < num_layers]
+    if bad:
+        raise ExtractError(
+            f"--layers: ids {bad} out of range; the target has {num_layers} layers "
+            f"(valid ids 0..{num_layers - 1}, id k = output of decoder layer k)"
+        )
+    if len(set(ids)) != len(ids):
+        raise ExtractError(f"--layers {ids}: repeated ids")
+    return ids

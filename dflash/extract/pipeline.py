@@ -1,0 +1,361 @@
+"""`dflash extract` end to end: plan, scan, load, create or resume the store, fill my parts.
+
+Owns the order of things and the resume / sharding rules:
+- every part is a fixed slice of rows; rank r of W takes parts r, r + W, ...;
+- a complete part is skipped; an incomplete one resumes at PartWriter.next_row, with the
+  batches it would have had in an uninterrupted run (committed samples give the lengths of
+  the rows already done), so the arrays come out bit-identical;
+- input errors surface in a scan before the store is created or the model loaded.
+Never knows zarr paths: the store is reached only through dflash.store_schema.
+"""
+
+import fcntl
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+import dflash
+from dflash.drafter.config import default_mask_token_id
+from dflash.extract.capture import forward_states
+from dflash.extract.config import ExtractConfig
+from dflash.extract.data import ChatSource, open_source
+from dflash.extract.errors import ExtractError
+from dflash.extract.layers import resolve_layer_ids
+from dflash.extract.loading import (
+    Target,
+    load_config,
+    load_target,
+    load_tokenizer,
+    resolve_dtype,
+    target_info,
+    tokenizer_files,
+    tokenizer_info,
+)
+from dflash.extract.plan import (
+    PartPlan,
+    bytes_per_token,
+    parts_of_rank,
+    plan_batches,
+    plan_parts,
+)
+from dflash.extract.prepare import (
+    Counts,
+    Item,
+    apply_length_policy,
+    regenerate_items,
+    render_rows,
+)
+from dflash.extract.verifier import verifier_topk
+from dflash.extract.writer import BackgroundWriter
+from dflash.store_schema import (
+    CreatedWith,
+    Sample,
+    SourceInfo,
+    Store,
+    StoreError,
+    StoreMeta,
+    create_store,
+    open_store,
+)
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass
+class Summary:
+    """What a run did, for the closing report."""
+
+    out: str
+    parts_done: list[int] = field(default_factory=list)
+    parts_already_complete: list[int] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+    counts: Counts = field(default_factory=Counts)
+    bytes_per_token: int = 0
+    store_complete: bool = False
+
+    def lines(self) -> list[str]:
+        c = self.counts
+        return [
+            f"extracted {self.samples} samples, {self.tokens} tokens into {self.out} "
+            f"(~{self.tokens * self.bytes_per_token / 2**20:.1f} MiB before compression)",
+            f"parts written: {self.parts_done or 'none'}; already complete: "
+            f"{self.parts_already_complete or 'none'}",
+            f"truncated: {c.truncated}; skipped overlong: {c.skipped_overlong}; "
+            f"skipped with no assistant token within max-length: {c.skipped_no_assistant}",
+            "store complete" if self.store_complete else "store not complete yet "
+            "(other ranks still running, or re-run the same command to resume)",
+        ]
+
+
+def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
+                echo=print) -> Summary:
+    """Run extract for this rank; returns what it did."""
+    if not 0 <= rank < world_size:
+        raise ExtractError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    source = open_source(cfg.data)
+    config = load_config(cfg.model)
+    info = target_info(cfg.model, config, cfg.revision)
+    layer_ids = resolve_layer_ids(cfg.layers, info.num_hidden_layers)
+    tokenizer = load_tokenizer(cfg.model)
+    parts = plan_parts(source.num_rows, cfg.rows_per_part)
+    mine = parts if cfg.dry_run else parts_of_rank(parts, rank, world_size)
+    dtype = resolve_dtype(cfg.dtype, cfg.device)
+    bpt = bytes_per_token(len(layer_ids), info.hidden_size, dtype.itemsize, cfg.top_k)
+    scanned = _scan(source, tokenizer, mine, cfg)
+    if cfg.dry_run:
+        _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, dtype.itemsize,
+                    world_size)
+        return Summary(cfg.out, bytes_per_token=bpt)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_files = tokenizer_files(tokenizer, tmp)
+    meta = StoreMeta(
+        target=info, tokenizer=tokenizer_info(tok_files, tokenizer, cfg.enable_thinking),
+        source=SourceInfo(paths=source.paths, sha256=source.sha256, max_length=cfg.max_length,
+                          regenerated=cfg.regenerate, num_rows=source.num_rows),
+        created_with=CreatedWith(dflash=dflash.__version__, torch=torch.__version__,
+                                 transformers=transformers.__version__, device=cfg.device,
+                                 kernels="not loaded yet"),
+        context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=_DTYPE_NAMES[dtype],
+        num_parts=len(parts),
+        extra={"mask_token_id": _mask_token_id(cfg, info, tokenizer),
+               "rows_per_part": cfg.rows_per_part, "overlong": cfg.overlong,
+               "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None, **cfg.extra},
+    )
+    _refuse_different_store(cfg.out, meta)
+
+    target = load_target(cfg.model, device=cfg.device, dtype=dtype, load_as=cfg.load_as,
+                         revision=cfg.revision)
+    meta.created_with.kernels = target.kernels
+    with _exclusive(cfg.out, "create", wait=True):
+        store = create_store(cfg.out, meta, shard_tokens=cfg.shard_tokens)
+    if rank == 0:
+        _write_frozen_rows(store, target, tok_files)
+
+    summary = Summary(cfg.out, bytes_per_token=bpt)
+    total = sum(len(i.input_ids) for i in scanned) + (
+        cfg.max_new_tokens * len(scanned) if cfg.regenerate else 0)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, disable=not cfg.progress,
+               desc=f"extract rank {rank}/{world_size}")
+    writer = BackgroundWriter()
+    try:
+        for part in mine:
+            with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
+                _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
+                              writer, bar, summary)
+    finally:
+        bar.close()
+        writer.close()
+    summary.store_complete = _complete(cfg.out)
+    return summary
+
+
+def _scan(source: ChatSource, tokenizer, parts: list[PartPlan], cfg: ExtractConfig
+          ) -> list[Item]:
+    """Render every row of `parts` once, so template errors stop the run before any write."""
+    items: list[Item] = []
+    for part in parts:
+        for item in render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg):
+            kept = item if cfg.regenerate else apply_length_policy(item, cfg, Counts())
+            if kept is not None:
+                items.append(kept)
+    return items
+
+
+def _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, hidden_bytes, world_size
+                ) -> None:
+    tokens = sum(len(i.input_ids) for i in scanned)
+    note = " (prompts only; up to max-new-tokens more each)" if cfg.regenerate else ""
+    if cfg.regenerate:
+        tokens += cfg.max_new_tokens * len(scanned)
+    frozen = (2 * info.vocab_size + 1) * info.hidden_size * hidden_bytes
+    echo(f"target: {info.name_or_path} ({info.model_type}, {info.num_hidden_layers} layers, "
+         f"hidden {info.hidden_size}, vocab {info.vocab_size})")
+    echo(f"context layers: {layer_ids}; top-k: {cfg.top_k}")
+    echo(f"bytes/token: {bpt}")
+    echo(f"samples: {len(scanned)}; tokens: {tokens}{note}")
+    echo(f"total: {tokens * bpt / 2**30:.3f} GiB of samples + {frozen / 2**30:.3f} GiB of "
+         "frozen rows, before compression")
+    echo(f"parts: {len(parts)} of {cfg.rows_per_part} rows; with WORLD_SIZE={world_size} "
+         f"rank r takes parts r, r+{world_size}, ...")
+    for part in parts[:8]:
+        echo(f"  part {part.index}: rows {part.row_start}..{part.row_stop - 1} -> rank "
+             f"{part.index % world_size}")
+    if len(parts) > 8:
+        echo(f"  ... {len(parts) - 8} more")
+
+
+def _refuse_different_store(out: str, meta: StoreMeta) -> None:
+    """Fail before loading the model if `out` holds something other than this store."""
+    if "://" in out and not out.startswith("file://"):
+        return  # checked by create_store once the model is loaded
+    path = Path(out.removeprefix("file://"))
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ExtractError(f"--out {out} exists and is not a directory")
+    if not any(path.iterdir()):
+        return
+    diffs = open_store(out).meta.mismatches(meta)
+    if diffs:
+        raise ExtractError(f"--out {out} holds a store made differently; refusing to mix "
+                           "them (use another --out):\n  " + "\n  ".join(diffs))
+
+
+def _mask_token_id(cfg: ExtractConfig, info, tokenizer) -> int | None:
+    mask = cfg.mask_token_id
+    if mask is None:
+        mask = default_mask_token_id(info.model_type, info.vocab_size,
+                                     getattr(tokenizer, "mask_token_id", None))
+    if mask is not None and not 0 <= mask < info.vocab_size:
+        raise ExtractError(f"--mask-token-id {mask} is outside the target vocabulary "
+                           f"(size {info.vocab_size})")
+    return mask
+
+
+def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]) -> None:
+    """Copy embed_tokens, lm_head, final norm and the tokenizer once (tokenizer last: marker)."""
+    try:
+        store.read_files("tokenizer")
+        return
+    except StoreError:
+        pass
+    norm = target.decoder.norm
+    # the norm's effective scale (1 + w for Qwen3.5's zero-centred norm, w for Qwen3/Llama):
+    # a constant input of size 1e3 makes eps negligible, so norm(x) is the scale itself
+    probe = torch.full((target.info.hidden_size,), 1e3, device=target.device)
+    with torch.inference_mode():
+        scale = norm(probe.float()).float()
+    store.write_target_rows(target.decoder.embed_tokens.weight, target.lm_head.weight, scale)
+    # The drafter is sized from the target's config (heads, MLP width, RoPE), not its weights.
+    store.write_files("target", {"config.json": target.model.config.to_json_string().encode()})
+    store.write_files("tokenizer", tok_files)
+
+
+@contextmanager
+def _exclusive(out: str, name: str, *, wait: bool):
+    """An flock on `<out>.locks/<name>.lock` for local stores; released when the process dies.
+
+    Object stores get no lock: ranks claim disjoint parts, and two launches with the same
+    rank into one bucket are not detected.
+    """
+    if "://" in out and not out.startswith("file://"):
+        yield
+        return
+    lock_dir = Path(out.removeprefix("file://").rstrip("/") + ".locks")
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_dir / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError as e:
+            raise ExtractError(f"{out}: {name} is being written by another process "
+                               f"(lock {lock_dir / name}.lock)") from e
+        yield
+    finally:
+        os.close(fd)
+
+
+def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
+                  layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter, bar,
+                  summary: Summary) -> None:
+    pw = store.part_writer(part.index, part.row_start, part.row_stop)
+    if pw.complete:
+        summary.parts_already_complete.append(part.index)
+        bar.update(0)
+        return
+    first = pw.next_row
+    done = _committed_lengths(store, part.index) if first > part.row_start else []
+    todo = render_rows(source, tokenizer, range(first, part.row_stop), cfg)
+    if cfg.regenerate:
+        prompts = render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg)
+        todo = regenerate_items(target.model, tokenizer, prompts, cfg, first)
+    counts = Counts()
+    todo = [k for i in todo if (k := apply_length_policy(i, cfg, counts)) is not None]
+    summary.counts.add(counts)
+    # plan over done + todo, exactly as an uninterrupted run would batch this part
+    lengths = [n for _, n in done] + [len(i.input_ids) for i in todo]
+    for batch in plan_batches(lengths, cfg.batch_tokens):
+        if batch[-1] < len(done):
+            continue
+        batch_items = [todo[i - len(done)] if i >= len(done) else None for i in batch]
+        samples = _forward_batch(target, layer_ids, batch_items, done, batch, source, cfg)
+        writer.append(pw, samples)
+        n = sum(len(s) for s in samples)
+        summary.samples += len(samples)
+        summary.tokens += n
+        bar.update(n)
+    writer.finish(pw)
+    summary.parts_done.append(part.index)
+
+
+def _committed_lengths(store: Store, index: int) -> list[tuple[int, int]]:
+    """(source row, length) of the samples a previous run committed to part `index`."""
+    p = store.part(index)
+    return list(zip(p.sources().tolist(), p.sample_lengths().tolist(), strict=True))
+
+
+def _forward_batch(target: Target, layer_ids: list[int], items: list[Item | None],
+                   done: list[tuple[int, int]], batch: list[int], source: ChatSource,
+                   cfg: ExtractConfig) -> list[Sample]:
+    """Samples for the not-yet-committed items of one batch.
+
+    Committed rows in the batch (None items) are re-run with placeholder tokens of their
+    stored length only so that the batch's shape equals the uninterrupted run's.
+    """
+    lengths = [len(i.input_ids) if i is not None else done[b][1] for i, b in zip(items, batch,
+                                                                                 strict=True)]
+    width = max(lengths)
+    input_ids = torch.zeros((len(items), width), dtype=torch.long)
+    attention = torch.zeros((len(items), width), dtype=torch.long)
+    for b, (item, n) in enumerate(zip(items, lengths, strict=True)):
+        if item is not None:
+            input_ids[b, :n] = torch.tensor(item.input_ids)
+        attention[b, :n] = 1
+    context, final = forward_states(target.decoder, layer_ids, input_ids.to(target.device),
+                                    attention.to(target.device))
+    valid = attention.bool().to(target.device)
+    ids, logits, lse = verifier_topk(final[valid], target.lm_head, cfg.top_k)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    samples = []
+    for b, item in enumerate(items):
+        if item is None:
+            continue
+        n, lo, hi = lengths[b], offsets[b], offsets[b + 1]
+        sample = Sample(
+            input_ids=torch.tensor(item.input_ids, dtype=torch.int32),
+            loss_mask=torch.tensor(item.loss_mask, dtype=torch.bool),
+            context=context[b, :n].cpu(), topk_ids=ids[lo:hi].cpu(),
+            topk_logits=logits[lo:hi].cpu(), lse=lse[lo:hi].cpu(), source_row=item.row,
+        )
+        _check_finite(sample, layer_ids, source.where(item.row))
+        samples.append(sample)
+    return samples
+
+
+def _check_finite(sample: Sample, layer_ids: list[int], where: str) -> None:
+    bad = ~torch.isfinite(sample.context.float())
+    if bad.any():
+        t, j, _ = bad.nonzero()[0].tolist()
+        raise ExtractError(f"{where}: NaN/Inf in layer {layer_ids[j]}'s state at token {t}; "
+                           "stopping (nothing of this sample was written)")
+    if not torch.isfinite(sample.lse).all() or not torch.isfinite(sample.topk_logits).all():
+        raise ExtractError(f"{where}: NaN/Inf in the verifier logits; stopping")
+
+
+def _complete(out: str) -> bool:
+    try:
+        store = open_store(out)
+        store.read_files("tokenizer")
+        return store.complete
+    except StoreError:
+        return False

@@ -1,0 +1,42 @@
+"""Replace responses by the target's own greedy continuation (`--regenerate`).
+
+Owns batched greedy generation with the KV cache. Offline replay equals live speculative
+decoding only on the target's own greedy text (REFERENCE.md 5), so the generated ids are used
+as they are, never detokenized and re-tokenized. Never writes the store.
+"""
+
+import torch
+from torch import nn
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
+    """Every id that ends a turn: the generation config's and the tokenizer's eos."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+@torch.inference_mode()
+def greedy_continuations(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
+                         eos_ids: list[int], pad_id: int) -> list[list[int]]:
+    """Greedy new tokens for each prompt, up to and including the first eos."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    # left padding: every prompt ends at the same column, so generation appends in step
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - len(p):] = torch.tensor(p)
+        attention_mask[b, width - len(p):] = 1
+    out = model.generate(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+        pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+    )
+    continuations = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        continuations.append(row[:cut])
+    return continuations

@@ -1,0 +1,45 @@
+"""SIGKILL at any point, re-run the same command: the store equals an uninterrupted run's."""
+
+import pytest
+from conftest import assert_same_samples, cli_args, run_cli, run_extract_cfg, store_samples
+
+from dflash.extract.writer import KILL_AFTER_ENV
+from dflash.store_schema import StoreError, open_store, validate
+
+
+def _complete(out: str) -> bool:
+    try:
+        return open_store(out).complete
+    except StoreError:  # a part whose creation the kill tore: incomplete, resumable
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_5_dir, chats_jsonl, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ref") / "hs.zarr")
+    run_extract_cfg(qwen3_5_dir, chats_jsonl, out)
+    return store_samples(out)
+
+
+@pytest.mark.parametrize("kills", [(1,), (7,), (3, 9)], ids=lambda k: "kill-after-" + "-".join(
+    map(str, k)))
+def test_rerun_after_sigkill_equals_an_uninterrupted_run(kills, reference, qwen3_5_dir,
+                                                         chats_jsonl, tmp_path):
+    out = str(tmp_path / "hs.zarr")
+    args = cli_args(qwen3_5_dir, chats_jsonl, out)
+    for n in kills:
+        killed = run_cli(args, **{KILL_AFTER_ENV: str(n)})
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        assert not _complete(out)
+    run_extract_cfg(qwen3_5_dir, chats_jsonl, out)  # the same settings, in-process
+    assert open_store(out).complete and validate(out) == []
+    assert_same_samples(store_samples(out), reference)
+
+
+def test_rerun_of_a_finished_store_changes_nothing(reference, qwen3_5_dir, chats_jsonl,
+                                                   tmp_path):
+    out = str(tmp_path / "hs.zarr")
+    run_extract_cfg(qwen3_5_dir, chats_jsonl, out)
+    summary = run_extract_cfg(qwen3_5_dir, chats_jsonl, out)
+    assert summary.parts_done == [] and summary.parts_already_complete == [0, 1, 2]
+    assert_same_samples(store_samples(out), reference)
