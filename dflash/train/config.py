@@ -90,6 +90,8 @@ class RunConfig:
     """Recompute drafter layers in backward to save activation memory."""
     progress: bool = True
     """Show a progress bar."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to out_dir/tb (needs the `tb` extra)."""
 
 
 @dataclass

@@ -174,6 +174,7 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_toml)
     log = (run_dir / "log.jsonl").open("a") if rank == 0 else None
+    board = _tensorboard(run_dir) if rank == 0 and cfg.run.tensorboard else None
     bar = tqdm(total=total_steps, initial=state.step, disable=rank != 0 or not cfg.run.progress,
                desc="train", unit="step", dynamic_ncols=True)
     last_loss = float("nan")
@@ -235,6 +236,8 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
                     record.update(_accuracy(hidden.detach(), blocks, model.target_lm_head))
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+                if board is not None:
+                    _board_write(board, record)
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", epoch=state.epoch)
             if rank == 0 and state.step % cfg.run.checkpoint_every == 0:
@@ -252,9 +255,33 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         checkpoint = save()
     if log is not None:
         log.close()
+    if board is not None:
+        board.close()
     if world > 1:
         dist.barrier()
     return TrainResult(state.step, last_loss, checkpoint or latest_checkpoint(run_dir), run_dir)
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError as e:
+        raise TrainError("run.tensorboard needs tensorboardX: pip install 'dflash[tb]'") from e
+    return SummaryWriter(str(run_dir / "tb"))
+
+
+def _board_write(board, record: dict) -> None:
+    """The log record's numbers as scalars; per-slot accuracy as one scalar per slot."""
+    step = record["step"]
+    for key, value in record.items():
+        if key in ("step", "epoch"):
+            continue
+        if key == "slot_acc":
+            for slot, acc in enumerate(value, 1):
+                if acc is not None:
+                    board.add_scalar(f"slot_acc/{slot:02d}", acc, step)
+        elif isinstance(value, (int, float)) and value is not None:
+            board.add_scalar(key, value, step)
 
 
 @torch.no_grad()

@@ -171,3 +171,24 @@ def test_export_writes_the_serving_directory(synthetic_store, tmp_path):
     assert all(exported[k].dtype == torch.bfloat16 for k in exported)
     again = CliRunner().invoke(main, ["export", str(result.checkpoint), str(out)])
     assert again.exit_code == 1 and "Traceback" not in again.output
+
+
+def test_tensorboard_events_carry_the_logged_scalars(synthetic_store, tmp_path):
+    from tensorboardX.proto import event_pb2
+
+    train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 3,
+                                                  "run.tensorboard": True}))
+    (events,) = (tmp_path / "r" / "tb").glob("events.out.tfevents.*")
+    tags = {}
+    data = events.read_bytes()
+    pos = 0
+    while pos < len(data):  # TFRecord framing: length, crc, payload, crc
+        length = int.from_bytes(data[pos:pos + 8], "little")
+        event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+        pos += 16 + length
+        for v in event.summary.value:
+            tags.setdefault(v.tag, []).append((event.step, v.simple_value))
+    log = [json.loads(line) for line in (tmp_path / "r" / "log.jsonl").open()]
+    assert [s for s, _ in tags["loss"]] == [1, 2, 3]
+    assert [v for _, v in tags["loss"]] == pytest.approx([r["loss"] for r in log])
+    assert "slot_acc/01" in tags and "lr" in tags
