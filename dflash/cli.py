@@ -4,6 +4,7 @@ import click
 
 from dflash import __version__
 from dflash.drafter.command import export_command
+from dflash.evaluate.command import eval_command
 from dflash.extract.command import extract
 from dflash.store_schema.command import store
 from dflash.train.command import log_group, train_command
@@ -21,5 +22,6 @@ def main() -> None:
 main.add_command(extract)
 main.add_command(store)
 main.add_command(train_command)
+main.add_command(eval_command)
 main.add_command(export_command)
 main.add_command(log_group)

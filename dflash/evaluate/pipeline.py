@@ -1,0 +1,295 @@
+"""`dflash eval` end to end: open the store, load and check checkpoints, replay, report.
+
+Owns the order of things: every input is checked (store, checkpoints against the store,
+plot dependency, --online model) before the first drafter forward; all checkpoints see the
+same samples and blocks; the outputs are written only after every number is computed.
+Deterministic: sample choice depends only on --limit / --seed, batching only on the store
+and the options, so the same command gives the same numbers.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+from dflash.blocks import eligible_anchors
+from dflash.evaluate.checkpoints import Checkpoint, layer_selection, load_checkpoint, unique_names
+from dflash.evaluate.drafting import BlockDrafter
+from dflash.evaluate.errors import EvalError
+from dflash.evaluate.online import StopRule, evaluate_online, load_online_target
+from dflash.evaluate.replay import (
+    EvalSample,
+    EvalSettings,
+    draft_at,
+    evaluate_offline,
+    labels_for,
+    pick_samples,
+    read_samples,
+)
+from dflash.evaluate.report import (
+    ShownBlock,
+    block_rows,
+    build_report,
+    format_shown,
+    format_table,
+    plot_acceptance,
+    require_matplotlib,
+    write_json,
+    write_parquet,
+)
+from dflash.evaluate.tokenizer import store_tokenizer
+from dflash.store_schema import Store, StoreError, open_store
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_MAX_NEW_TOKENS = 1024
+"""--online generation length when neither the option nor the store's provenance sets it."""
+
+
+@dataclass
+class EvalConfig:
+    """Everything `dflash eval` needs; the CLI maps its options one to one onto these."""
+
+    store: str
+    """The (held-out) store: local path or fsspec URL."""
+    checkpoints: list[str]
+    """Training checkpoints, exported drafters or third-party DFlash drafter directories."""
+    settings: EvalSettings = field(default_factory=EvalSettings)
+    """Mode, tree budgets, recall, batching."""
+    limit: int | None = None
+    """Evaluate this many samples, drawn uniformly by `seed`; None = every sample."""
+    seed: int = 0
+    """Seed of the --limit draw (nothing else is random)."""
+    device: str = "auto"
+    """Torch device; auto = cuda when available, else cpu."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Drafter compute dtype; auto = bf16 on CUDA, fp32 on CPU."""
+    out: str | None = None
+    """Directory for report.json, blocks.parquet and acceptance.png."""
+    plot: str | None = None
+    """PNG path of the per-slot acceptance plot (needs matplotlib)."""
+    show: int = 0
+    """Decoded example blocks to print."""
+    online: bool = False
+    """Also run live greedy speculative decoding with the target (--model)."""
+    model: str | None = None
+    """The target checkpoint for --online."""
+    max_new_tokens: int | None = None
+    """--online generation length; None = the store's regeneration setting (or 1024)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class EvalOutcome:
+    """What a run produced."""
+
+    report: dict
+    text: str
+    """The table (and shown blocks) as printed."""
+    offline: dict
+    """CheckpointResults per checkpoint name."""
+    online: dict | None
+    """CheckpointResults per checkpoint name of the live run."""
+    generated: dict | None
+    """Per sample key, the tokens generated live."""
+    written: list[str]
+    """Files written."""
+    notes: list[str]
+    """Outputs skipped, and why."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def _open(url: str) -> Store:
+    try:
+        return open_store(url)
+    except StoreError as e:
+        raise EvalError(f"--store {url}: {e}") from e
+
+
+def load_drafters(store: Store, paths: list[str], *, device: torch.device, dtype: torch.dtype
+                  ) -> tuple[list[Checkpoint], dict[str, BlockDrafter]]:
+    """Load every checkpoint, refuse misfits, attach the store's frozen embed / lm_head."""
+    if not paths:
+        raise EvalError("no checkpoint given")
+    checkpoints = [load_checkpoint(p, store.meta, dtype=dtype, device=device) for p in paths]
+    unique_names(checkpoints)
+    try:
+        rows = store.target_rows()
+    except StoreError as e:
+        raise EvalError(str(e)) from e
+    embed = rows["embed_tokens"].to(device=device, dtype=dtype)
+    head = rows["lm_head"].to(device=device, dtype=dtype)
+    drafters = {}
+    for c in checkpoints:
+        c.model.attach_target_head(embed, head)
+        drafters[c.name] = BlockDrafter(c.model, layer_selection(c.config, store.meta))
+    return checkpoints, drafters
+
+
+def _total_samples(store: Store, keys) -> int:
+    return len(keys) if keys is not None else store.num_samples
+
+
+def shown_blocks(drafters: dict[str, BlockDrafter], samples: list[EvalSample],
+                 settings: EvalSettings) -> list[ShownBlock]:
+    """One block per sample, at the middle eligible anchor, drafted by every checkpoint."""
+    chosen = []
+    for s in samples:
+        anchors = eligible_anchors(s.loss_mask)
+        if anchors.numel():
+            chosen.append((s, int(anchors[anchors.numel() // 2])))
+    if not chosen:
+        return []
+    picked = [s for s, _ in chosen]
+    blocks = []
+    drafts = {}
+    for name, d in drafters.items():
+        out = draft_at(d, picked, [torch.tensor([a]) for _, a in chosen],
+                       settings.top_k(d.config.vocab_size), settings.blocks_per_forward)
+        drafts[name] = [ids[0, 1:, 0].tolist() for _, ids in out]
+    longest = max(d.block_size for d in drafters.values())
+    for i, (s, a) in enumerate(chosen):
+        labels, valid = labels_for([(s, a)], longest)
+        target = labels[0, 1:][valid[0, 1:]].tolist()
+        blocks.append(ShownBlock(
+            where=f"part {s.part} sample {s.index} (source row {s.source_row}), anchor {a}",
+            context=s.input_ids[max(0, a - 24) : a + 1].tolist(), target=target,
+            drafts={name: d[i] for name, d in drafts.items()}))
+    return blocks
+
+
+def _online_check(offline: dict, online: dict, generated: dict, samples: list[EvalSample],
+                  mode: str) -> dict:
+    """How far offline replay matches the live run, prompt by prompt."""
+    stored = {s.key: s.input_ids.tolist() for s in samples}
+    keys = sorted(generated)
+    same_text = [k for k in keys if generated[k] == stored[k]]
+    check = {"prompts": len(keys), "same_text": len(same_text),
+             "text_differs": [f"{p}/{i}" for p, i in keys if generated[(p, i)] != stored[(p, i)]],
+             "same_taus": {}, "taus_differ": {}}
+    if mode != "replay":
+        return check
+    for name in offline:
+        a, b = offline[name].sequences, online[name].sequences
+        differ = [k for k in keys if a.get(k, []) != b.get(k, [])]
+        check["same_taus"][name] = len(keys) - len(differ)
+        check["taus_differ"][name] = [f"{p}/{i}" for p, i in differ]
+    return check
+
+
+def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcome:
+    """Run `dflash eval`; returns the report and the per-checkpoint results."""
+    store = _open(cfg.store)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.plot:
+        require_matplotlib()
+    if cfg.online and not cfg.model:
+        raise EvalError("--online needs --model (the target checkpoint)")
+    budgets = cfg.settings.tree_budgets
+    if any(b < 1 for b in budgets) or any(k < 1 for k in cfg.settings.recall_at):
+        raise EvalError(f"tree budgets {budgets} and recall k {cfg.settings.recall_at} "
+                        "must be >= 1")
+    vocab = store.meta.target.vocab_size
+    settings = replace(cfg.settings,
+                       recall_at=tuple(sorted({min(k, vocab) for k in cfg.settings.recall_at})))
+    checkpoints, drafters = load_drafters(store, cfg.checkpoints, device=device, dtype=dtype)
+    target = load_online_target(cfg.model, store.meta, device=str(device)) if cfg.online \
+        else None
+
+    keys = pick_samples(store, cfg.limit, cfg.seed)
+    total = _total_samples(store, keys)
+    kept_for_show: list[EvalSample] = []
+    kept_light: list[EvalSample] = []
+    bar = tqdm(total=total, unit="seq", disable=not cfg.progress, desc="eval")
+
+    def on_batch(batch: list[EvalSample]) -> None:
+        for s in batch:
+            if len(kept_for_show) < cfg.show:
+                kept_for_show.append(s)
+            if cfg.online:  # prompts and stored text only: contexts are not kept
+                kept_light.append(EvalSample(s.part, s.index, s.source_row, s.input_ids,
+                                             s.loss_mask, torch.empty(0), s.top1))
+        bar.update(len(batch))
+
+    try:
+        offline, agreement = evaluate_offline(drafters, read_samples(store, keys), settings,
+                                              on_batch)
+    except StoreError as e:
+        raise EvalError(f"--store {cfg.store}: {e}") from e
+    finally:
+        bar.close()
+
+    online = generated = check = None
+    if target is not None:
+        tokenizer = store_tokenizer(store)
+        stop = _stop_rule(target, tokenizer, store, cfg.max_new_tokens)
+        echo(f"online: decoding {len(kept_light)} prompts live with {len(drafters)} "
+             f"checkpoint(s), max {stop.max_new_tokens} new tokens (the target is recomputed "
+             "over the whole sequence every round)")
+        online, generated = evaluate_online(target, drafters, kept_light, settings, stop)
+        check = _online_check(offline, online, generated, kept_light, settings.mode)
+
+    report = build_report(
+        store_url=cfg.store, meta=store.meta, settings=settings, samples=total,
+        limit=cfg.limit, seed=cfg.seed,
+        checkpoints=[{"name": c.name, "path": c.path,
+                      "trained_on": None if c.provenance is None else
+                      c.provenance.source.paths} for c in checkpoints],
+        offline=offline, agreement=agreement, online=online, online_check=check)
+    text = format_table(report)
+    if cfg.show:
+        text += "\n\n" + format_shown(shown_blocks(drafters, kept_for_show, settings),
+                                      store_tokenizer(store))
+    written, notes = _write_outputs(cfg, report, offline, online)
+    return EvalOutcome(report, text, offline, online, generated, written, notes)
+
+
+def _stop_rule(target, tokenizer, store: Store, max_new_tokens: int | None) -> StopRule:
+    from dflash.extract.regenerate import eos_token_ids
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target.target.info.name_or_path)
+    if max_new_tokens is None:
+        max_new_tokens = store.meta.extra.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
+    return StopRule(eos_ids=eos_token_ids(target.target.model, tokenizer),
+                    max_new_tokens=int(max_new_tokens),
+                    max_length=store.meta.source.max_length)
+
+
+def _write_outputs(cfg: EvalConfig, report: dict, offline: dict, online: dict | None
+                   ) -> tuple[list[str], list[str]]:
+    written, notes = [], []
+    plot = cfg.plot
+    if cfg.out:
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(report, out / "report.json")
+        write_parquet(block_rows(offline, online), out / "blocks.parquet")
+        written += [str(out / "report.json"), str(out / "blocks.parquet")]
+        if plot is None:
+            try:
+                require_matplotlib()
+                plot = str(out / "acceptance.png")
+            except EvalError as e:
+                notes.append(f"no plot: {e}")
+    if plot:
+        plot_acceptance(report, plot)
+        written.append(plot)
+    return written, notes

@@ -1,0 +1,199 @@
+"""Live greedy speculative decoding, and the proof that offline replay equals it."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash.assets.tiny import VOCAB_SIZE
+from dflash.drafter import ContextCache
+from dflash.evaluate.errors import EvalError
+from dflash.evaluate.online import StopRule, evaluate_online, load_online_target, speculative_decode
+from dflash.evaluate.pipeline import EvalConfig, run_eval
+from dflash.evaluate.replay import EvalSample, EvalSettings
+from dflash.store_schema import open_store
+from tests.evaluate.conftest import EOS_ID, MAX_NEW_TOKENS
+
+# -- the must-show: offline --mode replay tau == --online tau, prompt by prompt -------------
+
+
+def test_offline_replay_equals_live_speculative_decoding_prompt_by_prompt(
+        regen_store, eos_target_dir, trained_drafter_dir, random_drafter_dir):
+    stored = [s for p in open_store(regen_store).parts() for s in p.iter_samples()]
+    responses = [s.input_ids[s.loss_mask].tolist() for s in stored]
+    # The store exercises both ends of a generation: EOS, and max_new_tokens without EOS.
+    assert any(r[-1] == EOS_ID for r in responses)
+    assert any(len(r) == MAX_NEW_TOKENS and EOS_ID not in r for r in responses)
+
+    cfg = EvalConfig(store=regen_store, checkpoints=[trained_drafter_dir, random_drafter_dir],
+                     settings=EvalSettings(mode="replay", tree_budgets=(4, 16)),
+                     online=True, model=eos_target_dir, progress=False)
+    out = run_eval(cfg)
+
+    # The live loop regenerated exactly the stored text (the store IS the greedy output) ...
+    by_key = {(p.index, i): s for p in open_store(regen_store).parts()
+              for i, s in enumerate(p.iter_samples())}
+    assert sorted(out.generated) == sorted(by_key)
+    for key, tokens in out.generated.items():
+        assert tokens == by_key[key].input_ids.tolist(), key
+    # ... and every prompt visited the same anchors with the same tau, for both drafters.
+    for name in ("trained", "rand"):
+        assert out.offline[name].sequences == out.online[name].sequences, name
+        assert out.offline[name].summary() == out.online[name].summary(), name
+    # The trained drafter makes this a real test: streaks of many lengths, full blocks too.
+    taus = [t for seq in out.online["trained"].sequences.values() for _, t in seq]
+    assert len(set(taus)) >= 4 and max(taus) == 8
+    check = out.report["online_check"]
+    assert check["same_text"] == check["prompts"] == len(stored)
+    assert check["same_taus"] == {"trained": len(stored), "rand": len(stored)}
+
+
+def test_offline_replay_equals_live_decoding_on_a_hybrid_linear_attention_target(
+        hybrid_store, hybrid_target_dir, hybrid_drafter_dir):
+    # Qwen3.5's recurrent state cannot be cropped after a rejected draft; the live loop
+    # recomputes the committed sequence, so its rounds must still match replay exactly.
+    cfg = EvalConfig(store=hybrid_store, checkpoints=[hybrid_drafter_dir],
+                     settings=EvalSettings(mode="replay", tree_budgets=(8,)),
+                     online=True, model=hybrid_target_dir, progress=False)
+    out = run_eval(cfg)
+    check = out.report["online_check"]
+    assert check["same_text"] == check["prompts"] == open_store(hybrid_store).num_samples
+    name = "hybrid_drafter"
+    assert out.offline[name].sequences == out.online[name].sequences
+    taus = [t for seq in out.online[name].sequences.values() for _, t in seq]
+    assert len(set(taus)) >= 4
+
+
+# -- the loop itself, against a scripted target and drafter --------------------------------
+
+
+class ScriptedTarget:
+    """Greedy target that continues `script` (and says FILLER off it or past its end).
+    Features at position t are all t, so the drafter can check which positions it gets."""
+
+    FILLER = 9
+
+    def __init__(self, script: list[int]):
+        self.script = script
+
+    def __call__(self, tokens: list[int]):
+        argmax = []
+        for t in range(len(tokens)):
+            on_script = t + 1 < len(self.script) and tokens[: t + 1] == self.script[: t + 1]
+            argmax.append(self.script[t + 1] if on_script else self.FILLER)
+        features = torch.arange(len(tokens), dtype=torch.float).view(1, -1, 1, 1)
+        return features, torch.tensor(argmax)
+
+
+class ScriptedDrafter:
+    """Drafts the script, wrong at `wrong` positions; FILLER past its end. Asserts that each
+    block at anchor a sees exactly the context positions 0 .. a-1."""
+
+    def __init__(self, script: list[int], wrong: set[int], block_size: int):
+        self.script, self.wrong, self.block_size = script, wrong, block_size
+        self.config = SimpleNamespace(vocab_size=VOCAB_SIZE)
+        self.anchors: list[int] = []
+
+    def _check(self, cache, features):
+        start = cache.length
+        assert features[0, :, 0, 0].tolist() == list(range(start, start + features.shape[1]))
+
+    def context_cache(self, features):
+        cache = ContextCache(keys=[torch.zeros(1)], values=[torch.zeros(1)], length=0)
+        self._check(cache, features)
+        cache.length = features.shape[1]
+        return cache
+
+    def extend(self, cache, features):
+        self._check(cache, features)
+        cache.length += features.shape[1]
+
+    def draft(self, cache, anchors, anchor_tokens, top_k):
+        a = int(anchors[0, 0])
+        assert cache.length == a, "the block must see context < a and never a itself"
+        assert int(anchor_tokens[0, 0]) == self.script[a]
+        self.anchors.append(a)
+        ids = torch.full((1, 1, self.block_size, top_k), -1)
+        for k in range(1, self.block_size):
+            p = a + k
+            token = self.script[p] if p < len(self.script) else ScriptedTarget.FILLER
+            ids[0, 0, k, 0] = (token + 1) % VOCAB_SIZE if p in self.wrong else token
+        return torch.zeros(ids.shape), ids
+
+
+PROMPT = [10, 11, 12]
+
+
+def _decode(continuation, wrong, block_size, stop):
+    script = PROMPT + continuation
+    drafter = ScriptedDrafter(script, wrong, block_size)
+    run = speculative_decode(ScriptedTarget(script), drafter, PROMPT, stop, top_k=1)
+    return run, drafter
+
+
+def test_round_commits_the_matching_prefix_plus_the_bonus():
+    # positions 3..9 = 20 21 22 23 24 25 EOS; B = 4.
+    # a=3: drafts 4, 5 ok, 6 wrong -> commit 21 22 + bonus 23, tau 3.
+    # a=6: drafts 24 25 EOS all ok -> the EOS is a committed draft: stop, tau 4.
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
+    run, drafter = _decode([20, 21, 22, 23, 24, 25, EOS_ID], {6}, 4, stop)
+    assert run.tokens == PROMPT + [20, 21, 22, 23, 24, 25, EOS_ID]
+    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 3), (6, 4)]
+    assert drafter.anchors == [3, 6]
+
+
+def test_eos_as_the_bonus_token_ends_the_generation():
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
+    run, _ = _decode([20, 21, 22, 23, 24, 25, EOS_ID], {6, 9}, 4, stop)
+    assert run.tokens == PROMPT + [20, 21, 22, 23, 24, 25, EOS_ID]
+    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 3), (6, 3)]
+
+
+def test_drafts_past_max_new_tokens_do_not_count():
+    # B = 8: at a=3 all 7 drafts match the target, but only 5 new tokens are allowed
+    # (positions 3..7): 4 drafts are committed, so tau = 5, as offline scores that block.
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=5, max_length=100)
+    run, _ = _decode(list(range(20, 40)), set(), 8, stop)
+    assert run.tokens == PROMPT + [20, 21, 22, 23, 24]
+    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 5)]
+
+
+def test_max_length_ends_the_generation_like_extract_truncates():
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=6)
+    run, _ = _decode(list(range(20, 40)), {5}, 4, stop)
+    # a=3: 4 ok, 5 wrong -> 21 + bonus 22 (length 6: stop), tau 2.
+    assert run.tokens == PROMPT + [20, 21, 22]
+    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 2)]
+
+
+def test_first_token_eos_drafts_nothing():
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
+    run, drafter = _decode([EOS_ID], set(), 4, stop)
+    assert run.tokens == PROMPT + [EOS_ID] and run.rounds == [] and drafter.anchors == []
+
+
+def test_online_metrics_use_the_generated_text_as_labels():
+    script = PROMPT + [20, 21, 22, 23, 24, 25, EOS_ID]
+    sample = EvalSample(0, 0, 0, torch.tensor(script), torch.arange(len(script)) >= 3,
+                        torch.empty(0), torch.tensor(script[1:] + [0]))
+    settings = EvalSettings(tree_budgets=(1,), recall_at=(1,))
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
+    results, generated = evaluate_online(
+        ScriptedTarget(script), {"s": ScriptedDrafter(script, {6}, 4)}, [sample], settings,
+        stop)
+    assert generated == {(0, 0): script}
+    assert results["s"].sequences == {(0, 0): [(3, 3), (6, 4)]}
+    assert results["s"].summary()["slot_accuracy"] == pytest.approx([1.0, 1.0, 0.5])
+
+
+def test_online_refuses_a_model_that_is_not_the_store_target(tmp_path, regen_store,
+                                                            eos_target_dir):
+    from transformers import AutoConfig, AutoTokenizer, Qwen3ForCausalLM
+
+    config = AutoConfig.from_pretrained(eos_target_dir).to_dict()
+    config.update(num_hidden_layers=3, layer_types=config["layer_types"][:3])
+    config = AutoConfig.for_model(**config)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(eos_target_dir).save_pretrained(tmp_path)
+    with pytest.raises(EvalError, match=r"num_hidden_layers: --model 3, store 4"):
+        load_online_target(str(tmp_path), open_store(regen_store).meta, device="cpu")

@@ -1,0 +1,276 @@
+"""Offline replay: the drafting path, anchor order, and metrics against hand-computed blocks."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash.drafter import ContextCache, build_block_ids
+from dflash.evaluate.checkpoints import layer_selection
+from dflash.evaluate.drafting import BlockDrafter
+from dflash.evaluate.replay import (
+    Agreement,
+    CheckpointResults,
+    EvalSample,
+    EvalSettings,
+    evaluate_all,
+    evaluate_offline,
+    evaluate_replay,
+    pick_samples,
+    read_samples,
+)
+from dflash.evaluate.report import estimate_warning
+from dflash.store_schema import open_store
+from tests.evaluate.conftest import (
+    VOCAB_SIZE,
+    random_drafter,
+    synthetic_meta,
+    synthetic_sample,
+    write_synthetic_store,
+)
+
+# -- the drafting path --------------------------------------------------------------------
+
+
+def _with_head(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    model.attach_target_head(torch.randn(VOCAB_SIZE, 64, generator=gen),
+                             torch.randn(VOCAB_SIZE, 64, generator=gen))
+    return model
+
+
+def test_block_drafter_matches_the_drafter_forward_at_any_anchors():
+    # A causal sliding layer and a bidirectional full layer: both mask rules are exercised.
+    model = _with_head(random_drafter(seed=3, block_size=4, sliding_window=5,
+                                      layer_types=["sliding_attention", "full_attention"]))
+    gen = torch.Generator().manual_seed(1)
+    context = torch.randn(2, 20, 3, 64, generator=gen)
+    anchors = torch.tensor([[1, 7, 19], [3, 9, 14]])
+    tokens = torch.randint(0, VOCAB_SIZE, (2, 3), generator=gen)
+    ids = build_block_ids(tokens, model.config.mask_token_id, 4)
+    want = model(context, torch.tensor([20, 15]), ids, anchors, attention="dense")
+    drafter = BlockDrafter(model)
+    got = drafter.hidden(drafter.context_cache(context), anchors, tokens)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_block_drafter_matches_the_live_draft_block_over_an_incremental_cache():
+    model = _with_head(random_drafter(seed=4, block_size=4))
+    gen = torch.Generator().manual_seed(2)
+    context = torch.randn(1, 12, 3, 64, generator=gen)
+    token = torch.tensor([[17]])
+    live = ContextCache()
+    model.extend_context(live, context[:, :5])
+    model.extend_context(live, context[:, 5:])
+    want = model.draft_block(live, build_block_ids(token[0], model.config.mask_token_id, 4))
+    drafter = BlockDrafter(model)
+    got = drafter.hidden(drafter.context_cache(context), torch.tensor([[12]]), token)
+    torch.testing.assert_close(got[:, 0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_drafter_reading_fewer_layers_takes_them_from_the_store_by_id():
+    meta = synthetic_meta(regenerated=True, layers=[0, 1, 3])
+    model = _with_head(random_drafter(seed=5, target_layer_ids=[3, 1]))
+    index = layer_selection(model.config, meta)
+    assert index == [2, 1]
+    context = torch.randn(1, 10, 3, 64, generator=torch.Generator().manual_seed(3))
+    anchors, tokens = torch.tensor([[4, 8]]), torch.tensor([[5, 6]])
+    via_store = BlockDrafter(model, index)
+    direct = BlockDrafter(model)
+    got = via_store.hidden(via_store.context_cache(context), anchors, tokens)
+    want = direct.hidden(direct.context_cache(context[:, :, [2, 1]]), anchors, tokens)
+    assert torch.equal(got, want)
+
+
+# -- a drafter whose drafts are crafted: every number below is computed by hand ------------
+
+LOGP = [-0.1, -2.0] + [-3.0 - r for r in range(400)]
+"""Log-prob of rank r in every slot of the crafted drafter."""
+
+
+class CraftedDrafter:
+    """Drafts the true next token at rank 0, except at the `wrong[sample]` positions, where
+    rank 0 is wrong and the truth is rank 1. Contexts carry the sample id, so it knows which
+    sample each batch row is."""
+
+    def __init__(self, samples: dict[int, EvalSample], wrong: dict[int, set[int]],
+                 block_size: int):
+        self.samples, self.wrong, self.block_size = samples, wrong, block_size
+        self.config = SimpleNamespace(vocab_size=VOCAB_SIZE)
+
+    def context_cache(self, features):
+        ids = features[:, 0, 0, 0].reshape(-1, 1, 1, 1)
+        return ContextCache(keys=[ids], values=[ids], length=features.shape[1])
+
+    def draft(self, cache, anchors, anchor_tokens, top_k):
+        n, k = anchors.shape
+        ids = torch.full((n, k, self.block_size, top_k), -1)
+        logp = torch.zeros(n, k, self.block_size, top_k)
+        for r in range(n):
+            sid = int(cache.keys[0][r, 0, 0, 0])
+            s = self.samples[sid]
+            assert int(s.input_ids[anchors[r, 0]]) == int(anchor_tokens[r, 0])
+            for j in range(k):
+                for slot in range(1, self.block_size):
+                    p = int(anchors[r, j]) + slot
+                    truth = int(s.input_ids[p]) if p < len(s.input_ids) else 0
+                    ranks = [(truth + 1 + i) % VOCAB_SIZE for i in range(top_k)]
+                    ranks.insert(1 if p in self.wrong[sid] else 0, truth)
+                    ids[r, j, slot] = torch.tensor(ranks[:top_k])
+                    logp[r, j, slot] = torch.tensor(LOGP[:top_k])
+        return logp, ids
+
+
+def _sample(sid: int, prompt: int, length: int) -> EvalSample:
+    """A regenerated-like sample: the verifier's argmax at t is the stored token t+1."""
+    ids = torch.tensor([(7 * t + 3 * sid + 11) % VOCAB_SIZE for t in range(length)])
+    mask = torch.arange(length) >= prompt
+    top1 = torch.cat([ids[1:], ids[-1:]])
+    context = torch.full((length, 1, 1), float(sid))
+    return EvalSample(0, sid, 100 + sid, ids, mask, context, top1)
+
+
+SETTINGS = EvalSettings(tree_budgets=(1, 2, 64), recall_at=(1, 2))
+
+
+def _crafted(wrong: dict[int, set[int]], *samples: EvalSample, block_size: int = 4):
+    drafter = CraftedDrafter({s.index: s for s in samples}, wrong, block_size)
+    return drafter, CheckpointResults("crafted", block_size, SETTINGS)
+
+
+def test_replay_visits_first_response_token_then_jumps_by_tau():
+    # Prompt 0..2, response 3..11, B = 4 (slots 1..3); drafts wrong at positions 5 and 9.
+    # a=3: 4 ok, 5 wrong -> streak 1, tau 2.  a=5: 6, 7, 8 ok -> tau 4.
+    # a=9: 10, 11 ok, 12 is past the end -> tau 3; next anchor 12 ends the sequence.
+    s = _sample(0, prompt=3, length=12)
+    drafter, results = _crafted({0: {5, 9}}, s)
+    evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
+    assert results.sequences[(0, 0)] == [(3, 2), (5, 4), (9, 3)]
+    summary = results.summary()
+    assert summary["n_blocks"] == 3
+    assert summary["mean_tau"] == pytest.approx(3.0)
+    assert summary["mean_streak"] == pytest.approx(2.0)
+    assert summary["streak_hist"] == [0, 1, 1, 1]
+    # slot 1: reached 3, accepted 3. slot 2: reached 3, accepted 2 (a=3 fails at 5).
+    # slot 3: reached only at a=5 (a=3 stopped, a=9 has no label there), accepted.
+    assert summary["cond_accept"] == pytest.approx([1.0, 2 / 3, 1.0])
+    # marginal: slot 2 labels at 5, 7, 11 (5 wrong); slot 3 labels at 6, 8 only.
+    assert summary["slot_accuracy"] == pytest.approx([1.0, 2 / 3, 1.0])
+    assert summary["slot_valid"] == [3, 3, 2]
+    assert summary["topk_recall"]["2"] == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_tree_acceptance_follows_the_crafted_ranks_at_each_budget():
+    s = _sample(0, prompt=3, length=12)
+    drafter, results = _crafted({0: {5, 9}}, s)
+    evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
+    # budget 1: the single best node is slot 1's rank 0 (always the truth) -> tau 2.
+    assert results.rows["tree_tau_1"] == [2, 2, 2]
+    # budget 2: + slot 2's rank 0 under it: wrong at a=3 (position 5), right at a=5, a=9.
+    assert results.rows["tree_tau_2"] == [2, 3, 3]
+    # budget 64: the rank-1 truth at position 5 (path -2.2) is in; a=9 ends at the sequence.
+    assert results.rows["tree_tau_64"] == [4, 4, 3]
+    assert results.summary()["tree"]["2"]["mean_tau"] == pytest.approx(8 / 3)
+
+
+def test_mode_all_scores_every_eligible_anchor():
+    s = _sample(0, prompt=3, length=12)
+    drafter, results = _crafted({0: {5, 9}}, s)
+    evaluate_all(drafter, [s], results, SETTINGS, SETTINGS.top_k(VOCAB_SIZE))
+    # Anchors 3..10 (a+1 must be a response token). Streak = leading slots whose position
+    # is < 12 and not 5 or 9.
+    assert results.rows["anchor"] == list(range(3, 11))
+    assert results.rows["tau"] == [2, 1, 4, 3, 2, 1, 3, 2]
+
+
+def test_replay_steps_many_sequences_together_without_mixing_them():
+    samples = [_sample(0, 3, 12), _sample(1, 5, 30), _sample(2, 2, 9), _sample(3, 4, 5)]
+    wrong = {0: {5, 9}, 1: {8, 9, 15, 22}, 2: {3}, 3: set()}
+    expected = {}
+    for s in samples:  # each alone
+        drafter, results = _crafted(wrong, s)
+        evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
+        expected.update(results.sequences)
+    drafter, results = _crafted(wrong, *samples)
+    evaluate_replay(drafter, samples, results, SETTINGS.top_k(VOCAB_SIZE))
+    assert results.sequences == expected
+    # sample 3: prompt 0..3, response 4 only -> no anchor with a label: no block at all.
+    assert (0, 3) not in results.sequences
+
+
+def test_blocks_per_forward_and_batch_size_change_nothing():
+    samples = [_sample(0, 3, 12), _sample(1, 5, 30), _sample(2, 2, 9)]
+    wrong = {0: {5, 9}, 1: {8, 9, 15, 22}, 2: {3}}
+    runs = []
+    for batch_tokens, per_forward in ((10_000, 64), (1, 1), (40, 3)):
+        drafter, _ = _crafted(wrong, *samples)
+        settings = EvalSettings(mode="all", tree_budgets=(1, 2, 64), recall_at=(1, 2),
+                                batch_tokens=batch_tokens, blocks_per_forward=per_forward)
+        results, _ = evaluate_offline({"crafted": drafter}, samples, settings)
+        runs.append(results["crafted"].table())
+    assert runs[0] == runs[1] == runs[2]
+
+
+# -- real drafter on a store: batching invariance, sample choice, agreement ----------------
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory):
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for row in range(7):
+        length = 10 + 5 * row
+        ids = torch.randint(0, VOCAB_SIZE, (length,), generator=gen).tolist()
+        prompt = 3 + row % 3
+        top1 = ids[1:] + [0]
+        top1[prompt + 2] = (top1[prompt + 2] + 1) % VOCAB_SIZE  # one disagreement each
+        samples.append(synthetic_sample(ids, [t >= prompt for t in range(length)], top1, row,
+                                        gen))
+    return write_synthetic_store(str(tmp_path_factory.mktemp("s") / "s.zarr"), samples,
+                                 regenerated=False)
+
+
+def test_a_real_drafter_gives_the_same_blocks_whatever_the_batching(small_store):
+    store = open_store(small_store)
+    model = _with_head(random_drafter(seed=6))
+    drafter = {"d": BlockDrafter(model)}
+    rows = []
+    for mode in ("all", "replay"):
+        per_mode = []
+        for batch_tokens, per_forward in ((100_000, 64), (1, 2)):
+            settings = EvalSettings(mode=mode, batch_tokens=batch_tokens,
+                                    blocks_per_forward=per_forward)
+            results, _ = evaluate_offline(drafter, read_samples(store), settings)
+            per_mode.append(results["d"].table())
+        assert per_mode[0] == per_mode[1]
+        rows.append(per_mode[0])
+    assert len(rows[0]["tau"]) > len(rows[1]["tau"]) > 0  # all scores more anchors
+
+
+def test_limit_draws_reproducible_samples_by_seed(small_store):
+    store = open_store(small_store)
+    a, b, c = (pick_samples(store, 3, seed) for seed in (0, 0, 1))
+    assert a == b and a != c
+    assert len(a) == 3 and a == sorted(a) and len(set(a)) == 3
+    assert pick_samples(store, 100, 0) is None  # more than there are: every sample
+    assert [s.key for s in read_samples(store, a)] == a
+
+
+def test_agreement_rate_counts_stored_tokens_that_are_the_verifier_argmax(small_store):
+    store = open_store(small_store)
+    agreement = Agreement()
+    samples = list(read_samples(store))
+    for s in samples:
+        agreement.add(s)
+    # Every response token but the first is predicted at a response position or the last
+    # prompt one: L - prompt of them per sample, one of which was made to disagree.
+    total = sum(int(s.loss_mask.sum()) for s in samples)
+    assert (agreement.matches, agreement.total) == (total - len(samples), total)
+    warning = estimate_warning(store.meta, agreement)
+    assert "estimate" in warning and f"{100 * agreement.rate:.2f}%" in warning
+
+
+def test_no_warning_for_a_regenerated_store_that_agrees_fully():
+    meta = synthetic_meta(regenerated=True)
+    assert estimate_warning(meta, Agreement(10, 10)) is None
+    assert "estimate" in estimate_warning(meta, Agreement(9, 10))
