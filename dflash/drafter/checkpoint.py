@@ -181,14 +181,17 @@ def save_drafter(
     *,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `model` as a serving-format drafter directory, atomically.
 
     dtype: cast the weights (e.g. torch.bfloat16 for serving); None keeps them as they are.
+    state_dict: the full weights when the model's own are sharded (FSDP); default its own.
     """
+    weights = model.state_dict() if state_dict is None else state_dict
     state = {
         name: (t if dtype is None else t.to(dtype)).detach().to("cpu").contiguous()
-        for name, t in model.state_dict().items()
+        for name, t in weights.items()
     }
     stored = state["fc.weight"].dtype
     raw = config_to_dict(model.config, stored)

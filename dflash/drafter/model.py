@@ -143,11 +143,17 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        context_kv: tuple[torch.Tensor, torch.Tensor],
+        context: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         attend: Attend,
+        context_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context_kv, rope, attend)
+        """context: the context's cached (keys, values); or, with context_rope, the projected
+        context [N, S, H] whose keys/values this layer computes here, inside its own call,
+        where FSDP has gathered its weights."""
+        if context_rope is not None:
+            context = self.self_attn.keys_values(context, context_rope)
+        x = x + self.self_attn(self.input_layernorm(x), context, rope, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -293,10 +299,10 @@ class DFlashDrafter(nn.Module):
                 attends[rule] = _flex_attend(layout, *rule) if use_flex else _dense_attend(
                     dense_mask(layout, *rule))
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(_layer_with_context, layer, x, ctx, ctx_rope, block_rope,
-                               attends[rule], use_reentrant=False)
+                x = checkpoint(layer, x, ctx, block_rope, attends[rule], ctx_rope,
+                               use_reentrant=False)
             else:
-                x = _layer_with_context(layer, x, ctx, ctx_rope, block_rope, attends[rule])
+                x = layer(x, ctx, block_rope, attends[rule], context_rope=ctx_rope)
         return self.norm(x).view(n, k, b, -1)
 
     def forward_logits(self, *args, **kwargs) -> torch.Tensor:
@@ -338,12 +344,6 @@ class DFlashDrafter(nn.Module):
             attend = _dense_attend(dense_mask(layout, *rule))
             x = layer(x, (cache.keys[i], cache.values[i]), rope, attend)
         return self.norm(x)
-
-
-def _layer_with_context(layer, x, ctx, ctx_rope, block_rope, attend):
-    """One drafter layer with its own K/V projection of the context (KV injection)."""
-    context_kv = layer.self_attn.keys_values(ctx, ctx_rope)
-    return layer(x, context_kv, block_rope, attend)
 
 
 def _dense_attend(mask: torch.Tensor) -> Attend:

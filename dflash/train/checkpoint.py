@@ -46,21 +46,24 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
 def save_checkpoint(
     run_dir: str | Path,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_state: dict,
+    optimizer_state: dict,
     scheduler,
     state: TrainState,
     provenance: StoreMeta,
     config_toml: str,
     keep: int = 3,
 ) -> Path:
-    """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest."""
+    """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest.
+
+    model_state / optimizer_state: full (gathered) states, see parallel.full_states."""
     final = checkpoint_dir(run_dir, state.step)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_drafter(model, tmp / DRAFTER_SUBDIR)
+    save_drafter(model, tmp / DRAFTER_SUBDIR, state_dict=model_state)
     torch.save({
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
         "state": asdict(state),
         "torch_rng": torch.get_rng_state(),
@@ -109,16 +112,16 @@ def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, wh
             "(checkpoint != store):\n  " + "\n  ".join(diffs))
 
 
-def load_trainer_state(path: str | Path, optimizer, scheduler) -> TrainState:
-    """Restore optimiser, scheduler and RNG from a checkpoint; returns the run position."""
+def load_trainer_state(path: str | Path, scheduler) -> tuple[TrainState, dict]:
+    """Restore scheduler and RNG from a checkpoint; returns the run position and the full
+    optimiser state (for parallel.load_optimizer_state)."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise TrainError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     blob = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])
-    return TrainState(**blob["state"])
+    return TrainState(**blob["state"]), blob["optimizer"]
 
 
 def _fsync_tree(root: Path) -> None:

@@ -24,6 +24,7 @@ _FLAGS = {
     "device": "run.device",
     "seed": "run.seed",
     "weights": "loader.store_weights",
+    "fsdp": "run.fsdp",
 }
 
 
@@ -55,6 +56,8 @@ _FLAGS = {
 @click.option("--seed", type=int, help="Seed of weights, anchors and noise.  [default: 0]")
 @click.option("--set", "sets", multiple=True, metavar="SECTION.FIELD=VALUE",
               help="Any other setting, e.g. --set optim.weight_decay=0.01 (repeatable).")
+@click.option("--fsdp", is_flag=True, default=None,
+              help="Under torchrun: shard the drafter with FSDP2 instead of DDP.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
     """Train a DFlash drafter from feature stores; no target model is loaded.

@@ -86,6 +86,8 @@ class RunConfig:
     """Most recent checkpoints kept; older ones are deleted."""
     log_every: int = 10
     """Steps between log lines with per-slot accuracy."""
+    fsdp: bool = False
+    """Shard weights, gradients and optimiser state over ranks with FSDP2 instead of DDP."""
     gradient_checkpointing: bool = False
     """Recompute drafter layers in backward to save activation memory."""
     progress: bool = True

@@ -25,6 +25,7 @@ from dflash.store_schema.stats import store_stats
 from dflash.train.checkpoint import (
     TrainState,
     check_provenance,
+    checkpoint_dir,
     latest_checkpoint,
     load_trainer_state,
     read_provenance,
@@ -34,6 +35,14 @@ from dflash.train.config import TrainConfig, to_toml
 from dflash.train.data import Batch, StoreLoader
 from dflash.train.errors import TrainError
 from dflash.train.noise import noise_std_at
+from dflash.train.parallel import (
+    barrier,
+    full_states,
+    global_norm,
+    load_optimizer_state,
+    parallel_mode,
+    wrap,
+)
 from dflash.train.step import block_loss, make_blocks, noised_context, weight_sum
 
 TARGET_CONFIG_FILES = "target"  # store files group holding the target's config.json
@@ -139,6 +148,7 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
             check_provenance(init_meta, store.meta, store.url, cfg.model.init_from)
     else:
         model = DFlashDrafter(dcfg)
+    dcfg = model.config
     head_dtype = torch.bfloat16 if use_bf16 else torch.float32
     model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
                              rows["lm_head"].to(device, head_dtype))
@@ -149,25 +159,26 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     if cfg.noise.kind != "none" and not cfg.noise.absolute:
         layer_rms = torch.tensor(store_stats(store).rms, device=device)
 
+    found = latest_checkpoint(run_dir) if resume else None
+    if resume and found is None:
+        raise TrainError(f"--resume: no complete checkpoint under {run_dir}/checkpoints")
+    if found is not None:
+        check_provenance(read_provenance(found), store.meta, store.url, str(found))
+        model.load_state_dict(load_drafter(found).state_dict())
+
+    # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
+    mode = parallel_mode(world, cfg.run.fsdp)
+    forward_model = wrap(model, mode, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                   weight_decay=cfg.optim.weight_decay)
     warmup = max(1, round(cfg.optim.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(total_steps, warmup, cfg.optim.min_lr_ratio))
-
     state = TrainState()
-    if resume:
-        found = latest_checkpoint(run_dir)
-        if found is None:
-            raise TrainError(f"--resume: no complete checkpoint under {run_dir}/checkpoints")
-        check_provenance(read_provenance(found), store.meta, store.url, str(found))
-        model.load_state_dict(load_drafter(found).state_dict())
-        state = load_trainer_state(found, optimizer, scheduler)
+    if found is not None:
+        state, optimizer_state = load_trainer_state(found, scheduler)
+        load_optimizer_state(model, optimizer, optimizer_state)
         echo(f"resumed from {found} (step {state.step}, epoch {state.epoch})")
-    ddp_model = model
-    if world > 1:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
 
     config_toml = to_toml(cfg)
     if rank == 0:
@@ -180,9 +191,15 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     last_loss = float("nan")
     checkpoint = None
 
-    def save() -> Path:
-        return save_checkpoint(run_dir, model, optimizer, scheduler, state, store.meta,
-                               config_toml, keep=cfg.run.keep_checkpoints)
+    def save() -> Path | None:
+        """Every rank gathers (a collective under FSDP); rank 0 writes."""
+        model_state, optimizer_state = full_states(model, optimizer)
+        path = None
+        if rank == 0:
+            path = save_checkpoint(run_dir, model, model_state, optimizer_state, scheduler,
+                                   state, store.meta, config_toml, keep=cfg.run.keep_checkpoints)
+        barrier(world)
+        return path
 
     while state.epoch < cfg.optim.epochs and state.step < total_steps:
         batches = loader.epoch(state.epoch, skip_batches=state.batch_in_epoch)
@@ -203,10 +220,10 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
             if world > 1:
                 dist.all_reduce(denominator)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                hidden = ddp_model(context, batch.lengths.to(device), blocks.block_ids.to(device),
-                                   blocks.anchors.to(device))
-                # DDP averages gradients over ranks; each rank's share of the global weighted
-                # sum is scaled back up so the result is the single-process gradient.
+                hidden = forward_model(context, batch.lengths.to(device),
+                                       blocks.block_ids.to(device), blocks.anchors.to(device))
+                # DDP and FSDP average gradients over ranks; each rank's share of the global
+                # weighted sum is scaled back up so the result is the single-process gradient.
                 loss = block_loss(hidden, blocks, model.target_lm_head, cfg.loss,
                                   denominator=denominator.clamp(min=1e-12)) * world
             optimizer.zero_grad(set_to_none=True)
@@ -225,7 +242,7 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
             if log is not None:
                 record = {
                     "step": state.step, "epoch": state.epoch, "loss": last_loss,
-                    "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                    "lr": scheduler.get_last_lr()[0], "grad_norm": global_norm(grad_norm),
                     "tokens": int(batch.lengths.sum()), "samples": len(batch.refs),
                     "blocks": int(blocks.valid.any(-1).sum()),
                     "noise_std": noise_std_at(cfg.noise, state.step - 1),
@@ -240,7 +257,7 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
                     _board_write(board, record)
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", epoch=state.epoch)
-            if rank == 0 and state.step % cfg.run.checkpoint_every == 0:
+            if state.step % cfg.run.checkpoint_every == 0:
                 checkpoint = save()
             if state.step >= total_steps:
                 break
@@ -251,14 +268,13 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
             continue
         break
     bar.close()
-    if rank == 0 and (checkpoint is None or checkpoint.name != f"step_{state.step:08d}"):
+    if latest_checkpoint(run_dir) != checkpoint_dir(run_dir, state.step):
         checkpoint = save()
     if log is not None:
         log.close()
     if board is not None:
         board.close()
-    if world > 1:
-        dist.barrier()
+    barrier(world)
     return TrainResult(state.step, last_loss, checkpoint or latest_checkpoint(run_dir), run_dir)
 
 

@@ -1,10 +1,11 @@
-"""Two processes under torchrun (gloo, CPU) train exactly what one process trains."""
+"""Two processes under torchrun (gloo, CPU), with DDP or FSDP2, train what one process trains."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -15,7 +16,9 @@ from dflash.train.checkpoint import latest_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_two_ranks_match_one_process(synthetic_store, tmp_path):
+
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding):
     args = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "256",
             "--anchors-per-seq", "8", "--max-steps", "6", "--lr", "3e-3", "--no-progress",
             "--set", "loader.prefetch_batches=0", "--set", "run.log_every=1"]
@@ -23,7 +26,7 @@ def test_two_ranks_match_one_process(synthetic_store, tmp_path):
     assert one.exit_code == 0, one.output
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "dflash", "train", "--out", str(tmp_path / "two"), *args],
+         "-m", "dflash", "train", "--out", str(tmp_path / "two"), *args, *sharding],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
 
