@@ -34,13 +34,15 @@ def make_meta(num_parts: int = 2, hidden_dtype: str = "bfloat16", **target) -> S
     )
 
 
-def random_sample(length: int, row: int, gen: torch.Generator, dtype=torch.bfloat16) -> Sample:
+def random_sample(
+    length: int, row: int, gen: torch.Generator, dtype=torch.bfloat16, hidden: int = HIDDEN
+) -> Sample:
     logits = torch.randn(length, TOP_K, generator=gen).sort(dim=1, descending=True).values
     return Sample(
         input_ids=torch.randint(0, VOCAB, (length,), generator=gen, dtype=torch.int32),
         loss_mask=torch.rand(length, generator=gen) > 0.3,
         # Wide range of magnitudes, as real hidden states with outlier channels have.
-        context=(torch.randn(length, LAYERS, HIDDEN, generator=gen) * 100).to(dtype),
+        context=(torch.randn(length, LAYERS, hidden, generator=gen) * 100).to(dtype),
         topk_ids=torch.randint(0, VOCAB, (length, TOP_K), generator=gen, dtype=torch.int32),
         topk_logits=logits,
         lse=logits[:, 0] + torch.rand(length, generator=gen) + 0.1,
