@@ -70,9 +70,19 @@ def sample_anchors(
 
 
 def block_position_ids(anchors: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """Absolute position ids of each block: a .. a+B-1 (never a+1 .. a+B)."""
-    _check_1d(anchors, "anchors")
-    return anchors.long()[:, None] + torch.arange(block_size, device=anchors.device)  # [N, B]
+    """Absolute position ids of each block: a .. a+B-1 (never a+1 .. a+B); [..., K] -> [..., K, B].
+
+    The one place this arithmetic lives: labels, masks and RoPE positions all come from it."""
+    return anchors.long().unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
+
+
+def build_block_ids(
+    anchor_tokens: torch.Tensor, mask_token_id: int, block_size: int = BLOCK_SIZE
+) -> torch.Tensor:
+    """Block token ids [..., B]: each anchor token followed by B-1 mask tokens."""
+    ids = anchor_tokens.new_full((*anchor_tokens.shape, block_size), mask_token_id)
+    ids[..., 0] = anchor_tokens
+    return ids
 
 
 def block_input_ids(
@@ -81,13 +91,9 @@ def block_input_ids(
     mask_token_id: int,
     block_size: int = BLOCK_SIZE,
 ) -> torch.Tensor:
-    """Token ids fed to the drafter: [token at a, MASK x (B-1)] per anchor."""
+    """Token ids fed to the drafter: [token at a, MASK x (B-1)] per anchor; [N, B]."""
     _check_anchors(anchors, input_ids.shape[0], "input_ids")
-    out = torch.full(
-        (anchors.numel(), block_size), mask_token_id, dtype=torch.long, device=input_ids.device
-    )
-    out[:, 0] = input_ids[anchors.long()]
-    return out  # [N, B]
+    return build_block_ids(input_ids[anchors.long()].long(), mask_token_id, block_size)
 
 
 def block_label_mask(

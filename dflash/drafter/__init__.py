@@ -22,6 +22,7 @@ Typical use (the caller applies the lm_head, in chunks if memory is tight):
 This package never reads the feature store, samples anchors, or computes losses.
 """
 
+from dflash.blocks import build_block_ids
 from dflash.drafter.checkpoint import (
     DRAFTER_SUBDIR,
     export_checkpoint,
@@ -31,8 +32,8 @@ from dflash.drafter.checkpoint import (
 )
 from dflash.drafter.config import DrafterConfig, default_target_layer_ids
 from dflash.drafter.errors import DrafterError
-from dflash.drafter.masks import BlockLayout, block_positions, dense_mask, flex_block_mask
-from dflash.drafter.model import ContextCache, DFlashDrafter, build_block_ids
+from dflash.drafter.masks import BlockLayout, dense_mask, flex_block_mask
+from dflash.drafter.model import ContextCache, DFlashDrafter
 
 __all__ = [
     "DRAFTER_SUBDIR",
@@ -41,7 +42,6 @@ __all__ = [
     "DFlashDrafter",
     "DrafterConfig",
     "DrafterError",
-    "block_positions",
     "build_block_ids",
     "default_target_layer_ids",
     "dense_mask",

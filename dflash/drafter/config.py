@@ -10,12 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dflash.blocks import BLOCK_SIZE
 from dflash.drafter.errors import DrafterError
 
 LayerType = Literal["full_attention", "sliding_attention"]
 
-DEFAULT_BLOCK_SIZE = 16
-"""Tokens per drafted block: the anchor plus 15 drafts (REFERENCE.md 1, DFlash b16)."""
+DEFAULT_BLOCK_SIZE = BLOCK_SIZE
+"""Tokens per drafted block (dflash.blocks owns the number: REFERENCE.md 1, DFlash b16)."""
 
 
 KNOWN_MASK_TOKEN_IDS = {"qwen3_5": 248070, "qwen3_5_text": 248070, "qwen3": 151669}

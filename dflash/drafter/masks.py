@@ -23,12 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from dflash.blocks import block_position_ids
 from dflash.drafter.errors import DrafterError
-
-
-def block_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Absolute positions of every block slot: [..., K] anchors -> [..., K, B] = a .. a+B-1."""
-    return anchors.unsqueeze(-1) + torch.arange(block_size, device=anchors.device)
 
 
 @dataclass
@@ -70,7 +66,7 @@ class BlockLayout:
 
     def query_positions(self) -> torch.Tensor:
         """[N, K*B] absolute position of every query (block slot)."""
-        return block_positions(self.anchors, self.block_size).flatten(1)
+        return block_position_ids(self.anchors, self.block_size).flatten(1)
 
     def query_anchors(self) -> torch.Tensor:
         """[N, K*B] anchor of the block each query belongs to."""

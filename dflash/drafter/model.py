@@ -175,15 +175,6 @@ class ContextCache:
         self.length = min(self.length, length)
 
 
-def build_block_ids(
-    anchor_tokens: torch.Tensor, mask_token_id: int, block_size: int
-) -> torch.Tensor:
-    """Block token ids [..., B]: each anchor token followed by B-1 mask tokens."""
-    ids = anchor_tokens.new_full((*anchor_tokens.shape, block_size), mask_token_id)
-    ids[..., 0] = anchor_tokens
-    return ids
-
-
 class DFlashDrafter(nn.Module):
     """The DFlash drafter. Borrowed target rows via `attach_target_head`."""
 

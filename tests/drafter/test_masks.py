@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from dflash.drafter import BlockLayout, block_positions, dense_mask, flex_block_mask
+from dflash.blocks import block_position_ids
+from dflash.drafter import BlockLayout, dense_mask, flex_block_mask
 
 B = 4
 RULES = list(itertools.product([False, True], [None, 3, 6]))  # (causal, window)
@@ -43,7 +44,7 @@ def _expected_mask(layout: BlockLayout, causal: bool, window: int | None) -> tor
 
 def test_block_positions_are_anchor_to_anchor_plus_b_minus_1():
     anchors = torch.tensor([[0, 7, 31], [5, 2, 100]])
-    got = block_positions(anchors, 16)
+    got = block_position_ids(anchors, 16)
     for s, blk in itertools.product(range(2), range(3)):
         a = int(anchors[s, blk])
         assert got[s, blk].tolist() == list(range(a, a + 16))

@@ -247,7 +247,7 @@ def test_block_positions_off_by_one_is_caught(monkeypatch):
     # comparison must fail, so the test above really pins the positions.
     model = tiny_drafter(4, sliding_window=5)
     monkeypatch.setattr(
-        masks, "block_positions",
+        masks, "block_position_ids",
         lambda anchors, b: anchors.unsqueeze(-1) + 1 + torch.arange(b, device=anchors.device),
     )
     assert _forward_vs_reference(model) > CHANGED
