@@ -39,7 +39,10 @@ class LoaderConfig:
     max_length: int | None = None
     """Samples longer than this are cut to their first max_length tokens."""
     prefetch_batches: int = 2
-    """Batches read ahead in a background thread, overlapping I/O with compute."""
+    """Batches read ahead (per worker), overlapping I/O with compute."""
+    workers: int = 0
+    """DataLoader worker processes reading batches (spawned, each re-opens the stores);
+    0 reads in a background thread of this process."""
     seed: int = 0
     """Seeds the order; epoch e of seed s is the same on every run and every rank."""
     store_weights: list[float] | None = None
@@ -197,12 +200,46 @@ class StoreLoader:
         """Batches of `epoch`, starting after `skip_batches` (resume: no data is read for them).
 
         None stands for a global batch with no sample for this rank (it must still step)."""
-        plan = self.plan(epoch)
+        if self.cfg.workers > 0:
+            yield from _worker_batches(self, epoch, skip_batches)
+            return
+        yield from _prefetch(self._batches(epoch, skip_batches), self.cfg.prefetch_batches)
+
+    def _batches(self, epoch: int, skip: int, worker: int = 0, workers: int = 1):
+        """Batches skip, skip+1, ... of the epoch's plan, of which this worker reads every
+        `workers`-th; a DataLoader interleaving its workers round-robin restores the order."""
         reader = _UnitReader({(i, p.index): p for i, p in self.parts}, self.cfg)
-        for _ in range(skip_batches):
-            if next(plan, None) is None:
-                return
-        yield from _prefetch(map(reader.load, plan), self.cfg.prefetch_batches)
+        for i, refs in enumerate(self.plan(epoch)):
+            if i >= skip and (i - skip) % workers == worker:
+                yield reader.load(refs)
+
+
+class _EpochDataset(torch.utils.data.IterableDataset):
+    """One epoch's batches for DataLoader workers; pickles as URLs and settings only."""
+
+    def __init__(self, loader: StoreLoader, epoch: int, skip: int):
+        self.args = ([s.url for s in loader.stores], loader.cfg, loader.rank, loader.world)
+        self.epoch, self.skip = epoch, skip
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        loader = StoreLoader(*self.args)  # zarr's event loop does not survive a fork: reopen
+        for batch in loader._batches(self.epoch, self.skip, worker, workers):
+            yield (batch,)  # a tuple, so an empty-rank None passes through the DataLoader
+
+
+def _unwrap(item):
+    return item
+
+
+def _worker_batches(loader: StoreLoader, epoch: int, skip: int) -> Iterator[Batch | None]:
+    data = torch.utils.data.DataLoader(
+        _EpochDataset(loader, epoch, skip), batch_size=None, collate_fn=_unwrap,
+        num_workers=loader.cfg.workers, multiprocessing_context="spawn",
+        prefetch_factor=max(1, loader.cfg.prefetch_batches))
+    for (batch,) in data:
+        yield batch
 
 
 _SMALL_ARRAYS = ("input_ids", "loss_mask", "verifier_topk_ids", "verifier_topk_logits",

@@ -113,3 +113,14 @@ def test_store_weights_repeat_or_subsample_each_store(store_url, tmp_path):
     assert set(second) == {1} and 40 <= len(second) <= 160  # about half of store 1's units
     loaded = sum(len(b.refs) for b in loader.epoch(0) if b is not None)
     assert loaded == sum(counts.values())
+
+
+def test_worker_processes_yield_the_same_batches_in_the_same_order(store_url):
+    def refs(batches):
+        return [[(r.part, r.index) for r in b.refs] for b in batches]
+
+    inline = list(StoreLoader([store_url], _cfg()).epoch(2, skip_batches=1))
+    workers = list(StoreLoader([store_url], _cfg(workers=2)).epoch(2, skip_batches=1))
+    assert refs(workers) == refs(inline) and len(inline) > 3
+    for a, b in zip(inline, workers, strict=True):
+        assert torch.equal(a.context, b.context) and torch.equal(a.topk_ids, b.topk_ids)
