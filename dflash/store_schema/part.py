@@ -22,6 +22,7 @@ from dflash.store_schema.layout import (
     SAMPLE_CHUNK,
     TOKEN_ARRAYS,
     TOKEN_CHUNK_SHARDS,
+    context_compressors,
     nonfinite_hidden,
     part_path,
     storage_dtype,
@@ -112,7 +113,7 @@ class Part:
 
 
 def _token_array_spec(store: "Store", name: str) -> tuple[tuple[int, ...], type, dict]:
-    """Inner shape, storage dtype and chunking keyword arguments of a token array."""
+    """Inner shape, storage dtype and chunking / codec keyword arguments of a token array."""
     meta = store.meta
     shard = store.shard_tokens
     spec = next(a for a in TOKEN_ARRAYS if a.name == name)
@@ -120,9 +121,11 @@ def _token_array_spec(store: "Store", name: str) -> tuple[tuple[int, ...], type,
         n, h = meta.num_context_layers, meta.target.hidden_size
         inner = min(CONTEXT_INNER_TOKENS, shard)
         return (n, h), storage_dtype(meta.hidden_dtype), {
-            "chunks": (inner, 1, h), "shards": (shard, n, h)}
+            "chunks": (inner, 1, h), "shards": (shard, n, h),
+            "compressors": context_compressors(meta.hidden_dtype)}
     inner_shape = (meta.top_k,) if spec.width == "top_k" else ()
-    return inner_shape, spec.dtype, {"chunks": (shard * TOKEN_CHUNK_SHARDS, *inner_shape)}
+    return inner_shape, spec.dtype, {"chunks": (shard * TOKEN_CHUNK_SHARDS, *inner_shape),
+                                     "compressors": token_compressors()}
 
 
 class PartWriter:
@@ -168,9 +171,9 @@ class PartWriter:
     def _create(self, path: str) -> zarr.Group:
         group = self.store.root.require_group(path)
         for a in TOKEN_ARRAYS:
-            inner, dtype, chunking = _token_array_spec(self.store, a.name)
-            group.create_array(a.name, shape=(0, *inner), dtype=dtype,
-                               compressors=token_compressors(), overwrite=True, **chunking)
+            inner, dtype, encoding = _token_array_spec(self.store, a.name)
+            group.create_array(a.name, shape=(0, *inner), dtype=dtype, overwrite=True,
+                               **encoding)
         for name, dtype in SAMPLE_ARRAYS.items():
             group.create_array(name, shape=(0,), chunks=(SAMPLE_CHUNK,), dtype=dtype,
                                compressors=token_compressors(), overwrite=True)

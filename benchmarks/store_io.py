@@ -1,0 +1,201 @@
+"""Store I/O against the physical limit and the peers' per-sample files, side by side.
+
+    python benchmarks/store_io.py [--tokens 16384] [--hidden 5120] [--layers 5] [--dir /tmp]
+
+Writes the same synthetic bf16 hidden states (outlier channels and token-to-token correlation,
+like real ones) four ways and reads them back, in one run, and prints ratios:
+  write   part writer (default codec)      vs raw sequential write + fsync of the same bytes
+  read    training loader, shuffled order  vs raw sequential read of the raw file
+          training loader                  vs one safetensors file per sample (copying read)
+  size    bytes/token on disk by codec (none, zstd-1, zstd-1 on byte-shuffled data)
+Ratios, not absolute times, are the result: these machines are noisy. Not a test.
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numcodecs
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.store_schema import (
+    CreatedWith,
+    Sample,
+    SourceInfo,
+    StoreMeta,
+    TargetInfo,
+    TokenizerInfo,
+    create_store,
+)
+from dflash.store_schema.info import summarize
+from dflash.store_schema.store import open_store
+from dflash.train.data import LoaderConfig, StoreLoader
+
+SAMPLE_TOKENS = 1024
+TOP_K = 16
+
+
+def synthetic_hidden(tokens: int, layers: int, hidden: int, seed: int = 0) -> torch.Tensor:
+    """bf16 [T, n, H]: a slowly drifting base per layer, a few outlier channels ~300x larger."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(layers, hidden, generator=gen)
+    drift = torch.randn(tokens, layers, hidden, generator=gen) * 0.5
+    x = base + drift.cumsum(0) / torch.arange(1, tokens + 1).sqrt()[:, None, None]
+    outliers = torch.randint(0, hidden, (layers, 4), generator=gen)
+    for layer in range(layers):
+        x[:, layer, outliers[layer]] *= 300
+    return x.to(torch.bfloat16)
+
+
+def _meta(layers: int, hidden: int, tokens: int) -> StoreMeta:
+    return StoreMeta(
+        target=TargetInfo("synthetic", None, "qwen3_5", 64, hidden, 248320, "0" * 64),
+        tokenizer=TokenizerInfo("0" * 64, None, False),
+        source=SourceInfo(["synthetic"], ["0" * 64], SAMPLE_TOKENS, False,
+                          tokens // SAMPLE_TOKENS),
+        created_with=CreatedWith("bench", torch.__version__, "-", "cpu", "-"),
+        context_layer_ids=list(range(1, layers + 1)), top_k=TOP_K, hidden_dtype="bfloat16",
+        num_parts=1)
+
+
+def samples(context: torch.Tensor) -> list[Sample]:
+    out = []
+    for row, start in enumerate(range(0, context.shape[0], SAMPLE_TOKENS)):
+        c = context[start:start + SAMPLE_TOKENS]
+        n = c.shape[0]
+        logits = torch.linspace(10, 0, TOP_K).expand(n, TOP_K).contiguous()
+        out.append(Sample(torch.arange(n, dtype=torch.int32), torch.ones(n, dtype=torch.bool),
+                          c, torch.arange(n * TOP_K, dtype=torch.int32).view(n, TOP_K) % 248320,
+                          logits, torch.full((n,), 11.0), row))
+    return out
+
+
+def _drop_caches() -> None:
+    """Best effort: without root the reads below may come from the page cache for all."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench(tokens: int, layers: int, hidden: int, root: Path) -> list[tuple[str, str]]:
+    context = synthetic_hidden(tokens, layers, hidden)
+    items = samples(context)
+    raw_bytes = context.numel() * 2
+    rows: list[tuple[str, str]] = []
+
+    # -- write ------------------------------------------------------------------------
+    raw = root / "raw.bin"
+
+    def write_raw():
+        with open(raw, "wb") as f:
+            f.write(context.view(torch.int16).numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+
+    store_url = str(root / "hs.zarr")
+
+    def write_store():
+        store = create_store(store_url, _meta(layers, hidden, tokens))
+        writer = store.part_writer(0, 0, len(items))
+        for s in items:
+            writer.append(s)
+        writer.finish()
+        os.sync()
+
+    t_raw, t_store = timed(write_raw), timed(write_store)
+    rows.append(("write: part writer / raw+fsync", f"{t_raw / t_store:.2f}x "
+                 f"({raw_bytes / t_store / 1e6:.0f} vs {raw_bytes / t_raw / 1e6:.0f} MB/s)"))
+
+    per_sample = root / "per_sample"
+    per_sample.mkdir()
+
+    def write_files():
+        for s in items:
+            save_file({"hidden_states": s.context, "input_ids": s.input_ids,
+                       "loss_mask": s.loss_mask, "topk_ids": s.topk_ids,
+                       "topk_logits": s.topk_logits, "lse": s.lse},
+                      str(per_sample / f"{s.source_row:08d}.safetensors"))
+        os.sync()
+
+    t_files = timed(write_files)
+    rows.append(("write: part writer / per-sample safetensors", f"{t_files / t_store:.2f}x"))
+
+    # -- read --------------------------------------------------------------------------
+    _drop_caches()
+    t_raw_read = timed(lambda: np.fromfile(raw, dtype=np.int16).sum())
+    _drop_caches()
+    cfg = LoaderConfig(batch_tokens=4 * SAMPLE_TOKENS, shuffle_buffer_tokens=8 * SAMPLE_TOKENS,
+                       prefetch_batches=2)
+    read = []
+    t_loader = timed(lambda: read.extend(b.num_tokens for b in
+                                         StoreLoader([store_url], cfg).epoch(0)))
+    assert sum(read) == tokens
+    _drop_caches()
+    order = np.random.default_rng(0).permutation(len(items))
+    t_files_read = timed(lambda: [load_file(str(per_sample / f"{i:08d}.safetensors"))
+                                  ["hidden_states"].float().sum() for i in order])
+    rows.append(("read: loader (shuffled) / raw sequential",
+                 f"{t_raw_read / t_loader:.2f}x ({raw_bytes / t_loader / 1e6:.0f} vs "
+                 f"{raw_bytes / t_raw_read / 1e6:.0f} MB/s)"))
+    rows.append(("read: loader / per-sample safetensors", f"{t_files_read / t_loader:.2f}x"))
+
+    # -- size --------------------------------------------------------------------------
+    store_disk = summarize(open_store(store_url)).part_bytes_on_disk
+    files_disk = sum(f.stat().st_size for f in per_sample.iterdir())
+    rows.append(("disk: store / per-sample files", f"{store_disk / files_disk:.2f}x "
+                 f"({store_disk / tokens:.0f} vs {files_disk / tokens:.0f} B/token)"))
+    files_per_tb = {"store": 1e12 / (store_disk / max(1, _objects(Path(store_url)))),
+                    "per-sample": 1e12 / (files_disk / len(items))}
+    rows.append(("files per TB: store / per-sample",
+                 f"{files_per_tb['store']:.3g} / {files_per_tb['per-sample']:.3g}"))
+    bits = context.view(torch.int16).numpy()
+    for name, codec, data in (
+        ("none", None, bits),
+        ("zstd-1", numcodecs.Zstd(level=1), bits),
+        ("zstd-1 + byte shuffle", numcodecs.Zstd(level=1),
+         numcodecs.Shuffle(elementsize=2).encode(bits)),
+    ):
+        size = len(codec.encode(np.ascontiguousarray(data))) if codec else data.nbytes
+        rows.append((f"size: {name}", f"{size / tokens:.0f} B/token "
+                     f"(ratio {data.nbytes / size:.2f})"))
+    return rows
+
+
+def _objects(path: Path) -> int:
+    return sum(1 for p in path.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=5120)
+    parser.add_argument("--layers", type=int, default=5)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir=args.dir))
+    try:
+        rows = bench(args.tokens, args.layers, args.hidden, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"store I/O, {args.tokens} tokens x {args.layers} layers x {args.hidden} (bf16), "
+          f"{time.strftime('%Y-%m-%d')}")
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()
