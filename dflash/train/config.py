@@ -80,6 +80,8 @@ class RunConfig:
     """auto: bf16 autocast on CUDA, fp32 on CPU."""
     anchors_per_seq: int = ANCHORS_PER_SEQ
     """Blocks per sequence per epoch (re-sampled every epoch)."""
+    pad_blocks_to: int | None = None
+    """Round blocks per sequence up to a multiple of this; None: 32 on CUDA, 1 elsewhere."""
     checkpoint_every: int = 500
     """Optimiser steps between checkpoints (one is always written at the end)."""
     keep_checkpoints: int = 3

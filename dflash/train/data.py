@@ -40,6 +40,9 @@ class LoaderConfig:
     """Samples longer than this are cut to their first max_length tokens."""
     prefetch_batches: int = 2
     """Batches read ahead (per worker), overlapping I/O with compute."""
+    pad_to: int = 1
+    """Round each batch's length up to a multiple of this (CUDA: 256, so compiled flex
+    attention sees few shapes); padding never changes the loss."""
     workers: int = 0
     """DataLoader worker processes reading batches (spawned, each re-opens the stores);
     0 reads in a background thread of this process."""
@@ -80,6 +83,10 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _read_units(lengths: np.ndarray, unit_tokens: int) -> list[tuple[int, int]]:
@@ -141,9 +148,10 @@ def _add(batch: list[SampleRef], ref: SampleRef, budget: int):
     return batch
 
 
-def collate(samples: list[Sample], refs: list[SampleRef]) -> Batch:
-    """Pad samples to the longest; padding is never a loss position."""
-    b, t = len(samples), max(len(s) for s in samples)
+def collate(samples: list[Sample], refs: list[SampleRef], pad_to: int = 1) -> Batch:
+    """Pad samples to the longest, rounded up to a multiple of `pad_to` (few distinct shapes
+    keep compiled kernels from recompiling); padding is never a loss position."""
+    b, t = len(samples), _round_up(max(len(s) for s in samples), pad_to)
     s0 = samples[0]
     n, h = s0.context.shape[1:]
     k = s0.topk_ids.shape[1]
@@ -254,6 +262,7 @@ class _UnitReader:
     def __init__(self, parts: dict[tuple[int, int], Part], cfg: LoaderConfig):
         self.parts = parts
         self.max_length = cfg.max_length
+        self.pad_to = cfg.pad_to
         self.capacity = cfg.unit_cache_tokens
         self.cache: OrderedDict[tuple, tuple[int, dict[str, np.ndarray]]] = OrderedDict()
         self.cached_tokens = 0
@@ -286,7 +295,7 @@ class _UnitReader:
     def load(self, refs: list[SampleRef]) -> Batch | None:
         if not refs:
             return None
-        return collate([self._sample(r) for r in refs], refs)
+        return collate([self._sample(r) for r in refs], refs, self.pad_to)
 
 
 def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:

@@ -10,7 +10,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -130,8 +130,13 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     run_dir = Path(cfg.run.out_dir)
     torch.manual_seed(cfg.run.seed)
 
-    # Data: a deterministic plan over complete parts; this rank reads only its share.
-    loader = StoreLoader(cfg.stores, cfg.loader, rank=rank, world=world)
+    # Data: a deterministic plan over complete parts; this rank reads only its share. On CUDA
+    # batches are padded to few shapes, so compiled flex attention does not recompile often.
+    cuda = device.type == "cuda"
+    loader_cfg = replace(cfg.loader, pad_to=cfg.loader.pad_to if not cuda or
+                         cfg.loader.pad_to > 1 else 256)
+    pad_blocks_to = cfg.run.pad_blocks_to or (32 if cuda else 1)
+    loader = StoreLoader(cfg.stores, loader_cfg, rank=rank, world=world)
     store = loader.stores[0]
     steps_per_epoch = loader.batches_per_epoch()
     total_steps = steps_per_epoch * cfg.optim.epochs
@@ -211,7 +216,8 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
             blocks = make_blocks(batch, mask_token_id=dcfg.mask_token_id,
                                  block_size=dcfg.block_size,
                                  anchors_per_seq=cfg.run.anchors_per_seq, seed=cfg.run.seed,
-                                 epoch=state.epoch, soft_targets=cfg.loss.kind == "kl-topk")
+                                 epoch=state.epoch, soft_targets=cfg.loss.kind == "kl-topk",
+                                 pad_blocks_to=pad_blocks_to)
             # Labels and weights are fixed above from stored verifier ids; only now is the
             # context noised, on a copy that nothing but the drafter's fc reads.
             context = noised_context(batch, layer_rms, cfg.noise, seed=cfg.run.seed,

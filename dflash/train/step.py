@@ -48,15 +48,20 @@ def make_blocks(
     seed: int,
     epoch: int,
     soft_targets: bool = False,
+    pad_blocks_to: int = 1,
 ) -> Blocks:
-    """Sample this epoch's anchors for every sequence and build their blocks and labels."""
+    """Sample this epoch's anchors for every sequence and build their blocks and labels.
+
+    Blocks per sequence are rounded up to a multiple of `pad_blocks_to` with label-less
+    padding blocks (few distinct shapes for compiled kernels; the loss is unchanged)."""
     per_seq = []
     for row, ref in enumerate(batch.refs):
         n = int(batch.lengths[row])
         mask = batch.loss_mask[row, :n]
         gen = anchor_generator(seed, epoch, sample_uid(ref))
         per_seq.append(sample_anchors(mask, anchors_per_seq, gen))
-    rows, k = len(per_seq), max([1] + [a.numel() for a in per_seq])
+    rows = len(per_seq)
+    k = -(-max([1] + [a.numel() for a in per_seq]) // pad_blocks_to) * pad_blocks_to
     out = Blocks(
         anchors=torch.ones(rows, k, dtype=torch.long),
         block_ids=torch.full((rows, k, block_size), mask_token_id, dtype=torch.long),

@@ -192,3 +192,16 @@ def test_tensorboard_events_carry_the_logged_scalars(synthetic_store, tmp_path):
     assert [s for s, _ in tags["loss"]] == [1, 2, 3]
     assert [v for _, v in tags["loss"]] == pytest.approx([r["loss"] for r in log])
     assert "slot_acc/01" in tags and "lr" in tags
+
+
+def test_padding_batches_and_blocks_leaves_the_loss_unchanged(synthetic_store, tmp_path):
+    plain = train(_cfg(synthetic_store, tmp_path / "a", **{"optim.max_steps": 3}))
+    padded = train(_cfg(synthetic_store, tmp_path / "b", **{
+        "optim.max_steps": 3, "loader.pad_to": 64, "run.pad_blocks_to": 16}))
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "log.jsonl").open()]
+              for run in ("a", "b")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    a = load_drafter(plain.checkpoint).state_dict()
+    b = load_drafter(padded.checkpoint).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
