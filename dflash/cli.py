@@ -6,6 +6,7 @@ from dflash import __version__
 from dflash.drafter.command import export_command
 from dflash.evaluate.command import eval_command
 from dflash.extract.command import extract
+from dflash.quickstart import quickstart
 from dflash.store_schema.command import store
 from dflash.train.command import log_group, train_command
 
@@ -25,3 +26,4 @@ main.add_command(train_command)
 main.add_command(eval_command)
 main.add_command(export_command)
 main.add_command(log_group)
+main.add_command(quickstart)

@@ -25,10 +25,10 @@ def _rank_and_world() -> tuple[int, int]:
 
 @click.command("extract", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", required=True, help="Target checkpoint directory (HF format).")
-@click.option("--data", "data", required=True, multiple=True,
+@click.option("--data", "data", multiple=True,
               help="Input .jsonl or .parquet of chats ('messages') or 'prompt'/'response' "
-                   "pairs; repeat for several files. Required for now: the embedded prompt "
-                   "set used when it is omitted does not ship yet.")
+                   "pairs; repeat for several files. Default: the embedded coding prompts "
+                   "(train split), which implies --regenerate.")
 @click.option("--out", required=True, help="Store to create or resume (path or fsspec URL).")
 @click.option("--layers", default=None,
               help="Comma-separated target layer ids (id k = HF hidden_states[k+1]). "

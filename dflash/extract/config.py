@@ -11,7 +11,8 @@ class ExtractConfig:
     model: str
     """Target checkpoint: a local directory (or a hub id already in the local cache)."""
     data: list[str]
-    """Input files, .jsonl or .parquet, of chats ("messages") or "prompt"/"response" pairs."""
+    """Input files, .jsonl or .parquet, of chats ("messages") or "prompt"/"response" pairs;
+    empty: the embedded coding prompts (train split), which implies `regenerate`."""
     out: str
     """Store to create or resume: a local path or an fsspec URL."""
     layers: str | None = None

@@ -13,7 +13,7 @@ import fcntl
 import os
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -99,6 +99,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     """Run extract for this rank; returns what it did."""
     if not 0 <= rank < world_size:
         raise ExtractError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    cfg = with_default_data(cfg, echo)
     source = open_source(cfg.data)
     config = load_config(cfg.model)
     info = target_info(cfg.model, config, cfg.revision)
@@ -155,6 +156,21 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
         writer.close()
     summary.store_complete = _complete(cfg.out)
     return summary
+
+
+def with_default_data(cfg: ExtractConfig, echo=print) -> ExtractConfig:
+    """No --data: the embedded prompt set's train split, whose responses must be regenerated
+    (they are the original code, not anything the target said)."""
+    if cfg.data:
+        return cfg
+    from dflash.assets.embedded import prompt_file
+
+    try:
+        path = str(prompt_file("train"))
+    except FileNotFoundError as e:
+        raise ExtractError(f"no --data given and {e}") from e
+    echo(f"no --data: using the embedded coding prompts {path} (implies --regenerate)")
+    return replace(cfg, data=[path], regenerate=True)
 
 
 def _scan(source: ChatSource, tokenizer, parts: list[PartPlan], cfg: ExtractConfig
