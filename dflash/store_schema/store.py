@@ -193,12 +193,13 @@ class Store:
         return Part(self, index, group)
 
     def part_names(self) -> list[str]:
-        """Names under parts/, listed without opening them (one may be torn)."""
+        """Names under parts/, listed without opening them (one may be torn). Leftovers of
+        an atomic write cut short by a crash (`*.partial`, local disks) are not parts."""
         prefix = f"{self.root.path}/{PARTS_GROUP}" if self.root.path else PARTS_GROUP
 
         async def names():
             return sorted([n async for n in self.root.store.list_dir(prefix)
-                           if n != "zarr.json"])
+                           if n != "zarr.json" and not n.endswith(".partial")])
 
         return sync(names())
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import zarr
 
-from dflash.store_schema import create_store, validate
+from dflash.store_schema import create_store, open_store, validate
 from dflash.store_schema.layout import part_path
 from tests.store_schema.conftest import make_meta, random_sample
 
@@ -104,3 +104,11 @@ def test_torn_commit_record_is_reported_not_raised(store_path):
     findings = validate(str(store_path))
     assert [(f.part, f.kind) for f in findings] == [(0, "record")]
     assert "unreadable" in findings[0].message
+
+
+def test_a_crash_leftover_partial_file_is_not_a_part(store_path):
+    # zarr's local writes go to '<name>.<hex>.partial' and are renamed into place; a SIGKILL
+    # in between (e.g. while a new part's parent group metadata is rewritten) leaves one.
+    (store_path / "parts" / "zarr.8d8ace2714084ada90e06ffbae715fc0.partial").write_text("{")
+    assert validate(str(store_path)) == []
+    assert [p.index for p in open_store(str(store_path)).parts()] == [0]
