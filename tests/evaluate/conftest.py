@@ -105,6 +105,16 @@ def fit_drafter(model: DFlashDrafter, store_url: str, steps: int, lr: float = 3e
     return model.requires_grad_(False)
 
 
+def regenerated_store(tmp_path_factory, name: str, target: str, rows: int, new_tokens: int):
+    """`extract --regenerate` of `rows` chats by `target` into a fresh `<name>.zarr`."""
+    tmp = tmp_path_factory.mktemp(name)
+    data = write_jsonl(tmp / "chats.jsonl", make_chats(rows))
+    out = str(tmp / f"{name}.zarr")
+    run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=new_tokens,
+                    layers=",".join(map(str, LAYERS)))
+    return out
+
+
 @pytest.fixture(scope="session")
 def eos_target_dir(tmp_path_factory) -> str:
     return save_eos_target(tmp_path_factory.mktemp("eos_target"))
@@ -112,12 +122,7 @@ def eos_target_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def regen_store(tmp_path_factory, eos_target_dir) -> str:
-    tmp = tmp_path_factory.mktemp("regen")
-    data = write_jsonl(tmp / "chats.jsonl", make_chats(12))
-    out = str(tmp / "regen.zarr")
-    run_extract_cfg(eos_target_dir, data, out, regenerate=True, max_new_tokens=MAX_NEW_TOKENS,
-                    layers=",".join(map(str, LAYERS)))
-    return out
+    return regenerated_store(tmp_path_factory, "regen", eos_target_dir, 12, MAX_NEW_TOKENS)
 
 
 def fitted_drafter_dir(tmp_path_factory, store_url: str, steps: int, name: str) -> str:
@@ -139,12 +144,7 @@ def hybrid_target_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def hybrid_store(tmp_path_factory, hybrid_target_dir) -> str:
     """`extract --regenerate` of the Qwen3.5 hybrid (linear attention x 3, full x 1)."""
-    tmp = tmp_path_factory.mktemp("hybrid")
-    data = write_jsonl(tmp / "chats.jsonl", make_chats(8))
-    out = str(tmp / "hybrid.zarr")
-    run_extract_cfg(hybrid_target_dir, data, out, regenerate=True, max_new_tokens=24,
-                    layers=",".join(map(str, LAYERS)))
-    return out
+    return regenerated_store(tmp_path_factory, "hybrid", hybrid_target_dir, 8, 24)
 
 
 @pytest.fixture(scope="session")
