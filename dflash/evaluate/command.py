@@ -68,6 +68,9 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--model", default=None, help="Target checkpoint for --online.")
 @click.option("--max-new-tokens", default=None, type=click.IntRange(1),
               help="--online generation length. Default: the store's --regenerate setting.")
+@click.option("--skip-corrupt", is_flag=True,
+              help="Skip damaged samples of the store (missing shard, failed checksum, torn "
+                   "part metadata) and list them in the report, instead of refusing it.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def eval_command(checkpoints, store, mode, tree_budgets, recall_at, batch_tokens,
                  blocks_per_forward, as_json, **options) -> None:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from dflash.blocks import eligible_anchors
 from dflash.evaluate.checkpoints import Checkpoint, layer_selection, load_checkpoint, unique_names
+from dflash.evaluate.damage import DamagePolicy, check_store
 from dflash.evaluate.drafting import BlockDrafter
 from dflash.evaluate.errors import EvalError
 from dflash.evaluate.online import StopRule, evaluate_online, load_online_target
@@ -80,6 +81,8 @@ class EvalConfig:
     """--online generation length; None = the store's regeneration setting (or 1024)."""
     progress: bool = True
     """Show a progress bar."""
+    skip_corrupt: bool = False
+    """Skip damaged samples of the store (listed in the report) instead of refusing it."""
 
 
 @dataclass
@@ -140,8 +143,10 @@ def load_drafters(store: Store, paths: list[str], *, device: torch.device, dtype
     return checkpoints, drafters
 
 
-def _total_samples(store: Store, keys) -> int:
-    return len(keys) if keys is not None else store.num_samples
+def _total_samples(store: Store, keys, damage: DamagePolicy) -> int:
+    if keys is not None:
+        return len(keys)
+    return sum(p.num_samples for p in store.parts() if not damage.part_is_damaged(p.index))
 
 
 def shown_blocks(drafters: dict[str, BlockDrafter], samples: list[EvalSample],
@@ -194,6 +199,9 @@ def _online_check(offline: dict, online: dict, generated: dict, samples: list[Ev
 def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcome:
     """Run `dflash eval`; returns the report and the per-checkpoint results."""
     store = _open(cfg.store)
+    damage = check_store(store, cfg.skip_corrupt)  # reads no chunk data: offsets and listings
+    for d in damage.known:
+        echo(f"skipping damaged data (--skip-corrupt): {d}")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.plot:
@@ -211,8 +219,8 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
     target = load_online_target(cfg.model, store.meta, device=str(device)) if cfg.online \
         else None
 
-    keys = pick_samples(store, cfg.limit, cfg.seed)
-    total = _total_samples(store, keys)
+    keys = pick_samples(store, cfg.limit, cfg.seed, damage)
+    total = _total_samples(store, keys, damage)
     kept_for_show: list[EvalSample] = []
     kept_light: list[EvalSample] = []
     bar = tqdm(total=total, unit="seq", disable=not cfg.progress, desc="eval")
@@ -227,8 +235,8 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
         bar.update(len(batch))
 
     try:
-        offline, agreement = evaluate_offline(drafters, read_samples(store, keys), settings,
-                                              on_batch)
+        offline, agreement = evaluate_offline(drafters, read_samples(store, keys, damage),
+                                              settings, on_batch)
     except StoreError as e:
         raise EvalError(f"--store {cfg.store}: {e}") from e
     finally:
@@ -244,8 +252,12 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
         online, generated = evaluate_online(target, drafters, kept_light, settings, stop)
         check = _online_check(offline, online, generated, kept_light, settings.mode)
 
+    skipped = damage.report()
+    for d in [d for d in damage.skipped if d not in damage.known]:  # found while reading
+        echo(f"skipped damaged data (--skip-corrupt): {d}")
     report = build_report(
-        store_url=cfg.store, meta=store.meta, settings=settings, samples=total,
+        store_url=cfg.store, meta=store.meta, settings=settings,
+        samples=total - skipped["samples"], skipped=skipped,
         limit=cfg.limit, seed=cfg.seed,
         checkpoints=[{"name": c.name, "path": c.path,
                       "trained_on": None if c.provenance is None else

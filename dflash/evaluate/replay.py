@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from dflash.blocks import block_labels, eligible_anchors, replay_anchors
+from dflash.evaluate.damage import DamagePolicy
 from dflash.evaluate.drafting import BlockDrafter, select_rows
 from dflash.evaluate.metrics import AcceptanceStats, TauHistogram, agreement_counts
 from dflash.evaluate.tree import tree_acceptance_lengths
-from dflash.store_schema import Sample, Store
+from dflash.store_schema import Part, Sample, Store, read_guarded
 
 Mode = Literal["replay", "all"]
 
@@ -76,35 +77,75 @@ class EvalSample:
                    s.context, s.topk_ids[:, 0].long())
 
 
-def sample_keys(store: Store) -> list[tuple[int, int]]:
-    """(part, index) of every committed sample, in store order."""
-    return [(p.index, i) for p in store.parts() for i in range(p.num_samples)]
+def sample_keys(store: Store, damage: DamagePolicy | None = None) -> list[tuple[int, int]]:
+    """(part, index) of every committed sample outside damaged parts, in store order."""
+    damage = damage or DamagePolicy()
+    return [(p.index, i) for p in store.parts() if not damage.part_is_damaged(p.index)
+            for i in range(p.num_samples)]
 
 
-def pick_samples(store: Store, limit: int | None, seed: int) -> list[tuple[int, int]] | None:
+def pick_samples(store: Store, limit: int | None, seed: int,
+                 damage: DamagePolicy | None = None) -> list[tuple[int, int]] | None:
     """None (every sample) or `limit` samples uniform without replacement, in store order."""
     if limit is None:
         return None
-    keys = sample_keys(store)
+    keys = sample_keys(store, damage)
     if limit >= len(keys):
         return None
     chosen = np.random.default_rng(seed).choice(len(keys), size=limit, replace=False)
     return [keys[i] for i in sorted(chosen.tolist())]
 
 
-def read_samples(store: Store, keys: list[tuple[int, int]] | None = None
-                 ) -> Iterator[EvalSample]:
-    """The chosen samples (all when keys is None), streamed in store order."""
+def read_samples(store: Store, keys: list[tuple[int, int]] | None = None,
+                 damage: DamagePolicy | None = None) -> Iterator[EvalSample]:
+    """The chosen samples (all when keys is None), streamed in store order. A damaged sample
+    is handed to `damage` (refused, or skipped and listed) instead of being yielded."""
+    damage = damage or DamagePolicy()
     if keys is None:
         for part in store.parts():
-            for i, s in enumerate(part.iter_samples()):
-                yield EvalSample.from_sample(part.index, i, s)
+            if not damage.part_is_damaged(part.index):
+                yield from _read_part(part, damage)
         return
     parts = {}
     for p, i in keys:
         if p not in parts:
             parts[p] = store.part(p)
-        yield EvalSample.from_sample(p, i, parts[p].sample(i))
+        sample = _read_one(parts[p], i, damage)
+        if sample is not None:
+            yield sample
+
+
+def _read_one(part: Part, i: int, damage: DamagePolicy) -> EvalSample | None:
+    found = damage.known_damage(part.index, i)
+    if found is None:
+        sample, found = read_guarded(part.store.url, part.index, i, lambda: part.sample(i))
+    if found is not None:
+        damage.handle(found)
+        return None
+    return EvalSample.from_sample(part.index, i, sample)
+
+
+def _read_part(part: Part, damage: DamagePolicy) -> Iterator[EvalSample]:
+    """A part's samples, read about a shard of tokens at a time; a span that fails is read
+    again sample by sample, so only the damaged samples are named."""
+    offsets = part.offsets()
+    i = 0
+    while i < part.num_samples:
+        j = i + 1
+        while j < part.num_samples and offsets[j] - offsets[i] < part.store.shard_tokens:
+            j += 1
+        try:
+            span = list(part.iter_samples(i, j))
+        except Exception:  # a checksum or decode failure somewhere in the span
+            span = None
+        for k in range(i, j):
+            if span is None or damage.known_damage(part.index, k) is not None:
+                sample = _read_one(part, k, damage)
+                if sample is not None:
+                    yield sample
+            else:
+                yield EvalSample.from_sample(part.index, k, span[k - i])
+        i = j
 
 
 def batch_samples(samples: Iterable[EvalSample], batch_tokens: int

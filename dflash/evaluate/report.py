@@ -45,6 +45,7 @@ def build_report(
     agreement: Agreement,
     online: dict[str, CheckpointResults] | None = None,
     online_check: dict | None = None,
+    skipped: dict | None = None,
 ) -> dict:
     """The JSON report. `checkpoints`: [{"name", "path", "trained_on"}] in command order."""
     entries = []
@@ -69,6 +70,7 @@ def build_report(
         "warning": estimate_warning(meta, agreement),
         "checkpoints": entries,
         "online_check": online_check,
+        "skipped": skipped or {"samples": 0, "parts": 0, "skipped": []},
     }
 
 
@@ -138,6 +140,14 @@ def format_table(report: dict) -> str:
     ]
     if report["warning"]:
         out.append(f"WARNING: {report['warning']}")
+    skipped = report.get("skipped") or {}
+    if skipped.get("skipped"):
+        where = ", ".join(f"part {d['part']}" + ("" if d["sample"] is None else
+                                                 f" sample {d['sample']}")
+                          for d in skipped["skipped"][:10])
+        more = ", ..." if len(skipped["skipped"]) > 10 else ""
+        out.append(f"SKIPPED as damaged (--skip-corrupt): {skipped['samples']} sample(s), "
+                   f"{skipped['parts']} part(s): {where}{more}")
     if report["mode"] == "all":
         out.append("note: --mode all scores every eligible anchor; live decoding visits only "
                    "the --mode replay anchors")

@@ -1,10 +1,12 @@
 """The feature-store contract: the only package that knows how a store is laid out on disk.
 
 Every stage reads and writes hs.zarr through these names. Layout: layout.py; provenance:
-meta.py; writing and reading parts: part.py; checking a store: validate.py.
+meta.py; writing and reading parts: part.py; checking a store: validate.py; what readers do
+about damage: integrity.py.
 """
 
 from dflash.store_schema.errors import StoreError
+from dflash.store_schema.integrity import Damage, check_before_reading, read_guarded, refusal
 from dflash.store_schema.layout import SCHEMA_VERSION
 from dflash.store_schema.meta import CreatedWith, SourceInfo, StoreMeta, TargetInfo, TokenizerInfo
 from dflash.store_schema.part import Part, PartWriter
@@ -15,6 +17,7 @@ from dflash.store_schema.validate import Finding, validate
 __all__ = [
     "SCHEMA_VERSION",
     "CreatedWith",
+    "Damage",
     "Finding",
     "Part",
     "PartWriter",
@@ -25,7 +28,10 @@ __all__ = [
     "StoreMeta",
     "TargetInfo",
     "TokenizerInfo",
+    "check_before_reading",
     "create_store",
     "open_store",
+    "read_guarded",
+    "refusal",
     "validate",
 ]

@@ -3,8 +3,14 @@
 Hidden states carry a few outlier channels hundreds of times larger than the rest, so training
 noise is scaled per layer by these numbers (RMS by default). They are cached in the store's
 attrs with the token count they were computed on, and recomputed when that count changes.
+
+A shard whose bytes fail their checksum is a StoreError naming part and samples, or, when the
+caller skips damage (train --skip-corrupt), left out: it is read as zeros, which add nothing
+to the sums, squares or absmax, and its tokens are taken off the count, so the statistics are
+exactly those of the undamaged tokens.
 """
 
+import threading
 from dataclasses import asdict, dataclass
 
 import dask
@@ -13,6 +19,7 @@ import numpy as np
 
 from dflash.store_schema.errors import StoreError
 from dflash.store_schema.store import Store
+from dflash.store_schema.validate import samples_in
 
 STATS_KEY = "dflash_stats"
 
@@ -46,21 +53,55 @@ def _as_float32(block: np.ndarray, hidden_dtype: str) -> np.ndarray:
     return block.astype(np.float32)
 
 
-def _context(store: Store) -> list[da.Array]:
+class _GuardedContext:
+    """A part's context array as dask reads it: a block that cannot be read is a StoreError
+    naming its samples, or (skip) zeros whose token count is remembered."""
+
+    def __init__(self, store: Store, part, skip: bool, damaged: list[int]):
+        self.arr = part.array("context")
+        self.part, self.url, self.skip, self.damaged = part, store.url, skip, damaged
+        self.shape, self.dtype, self.ndim = self.arr.shape, self.arr.dtype, self.arr.ndim
+        self.lock = threading.Lock()
+
+    def __getitem__(self, key):
+        try:
+            return self.arr[key]
+        except Exception as e:  # a checksum or decode failure in this shard
+            rows = key[0] if isinstance(key, tuple) else key
+            start, stop, _ = rows.indices(self.shape[0])
+            if not self.skip:
+                samples = samples_in(self.part.offsets(), start, stop)
+                named = f"samples {samples[0]}..{samples[-1]}" if samples else "no sample"
+                raise StoreError(
+                    f"{self.url}: part {self.part.index} {named} (tokens [{start}, {stop})): "
+                    f"context cannot be read: {type(e).__name__}: {e}; run `dflash store "
+                    f"validate {self.url}`") from e
+            with self.lock:
+                self.damaged.append(stop - start)
+            shape = (stop - start, *self.shape[1:])
+            return np.zeros(shape, self.dtype)[(slice(None), *key[1:])]
+
+
+def _context(store: Store, skip: bool, exclude_parts, damaged: list[int]) -> list[da.Array]:
     out = []
     for part in store.parts():
-        if part.num_tokens == 0:
+        if part.num_tokens == 0 or part.index in exclude_parts:
             continue
-        arr = part.array("context")
+        arr = _GuardedContext(store, part, skip, damaged)
         chunks = (store.shard_tokens, *arr.shape[1:])
-        x = da.from_zarr(arr, chunks=chunks)[: part.num_tokens]
+        x = da.from_array(arr, chunks=chunks, asarray=False)[: part.num_tokens]
         out.append(x.map_blocks(_as_float32, store.meta.hidden_dtype, dtype=np.float32))
     return out
 
 
-def compute_stats(store: Store, top_channels: int = 8, workers: int | None = None) -> StoreStats:
-    """Mean, RMS, absmax and the largest channels of each context layer (float64 sums)."""
-    pieces = _context(store)
+def compute_stats(store: Store, top_channels: int = 8, workers: int | None = None,
+                  skip_damaged: bool = False, exclude_parts=()) -> StoreStats:
+    """Mean, RMS, absmax and the largest channels of each context layer (float64 sums).
+
+    skip_damaged: leave out shards that cannot be read instead of raising; exclude_parts:
+    parts not to read at all (their metadata is damaged)."""
+    damaged: list[int] = []
+    pieces = _context(store, skip_damaged, set(exclude_parts), damaged)
     if not pieces:
         raise StoreError(f"{store.url} has no committed tokens to compute statistics on")
     x = da.concatenate(pieces, axis=0)  # [T, n, H]
@@ -69,7 +110,9 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
     absmax = abs(x).max(axis=0)
     with dask.config.set(scheduler="threads", num_workers=workers):
         sums, squares, absmax = dask.compute(sums, squares, absmax)
-    tokens, hidden = x.shape[0], x.shape[2]
+    tokens, hidden = x.shape[0] - sum(damaged), x.shape[2]
+    if tokens <= 0:
+        raise StoreError(f"{store.url}: every context shard is damaged; no statistics")
     layers = []
     for i, layer_id in enumerate(store.meta.context_layer_ids):
         channel_rms = np.sqrt(squares[i] / tokens)
@@ -85,14 +128,16 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
     return StoreStats(tokens=int(tokens), layers=layers)
 
 
-def store_stats(store: Store, *, recompute: bool = False, cache: bool = True) -> StoreStats:
-    """The cached statistics if still current, else computed (and cached when writable)."""
+def store_stats(store: Store, *, recompute: bool = False, cache: bool = True,
+                skip_damaged: bool = False, exclude_parts=()) -> StoreStats:
+    """The cached statistics if still current, else computed (and cached when writable and
+    nothing was left out)."""
     tokens = store.num_tokens
     cached = dict(store.root.attrs).get(STATS_KEY)
     if cached and not recompute and cached.get("tokens") == tokens:
         return StoreStats(tokens=tokens, layers=[LayerStats(**d) for d in cached["layers"]])
-    stats = compute_stats(store)
-    if cache and store.mode != "r":
+    stats = compute_stats(store, skip_damaged=skip_damaged, exclude_parts=exclude_parts)
+    if cache and store.mode != "r" and stats.tokens == tokens:
         store.root.attrs[STATS_KEY] = {"tokens": stats.tokens,
                                        "layers": [asdict(s) for s in stats.layers]}
     return stats

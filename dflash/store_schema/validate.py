@@ -1,9 +1,9 @@
 """Check a store end to end and say precisely what is wrong, naming the part and sample.
 
 validate() never raises for a problem in the store: every problem becomes a Finding, so one run
-reports all of them. Checks: schema and provenance, each part's commit record, offsets and
-source rows, array shapes and dtypes, shards present, checksums (by reading every chunk),
-NaN/Inf, token ids within the vocabulary, verifier top-k ordering.
+reports all of them. Checks: schema and provenance, each part's commit record and array
+metadata, offsets and source rows, array shapes and dtypes, shards present, checksums (by
+reading every chunk), NaN/Inf, token ids within the vocabulary, verifier top-k ordering.
 """
 
 from dataclasses import dataclass
@@ -63,7 +63,8 @@ def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
     try:
         group = store.root[part_path(index)]
     except Exception as e:  # torn or missing zarr.json
-        return [Finding(index, None, "record", f"part metadata is unreadable: {e}")]
+        return [Finding(index, None, "record",
+                        f"part metadata (zarr.json) is unreadable: {e}")]
     record = dict(group.attrs).get(PART_KEY)
     if not isinstance(record, dict):
         return [Finding(index, None, "record", "no commit record: creation was torn")]
@@ -74,7 +75,9 @@ def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
         rows = (int(record["row_start"]), int(record["row_stop"]))
     except (KeyError, TypeError, ValueError) as e:
         return [Finding(index, None, "record", f"malformed commit record: {e}")]
-    arrays = {name: arr for name, arr in group.arrays()}
+    arrays, found = _open_arrays(group, index)
+    if found:
+        return found
     found = _check_arrays(store, index, arrays, committed, tokens, complete)
     if found:
         return found  # offsets and data checks would only repeat the same problem
@@ -86,7 +89,35 @@ def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
     found = _check_shards_present(store, index, arrays, tokens, offsets)
     if check_data and not found:
         found += _check_data(store, index, arrays, offsets)
-    return found
+    return _first_per_sample(found)
+
+
+def _open_arrays(group: zarr.Group, index: int) -> tuple[dict[str, zarr.Array], list[Finding]]:
+    """The part's arrays by name; a torn or undecodable array zarr.json is a finding (without
+    its metadata none of the part's samples can be located), a missing array is left to
+    _check_arrays."""
+    arrays, found = {}, []
+    for name in [a.name for a in TOKEN_ARRAYS] + list(SAMPLE_ARRAYS):
+        try:
+            arrays[name] = group[name]
+        except KeyError:
+            continue
+        except Exception as e:  # zarr surfaces a torn zarr.json as a JSON or metadata error
+            found.append(Finding(index, None, "metadata",
+                                 f"array {name} metadata (zarr.json) is unreadable: {e}"))
+    return arrays, found
+
+
+def _first_per_sample(found: list[Finding]) -> list[Finding]:
+    """One finding per (sample, kind, array): a chunk longer than the span read is otherwise
+    reported again for every span it covers."""
+    seen, out = set(), []
+    for f in found:
+        key = (f.sample, f.kind, f.message.split(" ", 1)[0])
+        if f.sample is None or key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out
 
 
 def _check_arrays(store, index, arrays, committed, tokens, complete) -> list[Finding]:
@@ -139,7 +170,7 @@ def _check_offsets(index, offsets, tokens, sources, rows) -> list[Finding]:
     return f
 
 
-def _samples_in(offsets: np.ndarray, start: int, stop: int) -> list[int]:
+def samples_in(offsets: np.ndarray, start: int, stop: int) -> list[int]:
     """Samples overlapping tokens [start, stop)."""
     first = int(np.searchsorted(offsets, start, side="right")) - 1
     last = int(np.searchsorted(offsets, stop, side="left")) - 1
@@ -147,7 +178,7 @@ def _samples_in(offsets: np.ndarray, start: int, stop: int) -> list[int]:
 
 
 def _span_findings(index, offsets, start, stop, kind, message) -> list[Finding]:
-    samples = _samples_in(offsets, start, stop)
+    samples = samples_in(offsets, start, stop)
     label = f"tokens [{start}, {stop}) of samples {samples[0]}..{samples[-1]}" if samples \
         else f"tokens [{start}, {stop})"
     return [Finding(index, s, kind, f"{message} ({label})") for s in samples] or \

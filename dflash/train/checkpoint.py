@@ -6,13 +6,15 @@ A checkpoint is a directory `checkpoints/step_00000100/` holding
   provenance.json   the store's provenance it was trained on (checked on resume and eval),
   config.toml       the resolved training config,
   COMPLETE          written last; a directory without it is never trusted.
-It is assembled under a temporary name and renamed into place, so a crash mid-save leaves the
-previous checkpoint as the latest one.
+It is assembled under a temporary name (`.tmp-step_...`) and renamed into place, so a crash
+mid-save leaves the previous checkpoint as the latest one; the next save removes the torn
+temporary directory.
 """
 
 import json
 import os
 import shutil
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +29,10 @@ PROVENANCE = "provenance.json"
 TRAINER_STATE = "trainer.pt"
 CONFIG = "config.toml"
 CHECKPOINTS = "checkpoints"
+TMP_PREFIX = ".tmp-"
+KILL_IN_SAVE_ENV = "DFLASH_TRAIN_KILL_IN_SAVE_STEP"
+"""Fault injection for the crash tests: SIGKILL this process while it writes the checkpoint of
+that step, after the weights and trainer state are on disk, before the marker and rename."""
 
 
 @dataclass
@@ -58,8 +64,8 @@ def save_checkpoint(
 
     model_state / optimizer_state: full (gathered) states, see parallel.full_states."""
     final = checkpoint_dir(run_dir, state.step)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+    remove_torn_saves(run_dir)
     tmp.mkdir(parents=True)
     save_drafter(model, tmp / DRAFTER_SUBDIR, state_dict=model_state)
     torch.save({
@@ -68,6 +74,8 @@ def save_checkpoint(
         "state": asdict(state),
         "torch_rng": torch.get_rng_state(),
     }, tmp / TRAINER_STATE)
+    if os.environ.get(KILL_IN_SAVE_ENV) == str(state.step):
+        os.kill(os.getpid(), signal.SIGKILL)
     (tmp / PROVENANCE).write_text(json.dumps(provenance.to_dict(), indent=2))
     (tmp / CONFIG).write_text(config_toml)
     (tmp / COMPLETE).write_text(f"step {state.step}\n")
@@ -79,6 +87,14 @@ def save_checkpoint(
     for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def remove_torn_saves(run_dir: str | Path) -> None:
+    """Delete temporary directories of saves a crash cut short (one writer per run dir)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if root.is_dir():
+        for torn in root.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(torn, ignore_errors=True)
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:

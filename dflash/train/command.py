@@ -25,6 +25,7 @@ _FLAGS = {
     "seed": "run.seed",
     "weights": "loader.store_weights",
     "fsdp": "run.fsdp",
+    "skip_corrupt": "loader.skip_corrupt",
 }
 
 
@@ -58,6 +59,9 @@ _FLAGS = {
               help="Any other setting, e.g. --set optim.weight_decay=0.01 (repeatable).")
 @click.option("--fsdp", is_flag=True, default=None,
               help="Under torchrun: shard the drafter with FSDP2 instead of DDP.")
+@click.option("--skip-corrupt", is_flag=True, default=None,
+              help="Skip samples of a damaged store (missing shard, failed checksum, torn part "
+                   "metadata) and list them in RUN/skipped.jsonl, instead of refusing it.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
     """Train a DFlash drafter from feature stores; no target model is loaded.

@@ -9,6 +9,16 @@ plan never looks at hidden states, resuming at batch N replays it without readin
 every rank computes it without talking to the others. Data is read per sample; the sharded
 context array makes that a read of only the inner chunks the sample covers.
 
+Damage. Before planning, the stores get a structural check that reads no chunk data
+(store_schema.check_before_reading); while reading, a sample whose bytes fail their checksum
+is named by store, part and sample. Either refuses the store, unless `skip_corrupt` is set:
+then a damaged sample is dropped from its batch AFTER planning and reported in
+`Batch.skipped`. The plan (which samples form global batch N, which rank reads each) stays the
+one computed from offsets alone, so every other sample keeps its batch, rank and step, with or
+without the damage, and resume replays it exactly. Only a part whose metadata is unreadable
+(no offsets to plan from) leaves the plan; the damage list is computed once per process from
+the store, identically on every rank, and handed to DataLoader workers rather than recomputed.
+
 Never touches labels or noise: a batch carries the stored arrays as they are.
 """
 
@@ -21,7 +31,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash.store_schema import Part, Sample, Store, StoreError, open_store
+from dflash.store_schema import (
+    Damage,
+    Part,
+    Sample,
+    Store,
+    StoreError,
+    check_before_reading,
+    open_store,
+    read_guarded,
+    refusal,
+)
+from dflash.store_schema.integrity import unskippable
+from dflash.store_schema.layout import torch_dtype
 from dflash.store_schema.sample import sample_from_arrays
 
 
@@ -53,6 +75,9 @@ class LoaderConfig:
     afresh each epoch). None: every store once."""
     unit_cache_tokens: int = 1 << 20
     """Tokens of small per-token arrays (~137 B each) kept for read units still being served."""
+    skip_corrupt: bool = False
+    """Skip samples whose data is damaged (missing shard, failed checksum, torn part metadata)
+    and report them, instead of refusing the store. Off: any damage stops the run."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +104,8 @@ class Batch:
     lse: torch.Tensor  # float32 [b, T]
     lengths: torch.Tensor  # int64 [b]
     refs: list[SampleRef] = field(default_factory=list)
+    skipped: list[Damage] = field(default_factory=list)
+    """Samples of this batch left out as damaged (only with LoaderConfig.skip_corrupt)."""
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +175,17 @@ def _add(batch: list[SampleRef], ref: SampleRef, budget: int):
     return batch
 
 
+def empty_batch(store: Store, skipped: list[Damage] | None = None) -> Batch:
+    """A one-token batch with nothing to learn: a rank with no sample in a step still steps."""
+    m = store.meta
+    return Batch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.bool),
+                 torch.zeros(1, 1, m.num_context_layers, m.target.hidden_size,
+                             dtype=torch_dtype(m.hidden_dtype)),
+                 torch.zeros(1, 1, m.top_k, dtype=torch.long), torch.zeros(1, 1, m.top_k),
+                 torch.zeros(1, 1), torch.ones(1, dtype=torch.long), refs=[],
+                 skipped=list(skipped or []))
+
+
 def collate(samples: list[Sample], refs: list[SampleRef], pad_to: int = 1) -> Batch:
     """Pad samples to the longest, rounded up to a multiple of `pad_to` (few distinct shapes
     keep compiled kernels from recompiling); padding is never a loss position."""
@@ -179,7 +217,10 @@ def collate(samples: list[Sample], refs: list[SampleRef], pad_to: int = 1) -> Ba
 class StoreLoader:
     """Batches of one epoch at a time from one or more stores, read ahead in a thread."""
 
-    def __init__(self, urls: list[str], cfg: LoaderConfig, rank: int = 0, world: int = 1):
+    def __init__(self, urls: list[str], cfg: LoaderConfig, rank: int = 0, world: int = 1,
+                 damage: list[Damage] | None = None):
+        """damage: the stores' structural damage, when already checked (DataLoader workers
+        get the parent's list); None runs the check."""
         self.cfg, self.rank, self.world = cfg, rank, world
         self.stores: list[Store] = [open_store(u) for u in urls]
         first = self.stores[0].meta
@@ -188,7 +229,16 @@ class StoreLoader:
                 d for d in first.mismatches(s.meta) if d.startswith(("hidden_dtype", "top_k"))]
             if diffs:
                 raise StoreError(f"{s.url} does not match {self.stores[0].url}: {diffs}")
-        self.parts = [(i, p) for i, s in enumerate(self.stores) for p in s.parts() if p.complete]
+        complete = [(i, p) for i, s in enumerate(self.stores) for p in s.parts() if p.complete]
+        if damage is None:
+            damage = [d for i, s in enumerate(self.stores) for d in
+                      check_before_reading(s, [p.index for j, p in complete if j == i])]
+        if damage and (not cfg.skip_corrupt or unskippable(damage)):
+            raise refusal(unskippable(damage) or damage)
+        self.damage = damage
+        """Structural damage found before reading (skipped: cfg.skip_corrupt is set)."""
+        bad_parts = {(d.store, d.part) for d in damage if d.sample is None}
+        self.parts = [(i, p) for i, p in complete if (urls[i], p.index) not in bad_parts]
         if not self.parts:
             raise StoreError(f"no complete part in {urls}: finish extraction first")
         weights = cfg.store_weights
@@ -216,25 +266,37 @@ class StoreLoader:
     def _batches(self, epoch: int, skip: int, worker: int = 0, workers: int = 1):
         """Batches skip, skip+1, ... of the epoch's plan, of which this worker reads every
         `workers`-th; a DataLoader interleaving its workers round-robin restores the order."""
-        reader = _UnitReader({(i, p.index): p for i, p in self.parts}, self.cfg)
+        reader = _UnitReader({(i, p.index): p for i, p in self.parts}, self.cfg,
+                             self._known_damage())
         for i, refs in enumerate(self.plan(epoch)):
             if i >= skip and (i - skip) % workers == worker:
                 yield reader.load(refs)
+
+
+    def _known_damage(self) -> dict[tuple[int, int, int], Damage]:
+        """Damaged samples found before reading, keyed like SampleRef (store, part, index)."""
+        index = {s.url: i for i, s in enumerate(self.stores)}
+        return {(index[d.store], d.part, d.sample): d for d in self.damage
+                if d.sample is not None}
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):
     """One epoch's batches for DataLoader workers; pickles as URLs and settings only."""
 
     def __init__(self, loader: StoreLoader, epoch: int, skip: int):
-        self.args = ([s.url for s in loader.stores], loader.cfg, loader.rank, loader.world)
+        self.args = ([s.url for s in loader.stores], loader.cfg, loader.rank, loader.world,
+                     loader.damage)
         self.epoch, self.skip = epoch, skip
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         loader = StoreLoader(*self.args)  # zarr's event loop does not survive a fork: reopen
-        for batch in loader._batches(self.epoch, self.skip, worker, workers):
-            yield (batch,)  # a tuple, so an empty-rank None passes through the DataLoader
+        try:
+            for batch in loader._batches(self.epoch, self.skip, worker, workers):
+                yield (batch, None)  # a tuple, so an empty-rank None passes through
+        except StoreError as e:  # sent as text: the DataLoader would wrap it in a traceback
+            yield (None, str(e))
 
 
 def _unwrap(item):
@@ -246,7 +308,9 @@ def _worker_batches(loader: StoreLoader, epoch: int, skip: int) -> Iterator[Batc
         _EpochDataset(loader, epoch, skip), batch_size=None, collate_fn=_unwrap,
         num_workers=loader.cfg.workers, multiprocessing_context="spawn",
         prefetch_factor=max(1, loader.cfg.prefetch_batches))
-    for (batch,) in data:
+    for batch, error in data:
+        if error is not None:
+            raise StoreError(error)
         yield batch
 
 
@@ -257,10 +321,15 @@ _SMALL_ARRAYS = ("input_ids", "loss_mask", "verifier_topk_ids", "verifier_topk_l
 class _UnitReader:
     """Reads the small per-token arrays a read unit at a time (one request per array instead of
     one per sample) and each sample's context on its own. Units stay in a least-recently-used
-    cache bounded in tokens; one evicted too early is simply read again."""
+    cache bounded in tokens; one evicted too early is simply read again. A sample found
+    damaged (before reading, or by its checksum now) is skipped or refused per the config."""
 
-    def __init__(self, parts: dict[tuple[int, int], Part], cfg: LoaderConfig):
+    def __init__(self, parts: dict[tuple[int, int], Part], cfg: LoaderConfig,
+                 known: dict[tuple[int, int, int], Damage] | None = None):
         self.parts = parts
+        self.known = known or {}
+        self.skip = cfg.skip_corrupt
+        self.broken_units: set[tuple] = set()
         self.max_length = cfg.max_length
         self.pad_to = cfg.pad_to
         self.capacity = cfg.unit_cache_tokens
@@ -268,12 +337,19 @@ class _UnitReader:
         self.cached_tokens = 0
 
     def _unit(self, part: Part, key: tuple, unit: tuple[int, int]):
+        """(first token, small arrays) of a read unit; None when some chunk of it is damaged."""
         if key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
+        if key in self.broken_units:
+            return None
         offsets = part.offsets()
         start, stop = int(offsets[unit[0]]), int(offsets[unit[1]])
-        entry = (start, part.read_tokens(start, stop, _SMALL_ARRAYS))
+        try:
+            entry = (start, part.read_tokens(start, stop, _SMALL_ARRAYS))
+        except Exception:  # then each sample is read alone, so that only damaged ones are named
+            self.broken_units.add(key)
+            return None
         self.cache[key] = entry
         self.cached_tokens += stop - start
         while self.cached_tokens > self.capacity and len(self.cache) > 1:
@@ -281,21 +357,42 @@ class _UnitReader:
             self.cached_tokens -= len(old["input_ids"])
         return entry
 
-    def _sample(self, r: SampleRef) -> Sample:
+    def _read(self, r: SampleRef) -> Sample:
         part = self.parts[(r.store, r.part)]
-        base, small = self._unit(part, (r.store, r.part, r.unit), r.unit)
         offsets = part.offsets()
         t0, t1 = int(offsets[r.index]), int(offsets[r.index + 1])
         if self.max_length:
             t1 = min(t1, t0 + self.max_length)
-        arrays = {k: v[t0 - base : t1 - base] for k, v in small.items()}
+        unit = self._unit(part, (r.store, r.part, r.unit), r.unit)
+        if unit is None:
+            arrays = part.read_tokens(t0, t1, _SMALL_ARRAYS)
+        else:
+            base, small = unit
+            arrays = {k: v[t0 - base : t1 - base] for k, v in small.items()}
         arrays["context"] = part.array("context")[t0:t1]
         return sample_from_arrays(arrays, part.store.meta.hidden_dtype, part.sources()[r.index])
 
     def load(self, refs: list[SampleRef]) -> Batch | None:
         if not refs:
             return None
-        return collate([self._sample(r) for r in refs], refs, self.pad_to)
+        samples, kept, skipped = [], [], []
+        for r in refs:
+            damage = self.known.get((r.store, r.part, r.index))
+            if damage is None:
+                url = self.parts[(r.store, r.part)].store.url
+                sample, damage = read_guarded(url, r.part, r.index, lambda r=r: self._read(r))
+            if damage is None:
+                samples.append(sample)
+                kept.append(r)
+            elif self.skip:
+                skipped.append(damage)
+            else:
+                raise refusal([damage])
+        if not samples:
+            return empty_batch(next(iter(self.parts.values())).store, skipped)
+        batch = collate(samples, kept, self.pad_to)
+        batch.skipped = skipped
+        return batch
 
 
 def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:

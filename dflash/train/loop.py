@@ -32,7 +32,7 @@ from dflash.train.checkpoint import (
     save_checkpoint,
 )
 from dflash.train.config import TrainConfig, to_toml
-from dflash.train.data import Batch, StoreLoader
+from dflash.train.data import StoreLoader, empty_batch
 from dflash.train.errors import TrainError
 from dflash.train.noise import noise_std_at
 from dflash.train.parallel import (
@@ -48,12 +48,18 @@ from dflash.train.step import block_loss, make_blocks, noised_context, weight_su
 TARGET_CONFIG_FILES = "target"  # store files group holding the target's config.json
 
 
+SKIPPED_FILE = "skipped.jsonl"
+"""Run-directory file listing each damaged sample skipped under loader.skip_corrupt."""
+
+
 @dataclass
 class TrainResult:
     steps: int
     final_loss: float
     checkpoint: Path
     run_dir: Path
+    skipped: int = 0
+    """Distinct damaged samples (or parts) this process skipped (loader.skip_corrupt)."""
 
 
 def _distributed() -> tuple[int, int]:
@@ -107,18 +113,6 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
     return scale
 
 
-def _empty_batch_like(store: Store) -> Batch:
-    """A one-token batch with nothing to learn: a rank with no sample in a step still steps."""
-    m = store.meta
-    from dflash.store_schema.layout import torch_dtype
-
-    return Batch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.bool),
-                 torch.zeros(1, 1, m.num_context_layers, m.target.hidden_size,
-                             dtype=torch_dtype(m.hidden_dtype)),
-                 torch.zeros(1, 1, m.top_k, dtype=torch.long), torch.zeros(1, 1, m.top_k),
-                 torch.zeros(1, 1), torch.ones(1, dtype=torch.long), refs=[])
-
-
 def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     """Run (or resume) training as configured; returns where the final checkpoint is."""
     if not cfg.stores:
@@ -162,7 +156,11 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     model.train()
     layer_rms = None
     if cfg.noise.kind != "none" and not cfg.noise.absolute:
-        layer_rms = torch.tensor(store_stats(store).rms, device=device)
+        # A damaged shard is refused here too, or, when skipping, left out of the statistics.
+        skip = cfg.loader.skip_corrupt
+        damaged_parts = {d.part for d in loader.damage if d.store == store.url and d.sample is None}
+        layer_rms = torch.tensor(store_stats(store, skip_damaged=skip,
+                                             exclude_parts=damaged_parts).rms, device=device)
 
     found = latest_checkpoint(run_dir) if resume else None
     if resume and found is None:
@@ -195,6 +193,9 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
                desc="train", unit="step", dynamic_ncols=True)
     last_loss = float("nan")
     checkpoint = None
+    skipped = _SkipLedger(run_dir / SKIPPED_FILE, rank, echo)
+    for damage in loader.damage:  # found before reading: whole parts never enter the plan
+        skipped.record(damage, state.step)
 
     def save() -> Path | None:
         """Every rank gathers (a collective under FSDP); rank 0 writes."""
@@ -212,7 +213,9 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         for batch in batches:
             data_wait = time.perf_counter() - wait_start
             step_start = time.perf_counter()
-            batch = batch if batch is not None else _empty_batch_like(store)
+            batch = batch if batch is not None else empty_batch(store)
+            for damage in batch.skipped:
+                skipped.record(damage, state.step + 1)
             blocks = make_blocks(batch, mask_token_id=dcfg.mask_token_id,
                                  block_size=dcfg.block_size,
                                  anchors_per_seq=cfg.run.anchors_per_seq, seed=cfg.run.seed,
@@ -250,6 +253,7 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
                     "step": state.step, "epoch": state.epoch, "loss": last_loss,
                     "lr": scheduler.get_last_lr()[0], "grad_norm": global_norm(grad_norm),
                     "tokens": int(batch.lengths.sum()), "samples": len(batch.refs),
+                    "skipped": len(batch.skipped),
                     "blocks": int(blocks.valid.any(-1).sum()),
                     "noise_std": noise_std_at(cfg.noise, state.step - 1),
                     "data_wait_s": data_wait, "step_s": time.perf_counter() - step_start,
@@ -281,7 +285,35 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     if board is not None:
         board.close()
     barrier(world)
-    return TrainResult(state.step, last_loss, checkpoint or latest_checkpoint(run_dir), run_dir)
+    if skipped.count:
+        echo(f"skipped {skipped.count} damaged sample(s) or part(s) (--skip-corrupt); "
+             f"listed in {run_dir / SKIPPED_FILE}")
+    return TrainResult(state.step, last_loss, checkpoint or latest_checkpoint(run_dir), run_dir,
+                       skipped.count)
+
+
+class _SkipLedger:
+    """Damaged samples skipped by this rank: each is announced and listed once (a sample
+    skipped again in a later epoch is not repeated)."""
+
+    def __init__(self, path: Path, rank: int, echo):
+        self.path, self.rank, self.echo = path, rank, echo
+        self.seen: set[tuple] = set()
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+    def record(self, damage, step: int) -> None:
+        key = (damage.store, damage.part, damage.sample)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        self.echo(f"skipping damaged data (--skip-corrupt): {damage}")
+        line = json.dumps({"step": step, "rank": self.rank, **damage.as_dict()}) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:  # one small append per line: ranks may share the file
+            f.write(line)
 
 
 def _tensorboard(run_dir: Path):

@@ -1,0 +1,57 @@
+"""What eval does about a damaged store: refuse it, or (with --skip-corrupt) skip and list.
+
+Owns the policy only: the checks themselves live in dflash.store_schema.integrity (a
+structural check before reading that reads no chunk data; a guard naming the sample whose
+bytes fail their checksum while reading). Never repairs a store and never drops a sample
+without listing it in the report.
+"""
+
+from dataclasses import dataclass, field
+
+from dflash.evaluate.errors import EvalError
+from dflash.store_schema import Damage, Store, check_before_reading, refusal
+from dflash.store_schema.integrity import unskippable
+
+
+@dataclass
+class DamagePolicy:
+    """Damage known before reading, whether to skip it, and what was skipped."""
+
+    known: list[Damage] = field(default_factory=list)
+    """Found by the structural check before reading."""
+    skip: bool = False
+    """Skip (and list) damaged samples; False refuses the store at the first one."""
+    skipped: list[Damage] = field(default_factory=list)
+    """Every damaged sample or part left out, in the order met."""
+
+    def __post_init__(self) -> None:
+        self._parts = {d.part for d in self.known if d.sample is None}
+        self._samples = {(d.part, d.sample): d for d in self.known if d.sample is not None}
+        self.skipped += [d for d in self.known if d.sample is None]  # never read at all
+
+    def part_is_damaged(self, part: int) -> bool:
+        return part in self._parts
+
+    def known_damage(self, part: int, sample: int) -> Damage | None:
+        return self._samples.get((part, sample))
+
+    def handle(self, damage: Damage) -> None:
+        """List a damaged sample as skipped, or refuse the store naming it."""
+        if not self.skip:
+            raise EvalError(str(refusal([damage])))
+        self.skipped.append(damage)
+
+    def report(self) -> dict:
+        """JSON-ready: how many samples (and whole parts) were skipped, and which."""
+        return {"samples": sum(d.sample is not None for d in self.skipped),
+                "parts": sum(d.sample is None for d in self.skipped),
+                "skipped": [d.as_dict() for d in self.skipped]}
+
+
+def check_store(store: Store, skip: bool) -> DamagePolicy:
+    """The structural check over every part eval reads; EvalError (one line naming store,
+    part and sample) unless `skip`, and always for damage to the store's own metadata."""
+    damage = check_before_reading(store, [p.index for p in store.parts()])
+    if damage and (not skip or unskippable(damage)):
+        raise EvalError(str(refusal(unskippable(damage) or damage)))
+    return DamagePolicy(known=damage, skip=skip)
