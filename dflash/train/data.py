@@ -196,7 +196,8 @@ def collate(samples: list[Sample], refs: list[SampleRef], pad_to: int = 1) -> Ba
     out = Batch(
         input_ids=torch.zeros(b, t, dtype=torch.int64),
         loss_mask=torch.zeros(b, t, dtype=torch.bool),
-        context=torch.zeros(b, t, n, h, dtype=s0.context.dtype),
+        # the largest array: filled row by row below, only its padding zeroed (not all of it)
+        context=torch.empty(b, t, n, h, dtype=s0.context.dtype),
         topk_ids=torch.zeros(b, t, k, dtype=torch.int64),
         topk_logits=torch.full((b, t, k), float("-inf")),
         lse=torch.zeros(b, t),
@@ -208,6 +209,7 @@ def collate(samples: list[Sample], refs: list[SampleRef], pad_to: int = 1) -> Ba
         out.input_ids[i, :n_i] = s.input_ids
         out.loss_mask[i, :n_i] = s.loss_mask
         out.context[i, :n_i] = s.context
+        out.context[i, n_i:] = 0
         out.topk_ids[i, :n_i] = s.topk_ids
         out.topk_logits[i, :n_i] = s.topk_logits
         out.lse[i, :n_i] = s.lse

@@ -72,6 +72,7 @@ def test_batches_hold_the_stored_samples_padded_with_no_loss(store_url):
             assert torch.equal(batch.context[row, :n], stored.context)
             assert torch.equal(batch.topk_ids[row, :n], stored.topk_ids.long())
             assert not batch.loss_mask[row, n:].any()
+            assert not batch.context[row, n:].any(), "padding context must be zeros"
             seen += 1
     assert seen == 80
 
