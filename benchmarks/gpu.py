@@ -1,0 +1,258 @@
+"""GPU benchmarks at real width, one prepared script (<= 8 min on one H200); prints a table.
+
+    python benchmarks/gpu.py               # CUDA, real shapes
+    python benchmarks/gpu.py --cpu-smoke   # tiny shapes on CPU: proves the script runs
+
+  extract  a Qwen3.5-architecture target of real width (random weights, hidden 5120, a few
+           layers: linear attention x 3 + full x 1, vocab 248320): tokens/s of the bare
+           forward, of forward_states + verifier top-k, and of those plus the background
+           store writer (the extract pipeline's pieces, in its order)
+  train    the Qwen3.6-27B drafter shape (DrafterConfig.qwen3_6_27b): step tokens/s and MFU
+           of forward + CE loss + backward + AdamW, flex vs dense attention mask
+Random weights everywhere: speed only, nothing here depends on values. Never downloads.
+"""
+
+import argparse
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+H200_BF16_FLOPS = 989e12
+"""Dense bf16 peak of one H200 (SXM), the MFU denominator."""
+
+
+@dataclass
+class Shapes:
+    """Sizes of one run."""
+
+    hidden: int = 5120
+    """Target and drafter width."""
+    target_layers: int = 4
+    """Target decoder layers built (3 linear attention + 1 full, as Qwen3.5 interleaves)."""
+    vocab: int = 248320
+    """Vocabulary (target lm_head and the drafter's borrowed head)."""
+    intermediate: int = 17408
+    """Target MLP width."""
+    extract_batch: int = 4
+    """Sequences per extract forward."""
+    seq: int = 4096
+    """Tokens per sequence (extract and train)."""
+    extract_steps: int = 5
+    """Timed extract batches (after one warm-up)."""
+    train_batch: int = 4
+    """Sequences per drafter training step."""
+    anchors: int = 512
+    """Blocks per sequence per training step."""
+    train_steps: int = 5
+    """Timed training steps per attention backend (after warm-up)."""
+    dtype: torch.dtype = torch.bfloat16
+    """Compute dtype."""
+
+
+CPU_SMOKE = Shapes(hidden=64, target_layers=4, vocab=512, intermediate=128, extract_batch=2,
+                   seq=64, extract_steps=1, train_batch=2, anchors=4, train_steps=1,
+                   dtype=torch.float32)
+
+
+def target_config(s: Shapes):
+    from transformers import Qwen3_5TextConfig
+
+    real = s.hidden == 5120  # Qwen3.6-27B's attention geometry; tiny heads for the smoke run
+    heads = dict(num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                 linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                 linear_value_head_dim=128) if real else dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    types = (["linear_attention"] * 3 + ["full_attention"]) * (s.target_layers // 4 + 1)
+    return Qwen3_5TextConfig(vocab_size=s.vocab, hidden_size=s.hidden,
+                             intermediate_size=s.intermediate, num_hidden_layers=s.target_layers,
+                             layer_types=types[: s.target_layers], linear_conv_kernel_dim=4,
+                             tie_word_embeddings=False, **heads)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, steps: int) -> float:
+    """Seconds per call over `steps` calls, after one warm-up call."""
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str, str]]:
+    from store_io import _meta
+    from transformers import Qwen3_5ForCausalLM
+
+    from dflash.extract.capture import forward_states
+    from dflash.extract.verifier import verifier_topk
+    from dflash.extract.writer import BackgroundWriter
+    from dflash.store_schema import Sample, create_store
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(target_config(s)).to(s.dtype).eval().requires_grad_(False)
+    decoder, head = model.model, model.lm_head
+    layer_ids = list(range(min(3, s.target_layers)))
+    ids = torch.randint(0, s.vocab, (s.extract_batch, s.seq), device=device)
+    mask = torch.ones_like(ids)
+    tokens = ids.numel()
+
+    @torch.inference_mode()
+    def bare():
+        model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
+
+    @torch.inference_mode()
+    def pieces():
+        context, final = forward_states(decoder, layer_ids, ids, mask)
+        top = verifier_topk(final.flatten(0, 1), head, 16)
+        return context, top
+
+    meta = replace(_meta(len(layer_ids), s.hidden, tokens), hidden_dtype=(
+        "bfloat16" if s.dtype == torch.bfloat16 else "float32"))
+    store = create_store(str(root / "gpu.zarr"), meta)
+    writer = store.part_writer(0, 0, 10**9)
+    background = BackgroundWriter()
+    row = [0]
+
+    def with_writer():
+        context, (top_ids, top_logits, lse) = pieces()
+        n = s.seq
+        samples = []
+        for b in range(s.extract_batch):
+            lo = b * n
+            samples.append(Sample(ids[b].int().cpu(), torch.ones(n, dtype=torch.bool),
+                                  context[b].cpu(), top_ids[lo:lo + n].cpu(),
+                                  top_logits[lo:lo + n].cpu(), lse[lo:lo + n].cpu(), row[0]))
+            row[0] += 1
+        background.append(writer, samples)
+
+    t_bare = timed(bare, device, s.extract_steps)
+    t_pieces = timed(pieces, device, s.extract_steps)
+    t_writer = timed(with_writer, device, s.extract_steps)
+    start = time.perf_counter()
+    background.close()  # what is still queued counts against the writer run
+    t_writer += (time.perf_counter() - start) / s.extract_steps
+    return [
+        ("extract: bare forward (output_hidden_states)", f"{tokens / t_bare:,.0f} tok/s"),
+        ("extract: forward_states + top-k", f"{tokens / t_pieces:,.0f} tok/s "
+         f"({t_pieces / t_bare:.2f}x bare)"),
+        ("extract: + background store writer", f"{tokens / t_writer:,.0f} tok/s "
+         f"({t_writer / t_bare:.2f}x bare)"),
+    ]
+
+
+def drafter_flops(cfg, n: int, t: int, k: int) -> float:
+    """Forward FLOPs of one drafter batch: fc over the context, context K/V per layer, the
+    block tokens' attention projections, attention over the masked keys, MLP and lm_head."""
+    h, b = cfg.hidden_size, cfg.block_size
+    q_tokens = n * k * b
+    q_width = cfg.num_attention_heads * cfg.head_dim
+    kv_width = cfg.num_key_value_heads * cfg.head_dim
+    flops = 2 * n * t * cfg.num_context_features * h * h  # fc
+    per_layer = (2 * n * t * h * 2 * kv_width  # context keys / values
+                 + 2 * q_tokens * h * (2 * q_width + 2 * kv_width)  # q, o, block k, v
+                 + 4 * q_tokens * (t / 2 + b) * q_width  # scores and values, ~half the context
+                 + 6 * q_tokens * h * cfg.intermediate_size)  # SwiGLU
+    return flops + cfg.num_hidden_layers * per_layer + 2 * q_tokens * h * cfg.vocab_size
+
+
+def bench_train(s: Shapes, device: torch.device) -> list[tuple[str, str]]:
+    from dflash.drafter import DFlashDrafter, DrafterConfig, build_block_ids
+    from dflash.train.loss import block_ce_loss
+
+    cfg = DrafterConfig.qwen3_6_27b()
+    if s.hidden != cfg.hidden_size:  # smoke: the same architecture, tiny
+        cfg = replace(cfg, hidden_size=s.hidden, vocab_size=s.vocab, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      mask_token_id=s.vocab - 1, sliding_window=32)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DFlashDrafter(cfg)
+        embed = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=s.dtype) * 0.02
+        head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=s.dtype) * 0.02
+    model.attach_target_head(embed, head)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    n, t, k, b = s.train_batch, s.seq, s.anchors, cfg.block_size
+    context = torch.randn(n, t, cfg.num_context_features, cfg.hidden_size, device=device,
+                          dtype=s.dtype)
+    lengths = torch.full((n,), t, device=device)
+    anchors = torch.sort(torch.randint(1, t - b, (n, k), device=device), dim=1).values
+    ids = build_block_ids(torch.randint(0, cfg.vocab_size, (n, k), device=device),
+                          cfg.mask_token_id, b)
+    labels = torch.randint(0, cfg.vocab_size, (n * k, b), device=device)
+    valid = torch.ones(n * k, b, dtype=torch.bool, device=device)
+    valid[:, 0] = False
+    rows = []
+    backends = ("flex", "dense") if device.type == "cuda" else ("dense",)
+    for attention in backends:
+        def step(attention=attention):
+            with torch.autocast(device.type, dtype=torch.bfloat16,
+                                enabled=device.type == "cuda"):
+                hidden = model(context, lengths, ids, anchors, attention=attention)
+                loss = block_ce_loss(labels, valid, hidden=hidden.flatten(0, 1),
+                                     lm_head_weight=model.target_lm_head, gamma=7.0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        try:
+            seconds = timed(step, device, s.train_steps)
+        except Exception as e:  # report a backend that fails at this shape; go on
+            rows.append((f"train: {attention} mask", f"failed: {type(e).__name__}: {e}"[:200]))
+            continue
+        flops = 3 * drafter_flops(cfg, n, t, k)
+        mfu = flops / seconds / H200_BF16_FLOPS if device.type == "cuda" else float("nan")
+        rows.append((f"train: step, {attention} mask", f"{n * t / seconds:,.0f} context tok/s, "
+                     f"{n * k * b / seconds:,.0f} block tok/s, MFU {mfu:.1%}"))
+    if device.type != "cuda":  # flex on CPU runs eager and forward only: time that much
+        with torch.no_grad():
+            t_flex = timed(lambda: model(context, lengths, ids, anchors, attention="flex"),
+                           device, 1)
+            t_dense = timed(lambda: model(context, lengths, ids, anchors, attention="dense"),
+                            device, 1)
+        rows.append(("train: forward, flex / dense (CPU eager)", f"{t_dense / t_flex:.2f}x"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="tiny shapes on CPU (checks the script, measures nothing)")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        device, shapes = torch.device("cpu"), CPU_SMOKE
+        from dflash.extract.loading import guard_kernels
+
+        guard_kernels("cpu")
+    elif torch.cuda.is_available():
+        device, shapes = torch.device("cuda"), Shapes()
+    else:
+        raise SystemExit("no CUDA device: run with --cpu-smoke")
+    root = Path(tempfile.mkdtemp(prefix="dflash-gpu-bench-"))
+    start = time.perf_counter()
+    try:
+        rows = bench_extract(shapes, device, root) + bench_train(shapes, device)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
+    print(f"dflash GPU benchmarks on {name}, {time.strftime('%Y-%m-%d')}, "
+          f"{time.perf_counter() - start:.0f} s")
+    width = max(len(r[0]) for r in rows)
+    for what, value in rows:
+        print(f"  {what:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Loader memory: peak RSS reading one epoch of a 1x and a 10x store, each in a fresh process.
+
+The reading process runs tests/train/loader_rss.py's main (the loader-memory test's own
+probe), so the benchmark and the test read the same way. The peak is the child's VmHWM, not
+the ru_maxrss the probe prints: Linux keeps ru_maxrss across fork + exec, so a child of a big
+parent (this benchmark holds GBs of synthetic states) reports the parent's size. Stores repeat
+one synthetic sample under new source rows: cheap to write, real to read. Not a test.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from report import Row
+from store_io import SAMPLE_TOKENS, _meta, samples, synthetic_hidden
+
+REPO = Path(__file__).resolve().parents[1]
+GOAL = 1.1
+
+
+def write_repeated_store(url: str, count: int, layers: int, hidden: int) -> int:
+    """A one-part store of `count` copies of one 1024-token sample; returns its tokens."""
+    from dflash.store_schema import create_store
+
+    one = samples(synthetic_hidden(SAMPLE_TOKENS, layers, hidden))[0]
+    store = create_store(url, _meta(layers, hidden, count * SAMPLE_TOKENS))
+    writer = store.part_writer(0, 0, count)
+    for row in range(count):
+        one.source_row = row
+        writer.append(one)
+    writer.finish()
+    return count * SAMPLE_TOKENS
+
+
+PROBE = """
+import sys
+from tests.train.loader_rss import main
+main(sys.argv[1])
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
+print(hwm.split()[1])
+"""
+
+
+def peak_rss_kb(url: str) -> tuple[int, int]:
+    """(tokens read, peak RSS in KB) of one epoch read in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", PROBE, url], cwd=REPO, capture_output=True,
+                         text=True, timeout=600, check=True)
+    tokens, _, hwm = out.stdout.split()
+    return int(tokens), int(hwm)
+
+
+def bench(root: Path, samples_1x: int, layers: int, hidden: int) -> list[Row]:
+    small, large = str(root / "rss-1x.zarr"), str(root / "rss-10x.zarr")
+    want = (write_repeated_store(small, samples_1x, layers, hidden),
+            write_repeated_store(large, 10 * samples_1x, layers, hidden))
+    (t1, rss1), (t10, rss10) = peak_rss_kb(small), peak_rss_kb(large)
+    assert (t1, t10) == want, f"the loader read {(t1, t10)} tokens of {want}"
+    ratio = rss10 / rss1
+    mb = [n * layers * hidden * 2 / 1e6 for n in want]
+    return [Row("3 memory", "loader peak RSS, 10x store / 1x store",
+                f"{ratio:.2f}x ({rss10 / 1024:.0f} vs {rss1 / 1024:.0f} MiB; stores "
+                f"{mb[1]:.0f} vs {mb[0]:.0f} MB of context)", f"<= {GOAL}x", ratio <= GOAL)]
