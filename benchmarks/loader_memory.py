@@ -1,10 +1,9 @@
 """Loader memory: peak RSS reading one epoch of a 1x and a 10x store, each in a fresh process.
 
-The reading process runs tests/train/loader_rss.py's main (the loader-memory test's own
-probe), so the benchmark and the test read the same way. The peak is the child's VmHWM, not
-the ru_maxrss the probe prints: Linux keeps ru_maxrss across fork + exec, so a child of a big
-parent (this benchmark holds GBs of synthetic states) reports the parent's size. Stores repeat
-one synthetic sample under new source rows: cheap to write, real to read. Not a test.
+The reading process is tests/train/loader_rss.py (the loader-memory test's own probe), so the
+benchmark and the test read the same way; it reports its own VmHWM, not ru_maxrss, which
+Linux carries from this big parent across fork + exec. Stores repeat one synthetic sample
+under new source rows: cheap to write, real to read. Not a test.
 """
 
 import subprocess
@@ -32,20 +31,11 @@ def write_repeated_store(url: str, count: int, layers: int, hidden: int) -> int:
     return count * SAMPLE_TOKENS
 
 
-PROBE = """
-import sys
-from tests.train.loader_rss import main
-main(sys.argv[1])
-hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
-print(hwm.split()[1])
-"""
-
-
 def peak_rss_kb(url: str) -> tuple[int, int]:
     """(tokens read, peak RSS in KB) of one epoch read in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", PROBE, url], cwd=REPO, capture_output=True,
-                         text=True, timeout=600, check=True)
-    tokens, _, hwm = out.stdout.split()
+    out = subprocess.run([sys.executable, "-m", "tests.train.loader_rss", url], cwd=REPO,
+                         capture_output=True, text=True, timeout=600, check=True)
+    tokens, hwm = out.stdout.split()
     return int(tokens), int(hwm)
 
 
