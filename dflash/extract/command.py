@@ -36,7 +36,9 @@ def _rank_and_world() -> tuple[int, int]:
 @click.option("--top-k", default=_DEFAULTS.top_k, show_default=True, type=click.IntRange(1),
               help="Verifier top-k logits stored per token.")
 @click.option("--max-length", default=_DEFAULTS.max_length, show_default=True,
-              type=click.IntRange(2), help="Longest sample in tokens.")
+              type=click.IntRange(2),
+              help="Longest sample in tokens. A row whose prompt alone is this long is "
+                   "skipped and named in the summary.")
 @click.option("--overlong", default=_DEFAULTS.overlong, show_default=True,
               type=click.Choice(["truncate", "skip"]),
               help="Truncate samples longer than --max-length, or skip them.")

@@ -20,7 +20,9 @@ class ExtractConfig:
     top_k: int = 16
     """Verifier top-k logits stored per token."""
     max_length: int = 4096
-    """Longest sample in tokens; longer ones are truncated or skipped (see `overlong`)."""
+    """Longest sample in tokens; longer ones are truncated or skipped (see `overlong`). A row
+    with no assistant token within it (its prompt alone is this long) is skipped, counted and
+    named in the summary; a run in which every row is skipped is refused."""
     overlong: Literal["truncate", "skip"] = "truncate"
     """What to do with a sample longer than max_length."""
     batch_tokens: int = 16384

@@ -63,15 +63,21 @@ class ChatSource:
     def chat(self, row: int) -> Chat:
         """The messages of `row`, normalised to [{role, content, ...}]."""
         f, i = self._locate(row)
+        try:
+            record = self._record(f, i)
+        except OSError as e:  # the file changed or vanished since it was indexed
+            raise ExtractError(f"{self.where(row)}: cannot read the input again "
+                               f"({e.strerror or e})") from e
+        return to_chat(record, self.where(row))
+
+    def _record(self, f: _File, i: int) -> Any:
         if f.kind == "jsonl":
             with open(f.path, "rb") as fh:
                 fh.seek(f.locators[i])
-                record = json.loads(fh.readline())
-        else:
-            if f.path not in self._tables:
-                self._tables[f.path] = pq.read_table(f.path)
-            record = self._tables[f.path].slice(f.locators[i], 1).to_pylist()[0]
-        return to_chat(record, self.where(row))
+                return json.loads(fh.readline())
+        if f.path not in self._tables:
+            self._tables[f.path] = pq.read_table(f.path)
+        return self._tables[f.path].slice(f.locators[i], 1).to_pylist()[0]
 
     def _locate(self, row: int) -> tuple[_File, int]:
         if not 0 <= row < self.num_rows:
@@ -149,7 +155,10 @@ def _index_jsonl(path: str) -> _File:
                 where = f"{path}:line {lineno}"
                 try:
                     record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                except UnicodeDecodeError as e:
+                    raise ExtractError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} "
+                                       f"at column {e.start + 1})") from e
+                except json.JSONDecodeError as e:
                     raise ExtractError(f"{where}: malformed JSON ({e})") from e
                 to_chat(record, where)
                 offsets.append(offset)

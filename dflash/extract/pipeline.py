@@ -9,10 +9,7 @@ Owns the order of things and the resume / sharding rules:
 Never knows zarr paths: the store is reached only through dflash.store_schema.
 """
 
-import fcntl
-import os
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from tqdm import tqdm
 import dflash
 from dflash.drafter.config import default_mask_token_id
 from dflash.extract.capture import forward_states
+from dflash.extract.claims import exclusive as _exclusive
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import ChatSource, open_source
 from dflash.extract.errors import ExtractError
@@ -48,6 +46,7 @@ from dflash.extract.prepare import (
     Counts,
     Item,
     apply_length_policy,
+    prompt_fits,
     regenerate_items,
     render_rows,
 )
@@ -79,6 +78,8 @@ class Summary:
     counts: Counts = field(default_factory=Counts)
     bytes_per_token: int = 0
     store_complete: bool = False
+    skipped: list[str] = field(default_factory=list)
+    """Where each row skipped by the length policy came from (file:line (row))."""
 
     def lines(self) -> list[str]:
         c = self.counts
@@ -88,10 +89,18 @@ class Summary:
             f"parts written: {self.parts_done or 'none'}; already complete: "
             f"{self.parts_already_complete or 'none'}",
             f"truncated: {c.truncated}; skipped overlong: {c.skipped_overlong}; "
-            f"skipped with no assistant token within max-length: {c.skipped_no_assistant}",
+            f"skipped with no assistant token within max-length: {c.skipped_no_assistant}"
+            + _listed(self.skipped),
             "store complete" if self.store_complete else "store not complete yet "
             "(other ranks still running, or re-run the same command to resume)",
         ]
+
+
+def _listed(where: list[str], limit: int = 5) -> str:
+    if not where:
+        return ""
+    more = f" and {len(where) - limit} more" if len(where) > limit else ""
+    return f" ({'; '.join(where[:limit])}{more})"
 
 
 def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
@@ -110,6 +119,8 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     dtype = resolve_dtype(cfg.dtype, cfg.device)
     bpt = bytes_per_token(len(layer_ids), info.hidden_size, dtype.itemsize, cfg.top_k)
     scanned = _scan(source, tokenizer, mine, cfg)
+    if not scanned and len(mine) == len(parts):
+        _refuse_all_skipped(source, cfg)
     if cfg.dry_run:
         _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, dtype.itemsize,
                     world_size)
@@ -135,6 +146,26 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     target = load_target(cfg.model, device=cfg.device, dtype=dtype, load_as=cfg.load_as,
                          revision=cfg.revision)
     meta.created_with.kernels = target.kernels
+    try:
+        return _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids, mine,
+                           scanned, bpt, rank, world_size)
+    except OSError as e:
+        raise ExtractError(_write_failure(cfg.out, e)) from e
+
+
+def _write_failure(out: str, e: OSError) -> str:
+    """One line for a store write the OS refused (disk full, permission denied, ...)."""
+    cause = e.strerror or str(e) or type(e).__name__
+    at = f" at {e.filename}" if e.filename else ""
+    return (f"--out {out}: cannot write the store ({cause}{at}); every committed shard is "
+            "intact: fix the cause and re-run the same command to resume")
+
+
+def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
+                tok_files: dict[str, bytes], source: ChatSource, tokenizer, layer_ids: list[int],
+                mine: list[PartPlan], scanned: list[Item], bpt: int, rank: int,
+                world_size: int) -> Summary:
+    """Create or reopen the store, copy the frozen rows, extract my parts."""
     with _exclusive(cfg.out, "create", wait=True):
         store = create_store(cfg.out, meta, shard_tokens=cfg.shard_tokens)
     if rank == 0:
@@ -151,6 +182,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
             with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
                 _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
                               writer, bar, summary)
+                writer.wait()  # the claim must outlive the part's last write
     finally:
         bar.close()
         writer.close()
@@ -179,10 +211,20 @@ def _scan(source: ChatSource, tokenizer, parts: list[PartPlan], cfg: ExtractConf
     items: list[Item] = []
     for part in parts:
         for item in render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg):
-            kept = item if cfg.regenerate else apply_length_policy(item, cfg, Counts())
+            policy = prompt_fits if cfg.regenerate else apply_length_policy
+            kept = policy(item, cfg, Counts())
             if kept is not None:
                 items.append(kept)
     return items
+
+
+def _refuse_all_skipped(source: ChatSource, cfg: ExtractConfig) -> None:
+    """Every row fell to the length policy: a store of nothing is a mistake, not a result."""
+    what = "prompt" if cfg.regenerate else "sample"
+    raise ExtractError(
+        f"{', '.join(source.paths)}: all {source.num_rows} rows were skipped, no {what} "
+        f"leaves an assistant token within --max-length {cfg.max_length} (first: "
+        f"{source.where(0)}); raise --max-length")
 
 
 def _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, hidden_bytes, world_size
@@ -255,30 +297,6 @@ def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]
     store.write_files("tokenizer", tok_files)
 
 
-@contextmanager
-def _exclusive(out: str, name: str, *, wait: bool):
-    """An flock on `<out>.locks/<name>.lock` for local stores; released when the process dies.
-
-    Object stores get no lock: ranks claim disjoint parts, and two launches with the same
-    rank into one bucket are not detected.
-    """
-    if "://" in out and not out.startswith("file://"):
-        yield
-        return
-    lock_dir = Path(out.removeprefix("file://").rstrip("/") + ".locks")
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_dir / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError as e:
-            raise ExtractError(f"{out}: {name} is being written by another process "
-                               f"(lock {lock_dir / name}.lock)") from e
-        yield
-    finally:
-        os.close(fd)
-
-
 def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
                   layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter, bar,
                   summary: Summary) -> None:
@@ -290,12 +308,19 @@ def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, t
     first = pw.next_row
     done = _committed_lengths(store, part.index) if first > part.row_start else []
     todo = render_rows(source, tokenizer, range(first, part.row_stop), cfg)
+    counts = Counts()
     if cfg.regenerate:
         prompts = render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg)
-        todo = regenerate_items(target.model, tokenizer, prompts, cfg, first)
-    counts = Counts()
+        # every prompt of the part, so generation batches equal an uninterrupted run's;
+        # count only the skips of rows this run still has to do
+        fitting = [k for p in prompts if (k := prompt_fits(p, cfg, Counts())) is not None]
+        for p in prompts:
+            if p.row >= first:
+                prompt_fits(p, cfg, counts)
+        todo = regenerate_items(target.model, tokenizer, fitting, cfg, first)
     todo = [k for i in todo if (k := apply_length_policy(i, cfg, counts)) is not None]
     summary.counts.add(counts)
+    summary.skipped += [source.where(row) for row in counts.skipped_rows]
     # plan over done + todo, exactly as an uninterrupted run would batch this part
     lengths = [n for _, n in done] + [len(i.input_ids) for i in todo]
     for batch in plan_batches(lengths, cfg.batch_tokens):

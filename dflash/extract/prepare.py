@@ -1,11 +1,15 @@
 """Rows of one part -> token ids and loss masks ready for the forward, in row order.
 
-Owns the max-length policy and the regeneration step. Batch plans here depend only on the
+Owns the max-length policy and the regeneration step. The policy: a sample longer than
+max_length is truncated (or, with overlong="skip", skipped); a row left with no assistant
+token within max_length -- in particular one whose prompt alone is that long -- is skipped.
+Skips are never errors for one row: they are counted and named in the run's summary
+(pipeline.py refuses a run in which every row is skipped). Batch plans here depend only on the
 part's rows, never on where a previous run stopped (see plan.py), so generation and forward
 batches are the same in a resumed run as in an uninterrupted one.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dflash.extract.config import ExtractConfig
 from dflash.extract.data import ChatSource
@@ -32,11 +36,14 @@ class Counts:
     skipped_overlong: int = 0
     skipped_no_assistant: int = 0
     """Samples whose assistant tokens all lie beyond max_length."""
+    skipped_rows: list[int] = field(default_factory=list)
+    """Source rows of every skipped sample, in order."""
 
     def add(self, other: "Counts") -> None:
         self.truncated += other.truncated
         self.skipped_overlong += other.skipped_overlong
         self.skipped_no_assistant += other.skipped_no_assistant
+        self.skipped_rows += other.skipped_rows
 
 
 def apply_length_policy(item: Item, cfg: ExtractConfig, counts: Counts) -> Item | None:
@@ -45,13 +52,25 @@ def apply_length_policy(item: Item, cfg: ExtractConfig, counts: Counts) -> Item 
         return item
     if cfg.overlong == "skip":
         counts.skipped_overlong += 1
+        counts.skipped_rows.append(item.row)
         return None
-    counts.truncated += 1
     cut = Item(item.row, item.input_ids[: cfg.max_length], item.loss_mask[: cfg.max_length])
     if not any(cut.loss_mask):
         counts.skipped_no_assistant += 1
+        counts.skipped_rows.append(item.row)
         return None
+    counts.truncated += 1
     return cut
+
+
+def prompt_fits(item: Item, cfg: ExtractConfig, counts: Counts) -> Item | None:
+    """With regenerate: a prompt of max_length tokens or more leaves no room for a single
+    generated token, so it is skipped before any generation is spent on it."""
+    if len(item.input_ids) < cfg.max_length:
+        return item
+    counts.skipped_no_assistant += 1
+    counts.skipped_rows.append(item.row)
+    return None
 
 
 def render_rows(source: ChatSource, tokenizer, rows: range, cfg: ExtractConfig) -> list[Item]:

@@ -34,6 +34,15 @@ class BackgroundWriter:
     def finish(self, writer: PartWriter) -> None:
         self._put(("finish", writer, None))
 
+    def wait(self) -> None:
+        """Block until every queued write is done; re-raise the thread's error, if any.
+
+        A part's claim must cover its writes, not only their submission: released earlier,
+        another process could claim the part while this one still writes it.
+        """
+        self._queue.join()
+        self._raise()
+
     def close(self) -> None:
         """Wait for every queued write; re-raise the thread's error, if any."""
         self._queue.put(None)
@@ -51,17 +60,21 @@ class BackgroundWriter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            kind, writer, samples = item
             try:
-                if kind == "finish":
-                    writer.finish()
-                    continue
-                for sample in samples:
-                    writer.append(sample)
-                    self._appended += 1
-                    if self._kill_after and self._appended >= self._kill_after:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                if self._error is None:
+                    self._do(*item)
             except BaseException as e:  # noqa: B036 -- handed to the main thread, not swallowed
                 self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _do(self, kind: str, writer: PartWriter, samples: list[Sample] | None) -> None:
+        if kind == "finish":
+            writer.finish()
+            return
+        for sample in samples:
+            writer.append(sample)
+            self._appended += 1
+            if self._kill_after and self._appended >= self._kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
