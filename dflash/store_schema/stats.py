@@ -3,6 +3,9 @@
 Hidden states carry a few outlier channels hundreds of times larger than the rest, so training
 noise is scaled per layer by these numbers (RMS by default). They are cached in the store's
 attrs with the token count they were computed on, and recomputed when that count changes.
+A caller that cannot cache (train opens stores read-only) bounds its cost with `max_tokens`:
+whole shards evenly spaced over every part, so the estimate sees the whole store's variety
+while reading a fixed number of bytes however large the store grows.
 
 A shard whose bytes fail their checksum is a StoreError naming part and samples, or, when the
 caller skips damage (train --skip-corrupt), left out: it is read as zeros, which add nothing
@@ -82,26 +85,35 @@ class _GuardedContext:
             return np.zeros(shape, self.dtype)[(slice(None), *key[1:])]
 
 
-def _context(store: Store, skip: bool, exclude_parts, damaged: list[int]) -> list[da.Array]:
-    out = []
-    for part in store.parts():
-        if part.num_tokens == 0 or part.index in exclude_parts:
-            continue
-        arr = _GuardedContext(store, part, skip, damaged)
-        chunks = (store.shard_tokens, *arr.shape[1:])
-        x = da.from_array(arr, chunks=chunks, asarray=False)[: part.num_tokens]
+def _context(store: Store, skip: bool, exclude_parts, damaged: list[int],
+             max_tokens: int | None) -> list[da.Array]:
+    parts = [p for p in store.parts() if p.num_tokens and p.index not in exclude_parts]
+    shards = [(p, i) for p in parts for i in range(-(-p.num_tokens // store.shard_tokens))]
+    if max_tokens is not None and len(shards) * store.shard_tokens > max_tokens:
+        keep = max(1, max_tokens // store.shard_tokens)
+        shards = [shards[int(j)] for j in np.linspace(0, len(shards) - 1, keep).round()]
+    arrays, out = {}, []
+    for part, i in shards:
+        if part.index not in arrays:
+            arr = _GuardedContext(store, part, skip, damaged)
+            chunks = (store.shard_tokens, *arr.shape[1:])
+            arrays[part.index] = da.from_array(arr, chunks=chunks, asarray=False)
+        x = arrays[part.index][i * store.shard_tokens : min(part.num_tokens,
+                                                            (i + 1) * store.shard_tokens)]
         out.append(x.map_blocks(_as_float32, store.meta.hidden_dtype, dtype=np.float32))
     return out
 
 
 def compute_stats(store: Store, top_channels: int = 8, workers: int | None = None,
-                  skip_damaged: bool = False, exclude_parts=()) -> StoreStats:
+                  skip_damaged: bool = False, exclude_parts=(),
+                  max_tokens: int | None = None) -> StoreStats:
     """Mean, RMS, absmax and the largest channels of each context layer (float64 sums).
 
     skip_damaged: leave out shards that cannot be read instead of raising; exclude_parts:
-    parts not to read at all (their metadata is damaged)."""
+    parts not to read at all (their metadata is damaged); max_tokens: read at most about
+    this many tokens, as whole shards evenly spaced over the store (None: every token)."""
     damaged: list[int] = []
-    pieces = _context(store, skip_damaged, set(exclude_parts), damaged)
+    pieces = _context(store, skip_damaged, set(exclude_parts), damaged, max_tokens)
     if not pieces:
         raise StoreError(f"{store.url} has no committed tokens to compute statistics on")
     x = da.concatenate(pieces, axis=0)  # [T, n, H]
@@ -129,14 +141,16 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
 
 
 def store_stats(store: Store, *, recompute: bool = False, cache: bool = True,
-                skip_damaged: bool = False, exclude_parts=()) -> StoreStats:
-    """The cached statistics if still current, else computed (and cached when writable and
-    nothing was left out)."""
+                skip_damaged: bool = False, exclude_parts=(),
+                max_tokens: int | None = None) -> StoreStats:
+    """The cached statistics if still current, else computed (over at most `max_tokens`
+    tokens; cached when writable and every token was read)."""
     tokens = store.num_tokens
     cached = dict(store.root.attrs).get(STATS_KEY)
     if cached and not recompute and cached.get("tokens") == tokens:
         return StoreStats(tokens=tokens, layers=[LayerStats(**d) for d in cached["layers"]])
-    stats = compute_stats(store, skip_damaged=skip_damaged, exclude_parts=exclude_parts)
+    stats = compute_stats(store, skip_damaged=skip_damaged, exclude_parts=exclude_parts,
+                          max_tokens=max_tokens)
     if cache and store.mode != "r" and stats.tokens == tokens:
         store.root.attrs[STATS_KEY] = {"tokens": stats.tokens,
                                        "layers": [asdict(s) for s in stats.layers]}

@@ -160,7 +160,9 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         skip = cfg.loader.skip_corrupt
         damaged_parts = {d.part for d in loader.damage if d.store == store.url and d.sample is None}
         layer_rms = torch.tensor(store_stats(store, skip_damaged=skip,
-                                             exclude_parts=damaged_parts).rms, device=device)
+                                             exclude_parts=damaged_parts,
+                                             max_tokens=cfg.noise.stats_max_tokens).rms,
+                                 device=device)
 
     found = latest_checkpoint(run_dir) if resume else None
     if resume and found is None:

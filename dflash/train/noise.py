@@ -31,6 +31,9 @@ class NoiseConfig:
     stays at `std_end`."""
     schedule_steps: int = 0
     """Length of the linear schedule in optimiser steps (used only with `std_end`)."""
+    stats_max_tokens: int | None = 1 << 20
+    """Tokens (whole shards spread over the store) read to estimate each layer's RMS when
+    the store has no cached statistics (`dflash store stats` caches them); None: all."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "uniform", "gaussian"):

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from dflash.cli import main
 from dflash.store_schema import create_store, open_store
-from dflash.store_schema.stats import STATS_KEY, store_stats
+from dflash.store_schema.stats import STATS_KEY, compute_stats, store_stats
 from tests.store_schema.conftest import make_meta, random_sample
 
 
@@ -39,6 +39,24 @@ def test_stats_match_a_direct_computation_over_all_samples(store):
         channel_rms = v.pow(2).mean(0).sqrt().numpy()
         assert layer.outlier_channels[0] == int(np.argmax(channel_rms))
     assert stats.layers[1].outlier_channels[0] == 7
+
+
+def test_bounded_stats_read_only_the_first_and_last_shard_when_two_fit(store):
+    parts = store.parts()
+    first, last = parts[0], parts[-1]
+    last_start = (last.num_tokens - 1) // 64 * 64  # shard_tokens is 64
+    tokens = [torch.cat([s.context for s in p.iter_samples()]).double() for p in (first, last)]
+    x = torch.cat([tokens[0][:64], tokens[1][last_start:]])
+    stats = compute_stats(store, max_tokens=128)
+    assert stats.tokens == x.shape[0] < store.num_tokens
+    for i, layer in enumerate(stats.layers):
+        assert layer.rms == pytest.approx(x[:, i].pow(2).mean().sqrt().item(), rel=1e-9)
+    assert compute_stats(store, max_tokens=10**9) == compute_stats(store)
+
+
+def test_bounded_stats_are_not_cached_as_the_whole_store(store):
+    store_stats(store, max_tokens=64)
+    assert STATS_KEY not in dict(store.root.attrs)
 
 
 def test_stats_are_cached_and_recomputed_when_the_token_count_changes(store):
