@@ -1,7 +1,7 @@
 """The same store through other Zarr v3 engines: zarr-python's default codec pipeline, the
 `zarrs` Rust codec pipeline (zarr-python's frontend, Rust codecs), and tensorstore.
 
-    pip install -e ".[bench]"    (zarrs, tensorstore; optional: a missing engine is reported, not fatal)
+    pip install -e ".[bench]"    (optional: a missing engine is reported, not fatal)
 
 Measured side by side on one store (synthetic bf16, the store's own codecs: sharding,
 blosc shuffle + zstd-1, crc32c):
