@@ -38,7 +38,7 @@ class QuickstartConfig:
 
     out: str = "dflash-quickstart"
     """Working directory: prompt subsets, both stores, the untrained drafter, the run, eval."""
-    train_prompts: int = 512
+    train_prompts: int = 1024
     """Embedded train prompts to extract (at most the set's size)."""
     held_out_prompts: int = 64
     """Embedded held-out prompts to extract and evaluate on."""
@@ -46,7 +46,7 @@ class QuickstartConfig:
     """Tokens the target generates per prompt (--regenerate)."""
     drafter_layers: int = 1
     """Drafter decoder layers."""
-    epochs: int = 10
+    epochs: int = 6
     """Passes of drafter training over the train store."""
     max_steps: int | None = None
     """Stop training after this many steps (the schedule still spans `epochs`)."""

@@ -75,23 +75,28 @@ def _clean_window(lines: list[str], start: int, stop: int) -> bool:
 
 def continuation_example(source: SourceFile, rng: random.Random, *,
                          prompt_lines: tuple[int, int] = (6, 16),
-                         answer_lines: tuple[int, int] = (3, 8),
+                         max_answer_lines: int = 8,
                          tries: int = 8) -> tuple[str, str] | None:
-    """(prompt, answer): a run of lines asking for a continuation, and the lines that follow.
+    """(prompt, answer): a run of lines asking for a continuation, and the paragraph after it.
 
-    None when no clean window (short lines, mostly non-blank) is found in `tries` draws.
+    The answer runs from the line after the prompt up to (not including) the next blank
+    line, and is kept only if that blank line comes within `max_answer_lines`: a target
+    trained on these learns that an answer ends where the code's paragraph ends, which is
+    what keeps its greedy continuations short and out of loops. None when no clean window
+    (short lines, mostly non-blank, a paragraph end in reach) is found in `tries` draws.
     """
     lines = source.lines
     for _ in range(tries):
         n_prompt = rng.randint(*prompt_lines)
-        n_answer = rng.randint(*answer_lines)
-        if len(lines) < n_prompt + n_answer:
+        if len(lines) < n_prompt + 2:
             return None
-        start = rng.randrange(len(lines) - n_prompt - n_answer + 1)
-        mid, stop = start + n_prompt, start + n_prompt + n_answer
+        start = rng.randrange(len(lines) - n_prompt - 1)
+        mid = start + n_prompt
         if not lines[start].strip() or not lines[mid].strip():
             continue
-        if _clean_window(lines, start, stop):
+        stop = next((i for i in range(mid + 1, min(len(lines), mid + max_answer_lines + 1))
+                     if not lines[i].strip()), None)
+        if stop is not None and _clean_window(lines, start, stop):
             return (USER_PREFIX + "\n".join(lines[start:mid]),
                     "\n".join(lines[mid:stop]))
     return None
