@@ -274,7 +274,6 @@ class StoreLoader:
             if i >= skip and (i - skip) % workers == worker:
                 yield reader.load(refs)
 
-
     def _known_damage(self) -> dict[tuple[int, int, int], Damage]:
         """Damaged samples found before reading, keyed like SampleRef (store, part, index)."""
         index = {s.url: i for i, s in enumerate(self.stores)}
