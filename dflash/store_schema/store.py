@@ -181,7 +181,18 @@ class Store:
         self._require_writable()
         if not 0 <= index < self.meta.num_parts:
             raise StoreError(f"part {index} is outside the plan of {self.meta.num_parts} parts")
+        self._remove_torn_writes(index)
         return PartWriter(self, index, row_start, row_stop)
+
+    def _remove_torn_writes(self, index: int) -> None:
+        """Delete the `*.partial` temp files that atomic writes cut short by a crash left in
+        part `index` (local disks; an object-store PUT leaves none). Only the part's writer,
+        holding its claim, gets here: nobody else can have a write in flight in that part."""
+        zstore = self.root.store
+        if isinstance(zstore, LocalStore):
+            part_dir = Path(zstore.root) / self.root.path / part_path(index)
+            for leftover in part_dir.rglob("*.partial"):
+                leftover.unlink(missing_ok=True)
 
     def part(self, index: int) -> Part:
         try:

@@ -65,3 +65,17 @@ def test_killed_writer_leaves_committed_counters_matching_disk(tmp_path, referen
     for name in reference:
         assert np.array_equal(final[name], reference[name]), name
     assert open_store(url).part(0).complete and validate(url) == []
+
+
+def test_resumed_writer_removes_its_parts_torn_temp_files_and_no_one_elses(tmp_path):
+    url = str(tmp_path / "hs.zarr")
+    write_rows(url, 5)
+    # what zarr's atomic write leaves when a crash cuts it short: a temp file never renamed
+    mine = Path(url) / "parts" / "00000" / "context" / "c" / "0" / "0" / "zarr.1a2b.partial"
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    mine.write_bytes(b"half a chunk")
+    other = Path(url) / "parts" / "zarr.3c4d.partial"  # the parts group: not part 0's to clear
+    other.write_bytes(b"{")
+    open_store(url, mode="r+").part_writer(0, 0, 5)
+    assert not mine.exists() and other.exists()
+    assert validate(url) == []
