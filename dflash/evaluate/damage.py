@@ -9,8 +9,8 @@ without listing it in the report.
 from dataclasses import dataclass, field
 
 from dflash.evaluate.errors import EvalError
-from dflash.store_schema import Damage, Store, check_before_reading, refusal
-from dflash.store_schema.integrity import unskippable
+from dflash.store_schema import Damage, Store, StoreError, check_before_reading, refusal
+from dflash.store_schema.integrity import refuse_unless_skipping
 
 
 @dataclass
@@ -52,6 +52,8 @@ def check_store(store: Store, skip: bool) -> DamagePolicy:
     """The structural check over every part eval reads; EvalError (one line naming store,
     part and sample) unless `skip`, and always for damage to the store's own metadata."""
     damage = check_before_reading(store, [p.index for p in store.parts()])
-    if damage and (not skip or unskippable(damage)):
-        raise EvalError(str(refusal(unskippable(damage) or damage)))
+    try:
+        refuse_unless_skipping(damage, skip)
+    except StoreError as e:
+        raise EvalError(str(e)) from e
     return DamagePolicy(known=damage, skip=skip)

@@ -104,3 +104,10 @@ def refusal(damage: list[Damage]) -> StoreError:
 def unskippable(damage: list[Damage]) -> list[Damage]:
     """Damage no skipping can step around: the store's own metadata."""
     return [d for d in damage if d.part is None]
+
+
+def refuse_unless_skipping(damage: list[Damage], skip: bool) -> None:
+    """The refusal (StoreError) for damage found before reading, unless the caller skips it;
+    damage to the store's own metadata is refused even then."""
+    if damage and (not skip or unskippable(damage)):
+        raise refusal(unskippable(damage) or damage)

@@ -42,7 +42,7 @@ from dflash.store_schema import (
     read_guarded,
     refusal,
 )
-from dflash.store_schema.integrity import unskippable
+from dflash.store_schema.integrity import refuse_unless_skipping
 from dflash.store_schema.layout import torch_dtype
 from dflash.store_schema.sample import sample_from_arrays
 
@@ -235,8 +235,7 @@ class StoreLoader:
         if damage is None:
             damage = [d for i, s in enumerate(self.stores) for d in
                       check_before_reading(s, [p.index for j, p in complete if j == i])]
-        if damage and (not cfg.skip_corrupt or unskippable(damage)):
-            raise refusal(unskippable(damage) or damage)
+        refuse_unless_skipping(damage, cfg.skip_corrupt)
         self.damage = damage
         """Structural damage found before reading (skipped: cfg.skip_corrupt is set)."""
         bad_parts = {(d.store, d.part) for d in damage if d.sample is None}
