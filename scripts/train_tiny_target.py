@@ -44,6 +44,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from dflash.extract.loading import GPU_ONLY_PACKAGES  # noqa: E402
+
+# trained and measured on the torch linear-attention path, the one a CPU user runs
+for _package in GPU_ONLY_PACKAGES:
+    sys.modules.setdefault(_package, None)
+
 from dflash.assets.stdlib_corpus import (  # noqa: E402
     SourceFile,
     continuation_example,
@@ -78,6 +84,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--held-out-prompts", type=int, default=128, help="Drafter held-out prompts.")
     p.add_argument("--eval-every", type=int, default=400, help="Steps between held-out evals.")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads.")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda (bf16 autocast); linear attention always takes the "
+                        "torch path users run, never fla.")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="Instead of --steps: time steps 6-25, then pick the step count that "
+                        "trains for about this long (recorded in TRAINING.json).")
+    p.add_argument("--stdlib", default=None,
+                   help="Stdlib directory to use as the corpus (default: this Python's).")
     p.add_argument("--seed", type=int, default=0, help="Seed of everything random.")
     return p.parse_args()
 
@@ -239,11 +253,11 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    files = list_sources()
+    files = list_sources(Path(args.stdlib) if args.stdlib else None)
     train_files = [f for f in files if split_of(f.name) == "train"]
     held_files = [f for f in files if split_of(f.name) == "held_out"]
-    print(f"stdlib {stdlib_root()}: {len(files)} files kept, {len(train_files)} train, "
-          f"{len(held_files)} held out")
+    print(f"stdlib {args.stdlib or stdlib_root()}: {len(files)} files kept, "
+          f"{len(train_files)} train, {len(held_files)} held out")
 
     tok = train_tokenizer(train_files, args.vocab)
     assert len(tok) == args.vocab, f"tokenizer has {len(tok)} tokens, expected {args.vocab}"
@@ -262,34 +276,45 @@ def main() -> None:
           f"{unigram:.2f} nats/token ({time.perf_counter() - start:.0f} s)")
     prompts = write_prompts(Path(args.prompts_out), held_files, args)
 
-    model = build_model(tok, args)
+    device = torch.device(args.device)
+    model = build_model(tok, args).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, layers {model.config.layer_types}")
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                               weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train_chunks), generator=gen)
+    train_chunks, held_chunks = train_chunks.to(device), held_chunks.to(device)
     curve = []
     train_start = time.perf_counter()
     model.train()
-    for step in range(args.steps):
+    step = 0
+    while step < args.steps:
         x = train_chunks[order[torch.arange(step * args.batch, (step + 1) * args.batch)
-                               % len(order)]]
+                               % len(order)].to(device)]
         for group in optim.param_groups:
             group["lr"] = lr_at(step, args)
-        logits = model(input_ids=x[:, :-1]).logits
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
                                                  x[:, 1:].flatten())
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
-        if (step + 1) % 50 == 0 or step == 0:
+        step += 1
+        if step == 5:
+            timing_start = time.perf_counter()  # steps 6-25: past the first-call overheads
+        if args.minutes and step == 25:  # still in warmup: the schedule is not yet used
+            seconds = (time.perf_counter() - timing_start) / 20
+            args.steps = max(args.warmup + 1, int(args.minutes * 60 / seconds))
+            print(f"--minutes {args.minutes}: {seconds:.3f} s/step -> --steps {args.steps}")
+        if step % 50 == 0 or step == 1:
             elapsed = time.perf_counter() - train_start
-            print(f"step {step + 1}/{args.steps} loss {loss.item():.3f} lr {lr_at(step, args):.2e}"
+            print(f"step {step}/{args.steps} loss {loss.item():.3f} lr {lr_at(step - 1, args):.2e}"
                   f" {elapsed:.0f} s", flush=True)
-        if (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            curve.append({"step": step + 1, "held_out_loss": held_out_loss(model, held_chunks),
+        if step % args.eval_every == 0 and step < args.steps:
+            curve.append({"step": step, "held_out_loss": held_out_loss(model, held_chunks),
                           "minutes": (time.perf_counter() - train_start) / 60})
             print(f"  held-out loss {curve[-1]['held_out_loss']:.3f}", flush=True)
     train_minutes = (time.perf_counter() - train_start) / 60
@@ -297,12 +322,12 @@ def main() -> None:
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    model.to(torch.bfloat16).save_pretrained(out)  # bf16 keeps the asset a few MB
+    model.to("cpu", torch.bfloat16).save_pretrained(out)  # bf16 keeps the asset a few MB
     tok.save_pretrained(out)
 
     # every number below is measured on the weights as shipped (bf16, computed in fp32)
     from transformers import AutoModelForCausalLM
-    shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    shipped = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device)
     final = held_out_loss(shipped, held_chunks)
     curve.append({"step": args.steps, "held_out_loss": final, "minutes": train_minutes})
     loops = greedy_loops(shipped, tok, prompts["held_out"][:64])

@@ -84,7 +84,9 @@ def cli_command(args: list[str]) -> list[str]:
 
 
 def cli_env(**env) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), **env}
+    # the repo first, then whatever the caller already had (a --target site of wheels, say)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **env}
 
 
 def run_cli(args: list[str], **env) -> subprocess.CompletedProcess:
