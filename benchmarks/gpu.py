@@ -96,7 +96,7 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
 
     from dflash.extract.capture import forward_states
     from dflash.extract.verifier import verifier_topk
-    from dflash.extract.writer import BackgroundWriter
+    from dflash.extract.writer import FLUSH_SHARDS, BackgroundWriter
     from dflash.store_schema import Sample, create_store
 
     torch.manual_seed(0)
@@ -121,7 +121,7 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
     meta = replace(_meta(len(layer_ids), s.hidden, tokens), hidden_dtype=(
         "bfloat16" if s.dtype == torch.bfloat16 else "float32"))
     store = create_store(str(root / "gpu.zarr"), meta)
-    writer = store.part_writer(0, 0, 10**9)
+    writer = store.part_writer(0, 0, 10**9, FLUSH_SHARDS)
     background = BackgroundWriter()
     row = [0]
 

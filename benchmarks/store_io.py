@@ -25,6 +25,7 @@ import torch
 from report import Row, format_table
 from safetensors.torch import load_file, save_file
 
+from dflash.extract.writer import FLUSH_SHARDS
 from dflash.store_schema import (
     CreatedWith,
     Sample,
@@ -122,7 +123,7 @@ def bench(context: torch.Tensor, root: Path) -> list[Row]:
 
     def write_store():
         store = create_store(store_url, _meta(layers, hidden, tokens))
-        writer = store.part_writer(0, 0, len(items))
+        writer = store.part_writer(0, 0, len(items), FLUSH_SHARDS)  # as extract writes
         for s in items:
             writer.append(s)
         writer.finish()

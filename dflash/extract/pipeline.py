@@ -51,7 +51,7 @@ from dflash.extract.prepare import (
     render_rows,
 )
 from dflash.extract.verifier import verifier_topk
-from dflash.extract.writer import BackgroundWriter
+from dflash.extract.writer import FLUSH_SHARDS, BackgroundWriter
 from dflash.store_schema import (
     CreatedWith,
     Sample,
@@ -300,7 +300,7 @@ def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]
 def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
                   layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter, bar,
                   summary: Summary) -> None:
-    pw = store.part_writer(part.index, part.row_start, part.row_stop)
+    pw = store.part_writer(part.index, part.row_start, part.row_stop, FLUSH_SHARDS)
     if pw.complete:
         summary.parts_already_complete.append(part.index)
         bar.update(0)

@@ -13,6 +13,9 @@ import threading
 
 from dflash.store_schema import PartWriter, Sample
 
+FLUSH_SHARDS = 4
+"""Shards extract buffers per part commit (PartWriter's flush_shards): fewer commits, each
+with its fixed zarr metadata cost, for at most 3 more shards lost to a crash."""
 KILL_AFTER_ENV = "DFLASH_EXTRACT_KILL_AFTER_SAMPLES"
 """Fault injection for the crash tests: SIGKILL this process after that many appends."""
 

@@ -29,9 +29,11 @@ from dflash.store_schema.layout import (
     token_compressors,
 )
 from dflash.store_schema.sample import Sample, sample_from_arrays, sample_to_arrays
+from dflash.store_schema.shards import ShardCodec
 
 if TYPE_CHECKING:
     from dflash.store_schema.store import Store
+
 
 
 class Part:
@@ -52,6 +54,7 @@ class Part:
         self.complete = bool(record["complete"])
         self._offsets: np.ndarray | None = None
         self._sources: np.ndarray | None = None
+        self._coders: dict[str, ShardCodec | None] = {}
 
     def __repr__(self) -> str:
         state = "complete" if self.complete else "incomplete"
@@ -85,7 +88,14 @@ class Part:
             raise StoreError(f"part {self.index}: tokens [{start}, {stop}) outside the "
                              f"{self.num_tokens} committed")
         names = names or tuple(a.name for a in TOKEN_ARRAYS)
-        return {name: self.array(name)[start:stop] for name in names}
+        return {name: self._read(name, start, stop) for name in names}
+
+    def _read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Through dflash's shard coder (concurrent requests, parallel decode) where it applies."""
+        if name not in self._coders:
+            self._coders[name] = ShardCodec.of(self.array(name))
+        coder = self._coders[name]
+        return coder.read(start, stop) if coder else self.array(name)[start:stop]
 
     def sample(self, i: int) -> Sample:
         if not 0 <= i < self.num_samples:
@@ -131,7 +141,12 @@ def _token_array_spec(store: "Store", name: str) -> tuple[tuple[int, ...], type,
 class PartWriter:
     """Appends samples to one part, in source-row order, committing after every shard."""
 
-    def __init__(self, store: "Store", index: int, row_start: int, row_stop: int):
+    def __init__(self, store: "Store", index: int, row_start: int, row_stop: int,
+                 flush_shards: int = 1):
+        """`flush_shards`: whole shards buffered before a write and commit. Every commit
+        rewrites the small arrays' last chunk and several zarr.json files, a fixed cost worth
+        spreading over a few shards when writing fast; a crash loses at most that many shards
+        of work, and memory holds at most that many plus one."""
         if not 0 <= row_start <= row_stop:
             raise StoreError(f"part {index}: bad row range [{row_start}, {row_stop})")
         self.store = store
@@ -139,6 +154,7 @@ class PartWriter:
         self.row_start, self.row_stop = row_start, row_stop
         self._meta = store.meta
         self._shard = store.shard_tokens
+        self._flush_tokens = self._shard * max(1, flush_shards)
         path = part_path(index)
         record = None
         if path in store.root:
@@ -153,6 +169,8 @@ class PartWriter:
                     "was the dataset or the number of parts changed?")
             self.group = store.root[path]
         self._arrays = {name: arr for name, arr in self.group.arrays()}
+        self._coders = {name: c for name, arr in self._arrays.items()
+                        if (c := ShardCodec.of(arr)) is not None}
         part = Part(store, index, self.group)
         self.committed_samples = part.num_samples
         self.committed_tokens = part.num_tokens
@@ -213,8 +231,19 @@ class PartWriter:
         self._token_end += len(sample)
         self._pending.append((self._token_end, sample.source_row))
         self.next_row = sample.source_row + 1
-        if self._buffer_tokens >= self._shard:
+        if self._buffer_tokens >= self._flush_tokens:
             self._flush(final=False)
+
+    def _write_tokens(self, name: str, start: int, stop: int, values: np.ndarray) -> None:
+        """Whole shards through dflash's parallel shard coder where it applies, the rest
+        (a part's last, partial shard) through zarr."""
+        whole = (stop - start) // self._shard * self._shard
+        coder = self._coders.get(name)
+        if coder is not None and whole and start % self._shard == 0:
+            coder.write(start // self._shard, values[:whole])
+            start, values = start + whole, values[whole:]
+        if start < stop:
+            self._arrays[name][start:stop] = values
 
     def finish(self) -> None:
         """Write what is buffered and mark the part complete."""
@@ -235,7 +264,7 @@ class PartWriter:
                 arr.resize((write_to, *arr.shape[1:]))
         if count > 0:  # (2) token data, whole shards except the last
             for name, a in data.items():
-                self._arrays[name][self._buffer_start:write_to] = a[:count]
+                self._write_tokens(name, self._buffer_start, write_to, a[:count])
         done = [p for p in self._pending if p[0] <= write_to]
         if done:  # (3) sample offsets and rows
             c = self.committed_samples

@@ -176,13 +176,14 @@ class Store:
 
     # -- parts -------------------------------------------------------------------------
 
-    def part_writer(self, index: int, row_start: int, row_stop: int) -> PartWriter:
+    def part_writer(self, index: int, row_start: int, row_stop: int,
+                    flush_shards: int = 1) -> PartWriter:
         """Create part `index` (source rows [row_start, row_stop)) or resume it."""
         self._require_writable()
         if not 0 <= index < self.meta.num_parts:
             raise StoreError(f"part {index} is outside the plan of {self.meta.num_parts} parts")
         self._remove_torn_writes(index)
-        return PartWriter(self, index, row_start, row_stop)
+        return PartWriter(self, index, row_start, row_stop, flush_shards)
 
     def _remove_torn_writes(self, index: int) -> None:
         """Delete the `*.partial` temp files that atomic writes cut short by a crash left in

@@ -369,7 +369,7 @@ class _UnitReader:
         else:
             base, small = unit
             arrays = {k: v[t0 - base : t1 - base] for k, v in small.items()}
-        arrays["context"] = part.array("context")[t0:t1]
+        arrays |= part.read_tokens(t0, t1, ("context",))
         return sample_from_arrays(arrays, part.store.meta.hidden_dtype, part.sources()[r.index])
 
     def load(self, refs: list[SampleRef]) -> Batch | None:
