@@ -47,7 +47,7 @@ class Shapes:
     """Sequences per drafter training step."""
     anchors: int = 512
     """Blocks per sequence per training step."""
-    train_steps: int = 5
+    train_steps: int = 3
     """Timed training steps per attention backend (after warm-up)."""
     dtype: torch.dtype = torch.bfloat16
     """Compute dtype."""
@@ -72,6 +72,14 @@ def target_config(s: Shapes):
                              intermediate_size=s.intermediate, num_hidden_layers=s.target_layers,
                              layer_types=types[: s.target_layers], linear_conv_kernel_dim=4,
                              tie_word_embeddings=False, **heads)
+
+
+_START = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """A timestamped line, so a run cut short by its time limit shows where the time went."""
+    print(f"  [{time.perf_counter() - _START:6.1f} s] {what}", flush=True)
 
 
 def sync(device: torch.device) -> None:
@@ -137,8 +145,11 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
             row[0] += 1
         background.append(writer, samples)
 
+    progress("extract: bare forward")
     t_bare = timed(bare, device, s.extract_steps)
+    progress("extract: forward_states + top-k")
     t_pieces = timed(pieces, device, s.extract_steps)
+    progress("extract: + background store writer")
     t_writer = timed(with_writer, device, s.extract_steps)
     start = time.perf_counter()
     background.close()  # what is still queued counts against the writer run
@@ -176,6 +187,7 @@ def bench_train(s: Shapes, device: torch.device) -> list[tuple[str, str]]:
         cfg = replace(cfg, hidden_size=s.hidden, vocab_size=s.vocab, intermediate_size=128,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       mask_token_id=s.vocab - 1, sliding_window=32)
+    progress("train: building the Qwen3.6-27B drafter shape")
     torch.manual_seed(0)
     with torch.device(device):
         model = DFlashDrafter(cfg)
@@ -207,6 +219,7 @@ def bench_train(s: Shapes, device: torch.device) -> list[tuple[str, str]]:
             loss.backward()
             opt.step()
 
+        progress(f"train: {attention} mask (first step compiles)")
         try:
             seconds = timed(step, device, s.train_steps)
         except Exception as e:  # report a backend that fails at this shape; go on

@@ -4,11 +4,13 @@
     pip install -e ".[bench]"    (optional: a missing engine is reported, not fatal)
 
 Measured side by side on one store (synthetic bf16, the store's own codecs: sharding,
-blosc shuffle + zstd-1, crc32c):
-  write    part writer with the default pipeline vs with zarrs
-  read     the training loader, one shuffled epoch, default vs zarrs
-  read     every sample's context in shuffled order: zarr-python (default, zarrs), tensorstore
-Reported, not adopted. Not a test.
+blosc shuffle + zstd-1, crc32c), against dflash's own shard coder (store_schema/shards.py,
+what the part writer and the loader use for the context array):
+  write    the context array, whole shards: zarr-python (default, zarrs) vs dflash's coder
+  read     every sample's context in shuffled order: zarr-python (default, zarrs),
+           tensorstore, dflash's coder
+Every engine must read the same values (a digest of all samples), also from the shards
+dflash's coder wrote: the store stays plain Zarr v3. Not a test.
 """
 
 import time
@@ -48,23 +50,22 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def write_store(url: str, meta, items) -> None:
-    from dflash.store_schema import create_store
+def write_context(where: Path, like: Path, data: np.ndarray, engine: str) -> None:
+    """The context array `data` [T, n, H] into a new array shaped and coded like `like`."""
+    import zarr
 
-    writer = create_store(url, meta).part_writer(0, 0, len(items))
-    for s in items:
-        writer.append(s)
-    writer.finish()
+    from dflash.store_schema.shards import ShardCodec
 
-
-def loader_epoch(url: str) -> int:
-    from store_io import SAMPLE_TOKENS
-
-    from dflash.train.data import LoaderConfig, StoreLoader
-
-    cfg = LoaderConfig(batch_tokens=4 * SAMPLE_TOKENS, shuffle_buffer_tokens=8 * SAMPLE_TOKENS,
-                       prefetch_batches=2)
-    return sum(b.num_tokens for b in StoreLoader([url], cfg).epoch(0) if b is not None)
+    src = zarr.open_array(str(like), mode="r")
+    arr = zarr.create_array(str(where), shape=data.shape, dtype=src.dtype, chunks=src.chunks,
+                            shards=src.shards, compressors=src.compressors)
+    whole = data.shape[0] // arr.shards[0] * arr.shards[0]
+    if engine == "dflash":
+        ShardCodec.of(arr).write(0, data[:whole])
+        arr[whole:] = data[whole:]
+    else:
+        with pipeline(engine):
+            arr[:] = data
 
 
 def spans(url: str) -> list[tuple[Path, int, int]]:
@@ -80,7 +81,7 @@ def spans(url: str) -> list[tuple[Path, int, int]]:
     return [out[i] for i in order]
 
 
-def read_zarr(order) -> int:
+def read_zarr(order, digest=None) -> int:
     import zarr
 
     arrays: dict = {}
@@ -88,11 +89,25 @@ def read_zarr(order) -> int:
     for where, a, b in order:
         if where not in arrays:
             arrays[where] = zarr.open_array(str(where), mode="r")
-        total += arrays[where][a:b].nbytes
+        total += _seen(arrays[where][a:b], digest)
     return total
 
 
-def read_tensorstore(order) -> int:
+def read_dflash(order, digest=None) -> int:
+    import zarr
+
+    from dflash.store_schema.shards import ShardCodec
+
+    coders: dict = {}
+    total = 0
+    for where, a, b in order:
+        if where not in coders:
+            coders[where] = ShardCodec.of(zarr.open_array(str(where), mode="r"))
+        total += _seen(coders[where].read(a, b), digest)
+    return total
+
+
+def read_tensorstore(order, digest=None) -> int:
     import tensorstore as ts
 
     arrays: dict = {}
@@ -101,41 +116,56 @@ def read_tensorstore(order) -> int:
         if where not in arrays:
             arrays[where] = ts.open({"driver": "zarr3", "kvstore": {
                 "driver": "file", "path": str(where)}}, read=True).result()
-        total += arrays[where][a:b].read().result().nbytes
+        total += _seen(arrays[where][a:b].read().result(), digest)
     return total
+
+
+def _seen(values: np.ndarray, digest) -> int:
+    if digest is not None:
+        digest.update(np.ascontiguousarray(values).tobytes())
+    return values.nbytes
+
+
+def digest_of(read, order) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    read(order, h)
+    return h.hexdigest()
 
 
 def bench(root: Path, url: str, meta, items, raw_bytes: int) -> list[Row]:
     """Rows of item 8 on the store at `url` (written by store_io with the same items)."""
+    import torch
+
     rows = []
     missing = {m: why for m in ("zarrs", "tensorstore") if (why := available(m))}
     for m, why in missing.items():
         rows.append(Row("8 engines", f"{m} unavailable", why))
     order = spans(url)
+    like = order[0][0]
+    data = torch.cat([s.context for s in items]).view(torch.int16).numpy().view(np.uint16)
     mb_s = lambda t: f"{raw_bytes / t / 1e6:.0f} MB/s"  # noqa: E731
-    t_write = {"default": timed(lambda: write_store(str(root / "eng-default.zarr"), meta, items))}
-    t_read = {"default": timed(lambda: read_zarr(order))}
-    t_loader = {"default": timed(lambda: loader_epoch(url))}
-    if "zarrs" not in missing:
-        try:
-            with pipeline("zarrs"):
-                t_write["zarrs"] = timed(lambda: write_store(str(root / "eng-zarrs.zarr"), meta,
-                                                             items))
-                t_read["zarrs"] = timed(lambda: read_zarr(order))
-                t_loader["zarrs"] = timed(lambda: loader_epoch(url))
-            with pipeline("zarrs"):  # the store zarrs wrote, read back by the default engine
-                written = read_zarr(spans(str(root / "eng-zarrs.zarr")))
-            assert written == read_zarr(order), "zarrs wrote a different amount of context"
-        except Exception as e:  # an unsupported codec or a pipeline bug: report it
-            rows.append(Row("8 engines", "zarrs pipeline failed", f"{type(e).__name__}: {e}"))
+    writers = ["default", "dflash"] + ([] if "zarrs" in missing else ["zarrs"])
+    t_write = {e: timed(lambda e=e: write_context(root / f"w-{e}.zarr", like, data, e))
+               for e in writers}
+    readers = {"default": read_zarr, "dflash": read_dflash}
     if "tensorstore" not in missing:
-        try:
-            ts_bytes = read_tensorstore(order)
-            assert ts_bytes == read_zarr(order), "tensorstore read a different amount"
-            t_read["tensorstore"] = timed(lambda: read_tensorstore(order))
-        except Exception as e:
-            rows.append(Row("8 engines", "tensorstore failed", f"{type(e).__name__}: {e}"))
-    for what, times in (("write: part writer", t_write), ("read: loader epoch", t_loader),
+        readers["tensorstore"] = read_tensorstore
+    t_read = {e: timed(lambda f=f: f(order)) for e, f in readers.items()}
+    if "zarrs" not in missing:
+        with pipeline("zarrs"):
+            t_read["zarrs"] = timed(lambda: read_zarr(order))
+    # every engine reads the same values, from the store (dflash-coded) and from each writer's
+    truth = digest_of(read_zarr, order)
+    for engine, read in readers.items():
+        if digest_of(read, order) != truth:
+            rows.append(Row("8 engines", f"{engine} read different values", "MISMATCH"))
+    for e in writers:
+        copy = [(root / f"w-{e}.zarr", a, b) for _, a, b in order]
+        if digest_of(read_zarr, copy) != truth:
+            rows.append(Row("8 engines", f"shards written by {e} read back different", "MISMATCH"))
+    for what, times in (("write: context shards", t_write),
                         ("read: per-sample context, shuffled", t_read)):
         base = times["default"]
         rows.append(Row("8 engines", f"{what}, zarr-python default pipeline", mb_s(base)))

@@ -26,6 +26,14 @@ continuations of 64 held-out prompts (96 new tokens): 55 % end with <|im_end|> (
 tokens); the rest mostly loop, so 56 % of all 4-grams repeat an earlier one. The previous
 asset (fixed 3-8 line answers, 1100 steps) reached 3.04 nats, 20 % ended, 57 % repeated:
 ending improved, looping did not; a 3M-parameter model that does not end keeps repeating.
+For scale: 96-token windows of real held-out stdlib code repeat 6.8 % of their 4-grams.
+
+More compute does not fix it: the corpus is the limit. On one H200 (2026-11-30, `--device cuda
+--stdlib <this Python 3.11 stdlib> --examples 160000 --batch 256 --minutes 2.6`, 1893 steps,
+124M tokens, 2.9 min) held-out loss bottomed at 2.93 after 400 steps and rose to 4.11 while
+train loss fell to 0.67: the ~3M tokens of kept train files are memorised after a few passes.
+The memorised model ended 89 % of its answers and repeated only 20 % of 4-grams, but it is not
+a language model of held-out code, so it was not shipped.
 """
 
 import argparse

@@ -167,17 +167,20 @@ class ShardCodec:
             return wanted, dict(zip([(b, r) for b, r, _ in stored], data, strict=True))
 
         wanted, data = sync(fetch_all())
-        out = np.zeros((stop - start, *self.shard_shape[1:]), dtype=self.array.dtype)
+        out = np.empty((stop - start, *self.shard_shape[1:]), dtype=self.array.dtype)
+        fill = self.array.metadata.fill_value
 
         def place(item):
             b, r, _ = item
-            if (b, r) not in data:
-                return  # an empty chunk: the fill value, 0
-            chunk = self._decode_chunk(data[(b, r)], self._key(b // per_shard))
             lo, hi = max(start, b * rows), min(stop, (b + 1) * rows)
             where = tuple(slice(i * c, (i + 1) * c) for i, c in zip(r, self.chunk_shape[1:],
                                                                      strict=True))
-            out[(slice(lo - start, hi - start), *where)] = chunk[lo - b * rows:hi - b * rows]
+            target = (slice(lo - start, hi - start), *where)
+            if (b, r) not in data:  # a chunk left out of the index: the fill value
+                out[target] = fill
+                return
+            chunk = self._decode_chunk(data[(b, r)], self._key(b // per_shard))
+            out[target] = chunk[lo - b * rows:hi - b * rows]
 
         list(_executor().map(place, wanted))
         return out

@@ -22,10 +22,10 @@ TORCH_PATH = ("import sys; sys.modules['fla'] = None; sys.modules['causal_conv1d
 DEFAULT_PATH = "from dflash.extract.command import extract; extract()"
 
 
-def _extract(code: str, model: str, data: str, out: str) -> str:
+def _extract(code: str, model: str, data: str, out: str, dtype: str = "bfloat16") -> str:
     args = cli_args(model, data, out)
     args[args.index("--device") + 1] = "cuda"
-    args[args.index("--dtype") + 1] = "bfloat16"
+    args[args.index("--dtype") + 1] = dtype
     done = subprocess.run([sys.executable, "-c", code, *args], env=cli_env(), cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -33,20 +33,32 @@ def _extract(code: str, model: str, data: str, out: str) -> str:
 
 
 def test_fla_kernels_store_what_the_torch_path_stores(qwen3_5_dir, chats_jsonl, tmp_path):
-    fla = store_samples(_extract(DEFAULT_PATH, str(qwen3_5_dir), chats_jsonl,
-                                 str(tmp_path / "fla.zarr")))
-    ref = store_samples(_extract(TORCH_PATH, str(qwen3_5_dir), chats_jsonl,
-                                 str(tmp_path / "torch.zarr")))
-    kernels = {name: open_store(str(tmp_path / f"{name}.zarr")).meta.created_with.kernels
-               for name in ("fla", "torch")}
+    """Both bf16 paths against the float32 torch path: fla's kernels may round differently
+    from the torch path, but must not be further from the exact numbers than it is.
+
+    (A first H200 run compared the two bf16 paths directly, with a fixed 3 % bound: they
+    differed by 6.0 % on one sample of the random tiny model, with no reference to say which
+    was off. This form was written after that run and has not yet run on CUDA.)"""
+    paths = {"fla": (DEFAULT_PATH, "bfloat16"), "torch": (TORCH_PATH, "bfloat16"),
+             "exact": (TORCH_PATH, "float32")}
+    stores = {name: _extract(code, str(qwen3_5_dir), chats_jsonl, str(tmp_path / f"{name}.zarr"),
+                             dtype) for name, (code, dtype) in paths.items()}
+    kernels = {name: open_store(url).meta.created_with.kernels for name, url in stores.items()}
     assert "linear_attention=fla" in kernels["fla"], kernels
     assert "linear_attention=torch" in kernels["torch"], kernels
-    agree = total = 0
-    for a, b in zip(fla, ref, strict=True):
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        x, y = a.context.float(), b.context.float()
-        # bf16 keeps 8 mantissa bits; a few roundings through the layers stay within ~3 %
-        assert (x - y).norm() <= 0.03 * y.norm(), a.source_row
-        agree += int((a.topk_ids[:, 0] == b.topk_ids[:, 0]).sum())
+    fla, ref, exact = (store_samples(stores[n]) for n in ("fla", "torch", "exact"))
+    err = {"fla": 0.0, "torch": 0.0}
+    agree = {"fla": 0, "torch": 0}
+    total = 0
+    for a, b, e in zip(fla, ref, exact, strict=True):
+        assert torch.equal(a.input_ids, e.input_ids) and torch.equal(a.loss_mask, e.loss_mask)
+        truth = e.context.float()
+        err["fla"] += float((a.context.float() - truth).norm() ** 2)
+        err["torch"] += float((b.context.float() - truth).norm() ** 2)
+        agree["fla"] += int((a.topk_ids[:, 0] == e.topk_ids[:, 0]).sum())
+        agree["torch"] += int((b.topk_ids[:, 0] == e.topk_ids[:, 0]).sum())
         total += len(a)
-    assert agree >= 0.98 * total, (agree, total)
+    # squared error summed over every sample; 1.5x leaves room for rounding luck
+    assert err["fla"] <= 1.5 * err["torch"], err
+    # the verifier's top-1 (what acceptance is scored against) as often right as the torch path's
+    assert agree["fla"] >= agree["torch"] - 0.03 * total, (agree, total)
