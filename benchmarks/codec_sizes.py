@@ -15,6 +15,8 @@ import numpy as np
 from report import Row
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from dflash.store_schema.subset import copy_store
+
 CODECS = {
     "none": lambda dtype: [Crc32cCodec()],
     "zstd-1": lambda dtype: [ZstdCodec(level=1), Crc32cCodec()],
@@ -31,23 +33,6 @@ def context_codec(name: str):
         return
     with mock.patch("dflash.store_schema.part.context_compressors", make):
         yield
-
-
-def copy_store(src_url: str, dst_url: str) -> None:
-    """Every committed sample, the frozen rows and the files of `src_url`, into `dst_url`."""
-    from dflash.store_schema import create_store, open_store
-
-    src = open_store(src_url)
-    dst = create_store(dst_url, src.meta, shard_tokens=src.shard_tokens)
-    rows = src.target_rows()
-    dst.write_target_rows(rows["embed_tokens"], rows["lm_head"], rows["final_norm"])
-    dst.write_files("target", src.read_files("target"))
-    for part in src.parts():
-        writer = dst.part_writer(part.index, part.row_start, part.row_stop)
-        for s in part.iter_samples():
-            writer.append(s)
-        writer.finish()
-    dst.write_files("tokenizer", src.read_files("tokenizer"))
 
 
 def context_bytes_per_token(url: str) -> tuple[float, float]:

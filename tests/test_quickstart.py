@@ -15,7 +15,8 @@ from dflash.assets.stdlib_corpus import USER_PREFIX, list_sources, repeated_ngra
 from dflash.cli import main
 from dflash.extract.config import ExtractConfig
 from dflash.extract.pipeline import with_default_data
-from dflash.quickstart import QuickstartConfig, run_quickstart
+from dflash.quickstart import LOOP_FREE_SHARE, QuickstartConfig, run_quickstart
+from dflash.store_schema import open_store
 
 
 def _rows(split: str) -> list[dict]:
@@ -113,3 +114,15 @@ def test_shortened_quickstart_trains_a_drafter_that_beats_the_untrained_one(tmp_
     assert trained["tau_ci95"][0] > untrained["tau_ci95"][1]
     assert trained["slot_accuracy"][0] > untrained["slot_accuracy"][0]
     assert (tmp_path / "qs" / "eval" / "report.json").is_file()
+    # the gain is not only the target's loops: it holds on the answers that do not loop, and
+    # that subset is exactly the held-out samples at or under the loop threshold
+    free = result.loop_free
+    assert free is not None and free["trained_tau"] > free["untrained_tau"], free
+    held = open_store(str(tmp_path / "qs" / "held_out.zarr"))
+    shares = []
+    for part in held.parts():
+        for s in part.iter_samples():
+            repeated, total = repeated_ngram_share(s.input_ids[s.loss_mask].tolist())
+            shares.append(repeated / max(1, total))
+    assert free["of"] == len(shares) == 16
+    assert free["samples"] == sum(share <= LOOP_FREE_SHARE for share in shares)
