@@ -93,7 +93,7 @@ class Part:
     def _read(self, name: str, start: int, stop: int) -> np.ndarray:
         """Through dflash's shard coder (concurrent requests, parallel decode) where it applies."""
         if name not in self._coders:
-            self._coders[name] = ShardCodec.of(self.array(name))
+            self._coders[name] = ShardCodec.of(self.array(name), immutable=self.complete)
         coder = self._coders[name]
         return coder.read(start, stop) if coder else self.array(name)[start:stop]
 

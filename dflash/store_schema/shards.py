@@ -15,6 +15,7 @@ that zarr-python, zarrs and tensorstore read (tests check zarr-python both ways)
 import asyncio
 import os
 import sys
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import product
@@ -30,6 +31,8 @@ from zarr.core.sync import sync
 
 THREADS_ENV = "DFLASH_CODEC_THREADS"
 """Threads that code inner chunks (default: every core)."""
+INDEX_CACHE_SHARDS = 4096
+"""Shard indexes kept per array (a few hundred bytes each)."""
 EMPTY = 2**64 - 1  # an index entry of a chunk that is not stored
 _SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 _pool: ThreadPoolExecutor | None = None
@@ -67,10 +70,14 @@ class ShardCodec:
     shard_shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     blosc: Blosc
+    indexes: OrderedDict | None = None
+    """Shard indexes already read (most recent last), kept only for shards that can no longer
+    change (a complete part's): a read then costs one round of requests, not two."""
 
     @classmethod
-    def of(cls, array: zarr.Array) -> "ShardCodec | None":
-        """The codec for `array`, or None unless its chain is exactly the one coded here."""
+    def of(cls, array: zarr.Array, immutable: bool = False) -> "ShardCodec | None":
+        """The codec for `array`, or None unless its chain is exactly the one coded here.
+        `immutable`: no shard of the array will be written again, so indexes may be kept."""
         codecs = getattr(array.metadata, "codecs", ())
         if sys.byteorder != "little" or len(codecs) != 1 or not isinstance(codecs[0],
                                                                             ShardingCodec):
@@ -85,7 +92,8 @@ class ShardCodec:
         b = inner[1]
         blosc = Blosc(cname=b.cname.value, clevel=b.clevel, shuffle=_SHUFFLE[b.shuffle.value],
                       blocksize=b.blocksize, typesize=b.typesize)
-        return cls(array, tuple(array.shards), tuple(sharding.chunk_shape), blosc)
+        return cls(array, tuple(array.shards), tuple(sharding.chunk_shape), blosc,
+                   OrderedDict() if immutable else None)
 
     @property
     def chunks_per_shard(self) -> tuple[int, ...]:
@@ -156,9 +164,12 @@ class ShardCodec:
             return buf.to_bytes()
 
         async def fetch_all():
+            known = {s: self.indexes[s] for s in shards if self.indexes and s in self.indexes}
+            todo = [s for s in shards if s not in known]
             raw = await asyncio.gather(*(fetch(self._key(s), SuffixByteRequest(
-                self._index_bytes())) for s in shards))
-            index = dict(zip(shards, map(self._parse_index, shards, raw), strict=True))
+                self._index_bytes())) for s in todo))
+            index = known | dict(zip(todo, map(self._parse_index, todo, raw), strict=True))
+            self._remember(index)
             wanted = [(b, r, index[b // per_shard][b % per_shard][j]) for b in blocks
                       for j, r in enumerate(rest)]
             stored = [w for w in wanted if w[2][0] != EMPTY]
@@ -184,6 +195,15 @@ class ShardCodec:
 
         list(_executor().map(place, wanted))
         return out
+
+    def _remember(self, index: dict[int, np.ndarray]) -> None:
+        if self.indexes is None:
+            return
+        for shard, entries in index.items():
+            self.indexes[shard] = entries
+            self.indexes.move_to_end(shard)
+        while len(self.indexes) > INDEX_CACHE_SHARDS:
+            self.indexes.popitem(last=False)
 
     def _parse_index(self, shard: int, raw: bytes) -> np.ndarray:
         body, crc = raw[:-4], raw[-4:]

@@ -122,3 +122,19 @@ def test_damage_is_named_not_decoded_into_garbage(tmp_path):
     shard.unlink()
     with pytest.raises(ShardDamage, match="missing"):
         codec.read(2 * SHARD - 1, 2 * SHARD)
+
+
+def test_an_immutable_array_reads_each_shard_index_once(tmp_path):
+    data = hidden_bits(2 * SHARD, seed=6)
+    arr = context_array(tmp_path / "i.zarr")
+    arr.resize(data.shape)
+    arr[:] = data
+    kept, fresh = ShardCodec.of(arr, immutable=True), ShardCodec.of(arr)
+    np.testing.assert_array_equal(kept.read(0, 2 * SHARD), data)
+    shard = tmp_path / "i.zarr" / "c" / "1" / "0" / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[-2] ^= 0xFF  # the index's checksum: only a reader that reads the index again sees it
+    shard.write_bytes(bytes(raw))
+    np.testing.assert_array_equal(kept.read(SHARD, 2 * SHARD), data[SHARD:])
+    with pytest.raises(ShardDamage, match="index"):
+        fresh.read(SHARD, 2 * SHARD)
