@@ -335,6 +335,7 @@ class _UnitReader:
         self.capacity = cfg.unit_cache_tokens
         self.cache: OrderedDict[tuple, tuple[int, dict[str, np.ndarray]]] = OrderedDict()
         self.cached_tokens = 0
+        self.served: dict[tuple, int] = {}
 
     def _unit(self, part: Part, key: tuple, unit: tuple[int, int]):
         """(first token, small arrays) of a read unit; None when some chunk of it is damaged."""
@@ -357,18 +358,34 @@ class _UnitReader:
             self.cached_tokens -= len(old["input_ids"])
         return entry
 
+    def _served(self, key: tuple, unit_samples: int) -> None:
+        """Drop a unit once all its samples were served: the cache then holds the units in
+        flight, not every unit of a store smaller than its bound (measured: peak RSS grew
+        with store size). A unit some of whose samples go elsewhere (other ranks, damage)
+        stays until the bound evicts it."""
+        served = self.served.get(key, 0) + 1
+        if served < unit_samples:
+            self.served[key] = served
+            return
+        self.served.pop(key, None)
+        entry = self.cache.pop(key, None)
+        if entry is not None:
+            self.cached_tokens -= len(entry[1]["input_ids"])
+
     def _read(self, r: SampleRef) -> Sample:
         part = self.parts[(r.store, r.part)]
         offsets = part.offsets()
         t0, t1 = int(offsets[r.index]), int(offsets[r.index + 1])
         if self.max_length:
             t1 = min(t1, t0 + self.max_length)
-        unit = self._unit(part, (r.store, r.part, r.unit), r.unit)
+        key = (r.store, r.part, r.unit)
+        unit = self._unit(part, key, r.unit)
         if unit is None:
             arrays = part.read_tokens(t0, t1, _SMALL_ARRAYS)
         else:
             base, small = unit
-            arrays = {k: v[t0 - base : t1 - base] for k, v in small.items()}
+            arrays = {k: v[t0 - base : t1 - base].copy() for k, v in small.items()}
+            self._served(key, r.unit[1] - r.unit[0])
         arrays |= part.read_tokens(t0, t1, ("context",))
         return sample_from_arrays(arrays, part.store.meta.hidden_dtype, part.sources()[r.index])
 

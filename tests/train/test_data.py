@@ -125,3 +125,19 @@ def test_worker_processes_yield_the_same_batches_in_the_same_order(store_url):
     assert refs(workers) == refs(inline) and len(inline) > 3
     for a, b in zip(inline, workers, strict=True):
         assert torch.equal(a.context, b.context) and torch.equal(a.topk_ids, b.topk_ids)
+
+
+def test_read_units_leave_the_cache_once_all_their_samples_are_served(store_url):
+    from dflash.train.data import _UnitReader
+
+    loader = StoreLoader([store_url], _cfg(unit_cache_tokens=10**9))  # a bound never reached
+    reader = _UnitReader({(i, p.index): p for i, p in loader.parts}, loader.cfg)
+    plan = list(loader.plan(0))
+    units = {(r.store, r.part, r.unit) for refs in plan for r in refs}
+    held = []
+    for refs in plan:
+        batch = reader.load(refs)
+        assert batch.num_tokens > 0
+        held.append(len(reader.cache))
+    assert len(units) > 4 and max(held) < len(units)  # never every unit at once
+    assert not reader.cache and reader.cached_tokens == 0  # and none after the epoch
