@@ -160,13 +160,22 @@ class ShardCodec:
         sync(put_all())
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of axis 0 (every other axis whole): the shards' indexes, then
-        each needed inner chunk by its byte range, all requested at once; the chunks are
-        checked and decoded on the pool. ShardDamage for a missing shard, a failed checksum
-        or a chunk that does not decode."""
+        """Rows [start, stop) of axis 0 (every other axis whole); see read_many."""
+        return self.read_many([(start, stop)])[0]
+
+    def read_many(self, spans: list[tuple[int, int]],
+                  outs: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Rows [start, stop) of axis 0 for each span, into `outs` when given (C-contiguous,
+        shaped [stop - start, *rest]). One round of requests for the shard indexes not yet
+        known, one for every needed inner chunk's byte range, all at once; then each chunk
+        is checked and decoded once on the pool and copied to every span that needs it.
+        ShardDamage for a missing shard, a failed checksum or a chunk that does not decode."""
         rows, per_shard = self.chunk_shape[0], self.shard_shape[0] // self.chunk_shape[0]
-        blocks = range(start // rows, -(-stop // rows))
-        shards = sorted({b // per_shard for b in blocks})
+        users: dict[int, list[int]] = {}  # inner-chunk row -> the spans that need it
+        for i, (start, stop) in enumerate(spans):
+            for b in range(start // rows, -(-stop // rows)):
+                users.setdefault(b, []).append(i)
+        shards = sorted({b // per_shard for b in users})
         store, proto = self.array.store_path.store, default_buffer_prototype()
         rest = list(product(*map(range, self.chunks_per_shard[1:])))
 
@@ -183,7 +192,7 @@ class ShardCodec:
                 self._index_bytes())) for s in todo))
             index = known | dict(zip(todo, map(self._parse_index, todo, raw), strict=True))
             self._remember(index)
-            wanted = [(b, r, index[b // per_shard][b % per_shard][j]) for b in blocks
+            wanted = [(b, r, index[b // per_shard][b % per_shard][j]) for b in users
                       for j, r in enumerate(rest)]
             stored = [w for w in wanted if w[2][0] != EMPTY]
             data = await asyncio.gather(*(fetch(self._key(b // per_shard), RangeByteRequest(
@@ -191,23 +200,28 @@ class ShardCodec:
             return wanted, dict(zip([(b, r) for b, r, _ in stored], data, strict=True))
 
         wanted, data = sync(fetch_all())
-        out = np.empty((stop - start, *self.shard_shape[1:]), dtype=self.array.dtype)
+        dtype = np.dtype(self.array.dtype)
+        if outs is None:
+            outs = [np.empty((stop - start, *self.shard_shape[1:]), dtype) for start, stop
+                    in spans]
         fill = self.array.metadata.fill_value
 
         def place(item):
             b, r, _ = item
-            lo, hi = max(start, b * rows), min(stop, (b + 1) * rows)
+            chunk = None
+            if (b, r) in data:
+                chunk = self._decode_chunk(data[(b, r)], self._key(b // per_shard))
             where = tuple(slice(i * c, (i + 1) * c) for i, c in zip(r, self.chunk_shape[1:],
                                                                      strict=True))
-            target = (slice(lo - start, hi - start), *where)
-            if (b, r) not in data:  # a chunk left out of the index: the fill value
-                out[target] = fill
-                return
-            chunk = self._decode_chunk(data[(b, r)], self._key(b // per_shard))
-            out[target] = chunk[lo - b * rows:hi - b * rows]
+            for i in users[b]:
+                start, stop = spans[i]
+                lo, hi = max(start, b * rows), min(stop, (b + 1) * rows)
+                target = (slice(lo - start, hi - start), *where)
+                # a chunk left out of the index holds the fill value
+                outs[i][target] = fill if chunk is None else chunk[lo - b * rows:hi - b * rows]
 
         list(_executor().map(place, wanted))
-        return out
+        return outs
 
     def _remember(self, index: dict[int, np.ndarray]) -> None:
         if self.indexes is None:

@@ -138,3 +138,16 @@ def test_an_immutable_array_reads_each_shard_index_once(tmp_path):
     np.testing.assert_array_equal(kept.read(SHARD, 2 * SHARD), data[SHARD:])
     with pytest.raises(ShardDamage, match="index"):
         fresh.read(SHARD, 2 * SHARD)
+
+
+def test_many_spans_read_at_once_into_given_buffers(tmp_path):
+    data = hidden_bits(3 * SHARD, seed=7)
+    arr = context_array(tmp_path / "s.zarr")
+    arr.resize(data.shape)
+    arr[:] = data
+    spans = [(0, 10), (10, 70), (69, 3 * SHARD), (5, 5)]  # adjacent, overlapping, empty
+    outs = [np.full((b - a, LAYERS, HIDDEN), 7, np.uint16) for a, b in spans]
+    got = ShardCodec.of(arr).read_many(spans, outs)
+    for (a, b), out, value in zip(spans, outs, got, strict=True):
+        assert value is out
+        np.testing.assert_array_equal(out, data[a:b])
