@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
 # The checks a lent GPU runs, in one go (at most 9 minutes on one H200), from the repo root
 # with dflash importable (`pip install -e .`, or PYTHONPATH=. with the deps present):
-#   1. the CUDA-only tests: compiled flex block mask vs the dense mask (forward and gradients),
-#      and fla's linear-attention kernels vs the torch path (skipped unless fla is installed);
-#   2. benchmarks/gpu.py: extraction tokens/s at real width, drafter training step tokens/s
-#      and MFU at the Qwen3.6-27B drafter shape, flex vs dense speed.
+#   1. benchmarks/gpu.py: extraction tokens/s at real width (bare forward, + top-k, + the
+#      store writer), drafter training step tokens/s and MFU at the Qwen3.6-27B drafter
+#      shape, flex vs dense speed; it prints timestamped progress, so a cut run shows where;
+#   2. the CUDA-only tests: compiled flex block mask vs the dense mask (forward and gradients),
+#      and fla's linear-attention kernels against the float32 torch path (skipped unless
+#      fla is installed).
 # Everything printed is also written to ${OUT:-.}/gpu_checks.log.
+#
+# A GPU machine without a package index: on a machine with one, in the repo root,
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_17_x86_64 -d .whl zarr==3.1.6 \
+#     numcodecs==0.16.6 donfig google-crc32c dask partd locket fla-core \
+#     flash-linear-attention transformers==5.24.0
+# (the 2026-11-30 H200 image had torch 2.11, tokenizers, safetensors, einops, pyarrow, click,
+# tqdm, fsspec, pyyaml, toolz, cloudpickle), then carry .whl and start the command with
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site:$PWD
 set -u -o pipefail
 log="${OUT:-.}/gpu_checks.log"
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  timeout 330 python3 benchmarks/gpu.py
   timeout 200 python3 -m pytest -q -rs -k cuda tests/drafter/test_model.py \
       tests/extract/test_kernels_cuda.py
-  timeout 330 python3 benchmarks/gpu.py
 } 2>&1 | tee "$log"
