@@ -43,7 +43,10 @@ def bench(root: Path, samples_1x: int, layers: int, hidden: int) -> list[Row]:
     small, large = str(root / "rss-1x.zarr"), str(root / "rss-10x.zarr")
     want = (write_repeated_store(small, samples_1x, layers, hidden),
             write_repeated_store(large, 10 * samples_1x, layers, hidden))
-    (t1, rss1), (t10, rss10) = peak_rss_kb(small), peak_rss_kb(large)
+    # the median of 3 fresh processes per store, taking turns: one peak moves by ~10 % with
+    # thread timing (how full the prefetch queue is when the decode threads peak)
+    runs = [(peak_rss_kb(small), peak_rss_kb(large)) for _ in range(3)]
+    (t1, rss1), (t10, rss10) = (sorted(r[i] for r in runs)[1] for i in (0, 1))
     assert (t1, t10) == want, f"the loader read {(t1, t10)} tokens of {want}"
     ratio = rss10 / rss1
     mb = [n * layers * hidden * 2 / 1e6 for n in want]

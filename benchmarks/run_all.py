@@ -45,7 +45,7 @@ class Sizes:
     """Training steps of the drafter the eval sections score."""
     naive_blocks: int = 48
     """Blocks timed in the naive per-block eval loop."""
-    rss_samples: int = 4
+    rss_samples: int = 8
     """1024-token samples in the 1x memory store (5 x 1024 bf16: 10 KB per token)."""
 
 

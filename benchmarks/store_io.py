@@ -8,8 +8,9 @@ like real ones) four ways and reads them back, in one run, and prints ratios:
   read    training loader, shuffled order  vs raw sequential read of the raw file
           training loader                  vs one safetensors file per sample (copying read)
   size    bytes/token on disk by codec (none, zstd-1, zstd-1 on byte-shuffled data)
-Ratios, not absolute times, are the result: these machines are noisy. MB/s per core divides
-the logical bytes by the process's CPU seconds (all its threads). Not a test.
+Each figure is the median of 3 rounds in which the ways take turns. Ratios, not absolute
+times, are the result: these machines are noisy. MB/s per core divides the logical bytes by
+the process's CPU seconds (all its threads). Not a test.
 """
 
 import argparse
@@ -100,6 +101,20 @@ def timed_cpu(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def rounds(runs: dict, n: int = 3, before=lambda: None) -> dict[str, tuple[float, float]]:
+    """(wall, CPU) seconds per run: the median over `n` rounds in which the runs take turns
+    (these shared machines move single timings by 2x; interleaving spreads that evenly). A run
+    is fn or (setup, fn): setup and `before` are not timed."""
+    seen: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for _ in range(n):
+        for name, run in runs.items():
+            setup, fn = run if isinstance(run, tuple) else (lambda: None, run)
+            setup()
+            before()
+            seen[name].append(timed_cpu(fn))
+    return {name: sorted(times)[len(times) // 2] for name, times in seen.items()}
+
+
 WRITE_GOAL, READ_GOAL, PEER_READ_GOAL, PEER_DISK_GOAL = 0.7, 0.7, 1.0, 0.8
 
 
@@ -129,16 +144,11 @@ def bench(context: torch.Tensor, root: Path) -> list[Row]:
         writer.finish()
         os.sync()
 
-    t_raw = timed(write_raw)
-    t_store, cpu_store = timed_cpu(write_store)
-    mb = raw_bytes / 1e6
-    rows.append(Row("1 write", "part writer (default codec) / raw write + fsync",
-                    f"{t_raw / t_store:.2f}x ({mb / t_store:.0f} vs {mb / t_raw:.0f} MB/s; "
-                    f"{mb / cpu_store:.0f} MB/s per core)", f">= {WRITE_GOAL}x",
-                    t_raw / t_store >= WRITE_GOAL))
-
     per_sample = root / "per_sample"
-    per_sample.mkdir()
+
+    def clear_files():
+        shutil.rmtree(per_sample, ignore_errors=True)
+        per_sample.mkdir()
 
     def write_files():
         for s in items:
@@ -148,23 +158,35 @@ def bench(context: torch.Tensor, root: Path) -> list[Row]:
                       str(per_sample / f"{s.source_row:08d}.safetensors"))
         os.sync()
 
-    t_files = timed(write_files)
+    writes = rounds({"raw": write_raw,
+                     "store": (lambda: shutil.rmtree(store_url, ignore_errors=True), write_store),
+                     "files": (clear_files, write_files)})
+    t_raw, (t_store, cpu_store), t_files = writes["raw"][0], writes["store"], writes["files"][0]
+    mb = raw_bytes / 1e6
+    rows.append(Row("1 write", "part writer (default codec) / raw write + fsync",
+                    f"{t_raw / t_store:.2f}x ({mb / t_store:.0f} vs {mb / t_raw:.0f} MB/s; "
+                    f"{mb / cpu_store:.0f} MB/s per core)", f">= {WRITE_GOAL}x",
+                    t_raw / t_store >= WRITE_GOAL))
+
     rows.append(Row("1 write", "part writer / per-sample safetensors", f"{t_files / t_store:.2f}x"))
 
     # -- read --------------------------------------------------------------------------
-    _drop_caches()
-    t_raw_read = timed(lambda: np.fromfile(raw, dtype=np.int16).sum())
-    _drop_caches()
     cfg = LoaderConfig(batch_tokens=4 * SAMPLE_TOKENS, shuffle_buffer_tokens=8 * SAMPLE_TOKENS,
                        prefetch_batches=2)
-    read = []
-    t_loader, cpu_loader = timed_cpu(lambda: read.extend(
-        b.num_tokens for b in StoreLoader([store_url], cfg).epoch(0)))
-    assert sum(read) == tokens
-    _drop_caches()
+
+    def read_store():
+        read = sum(b.num_tokens for b in StoreLoader([store_url], cfg).epoch(0))
+        assert read == tokens
+
     order = np.random.default_rng(0).permutation(len(items))
-    t_files_read = timed(lambda: [load_file(str(per_sample / f"{i:08d}.safetensors"))
-                                  ["hidden_states"].float().sum() for i in order])
+    reads = rounds({
+        "raw": lambda: np.fromfile(raw, dtype=np.int16).sum(),
+        "store": read_store,
+        "files": lambda: [load_file(str(per_sample / f"{i:08d}.safetensors"))
+                          ["hidden_states"].float().sum() for i in order],
+    }, before=_drop_caches)
+    t_raw_read, (t_loader, cpu_loader), t_files_read = (
+        reads["raw"][0], reads["store"], reads["files"][0])
     rows.append(Row("2 read", "loader, shuffled / raw sequential read",
                     f"{t_raw_read / t_loader:.2f}x ({mb / t_loader:.0f} vs {mb / t_raw_read:.0f} "
                     f"MB/s; {mb / cpu_loader:.0f} MB/s per core; "
