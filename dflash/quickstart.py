@@ -5,9 +5,9 @@ held-out prompts with --regenerate (the stored responses are the target's own gr
 -> save the untrained drafter (the seeded initial weights) -> train -> eval both side by
 side on the held-out store, and again on its answers that do not loop (a drafter learns a
 looping target's loops easily; this shows the gain is not only that) -> print the commands
-that do the same on a real model. Every
-stage is the same entry point its CLI command calls (run_extract, train, run_eval); this
-module never re-implements a stage and never reads or writes anything outside `out`.
+that do the same on a real model. Every stage is the same entry point its CLI command calls
+(run_extract, train, run_eval); this module never re-implements a stage and never reads or
+writes anything outside `out`.
 """
 
 import shutil

@@ -1,8 +1,9 @@
 """The feature-store contract: the only package that knows how a store is laid out on disk.
 
 Every stage reads and writes hs.zarr through these names. Layout: layout.py; provenance:
-meta.py; writing and reading parts: part.py; checking a store: validate.py; what readers do
-about damage: integrity.py.
+meta.py; writing and reading parts: part.py (whole context shards, coded in parallel:
+shards.py); checking a store: validate.py; what readers do about damage: integrity.py; a
+store of some of another's samples: subset.py.
 """
 
 from dflash.store_schema.errors import StoreError

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from dflash.store_schema.store import Store
 
 
-
 class Part:
     """Read access to one part's committed samples."""
 
@@ -139,7 +138,8 @@ def _token_array_spec(store: "Store", name: str) -> tuple[tuple[int, ...], type,
 
 
 class PartWriter:
-    """Appends samples to one part, in source-row order, committing after every shard."""
+    """Appends samples to one part, in source-row order, committing after every
+    `flush_shards` whole shards (and at finish)."""
 
     def __init__(self, store: "Store", index: int, row_start: int, row_stop: int,
                  flush_shards: int = 1):
