@@ -45,8 +45,10 @@ class Sizes:
     """Training steps of the drafter the eval sections score."""
     naive_blocks: int = 48
     """Blocks timed in the naive per-block eval loop."""
-    rss_samples: int = 8
-    """1024-token samples in the 1x memory store (5 x 1024 bf16: 10 KB per token)."""
+    rss_samples: int = 16
+    """1024-token samples in the 1x memory store (5 x 1024 bf16: 10 KB per token): 4 batches,
+    so even the 1x store fills the prefetch queue (with 1-2 batches the ratio measured how
+    full the pipeline got, not how memory scales)."""
 
 
 FULL = Sizes(synthetic_tokens=16384, embedded=EmbeddedSettings(train_prompts=192))
