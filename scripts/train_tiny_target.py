@@ -31,7 +31,7 @@ For scale: 96-token windows of real held-out stdlib code repeat 6.8 % of their 4
 More compute does not fix it: the corpus is the limit. On one H200 (2026-11-30, `--device cuda
 --stdlib <this Python 3.11 stdlib> --examples 160000 --batch 256 --minutes 2.6`, 1893 steps,
 124M tokens, 2.9 min) held-out loss bottomed at 2.93 after 400 steps and rose to 4.11 while
-train loss fell to 0.67: the ~3M tokens of kept train files are memorised after a few passes.
+train loss fell to 0.67: the 2.56M tokens of kept train files are memorised after a few passes.
 The memorised model ended 89 % of its answers and repeated only 20 % of 4-grams, but it is not
 a language model of held-out code, so it was not shipped.
 """
