@@ -3,17 +3,21 @@
     python benchmarks/gpu.py               # CUDA, real shapes
     python benchmarks/gpu.py --cpu-smoke   # tiny shapes on CPU: proves the script runs
 
+  train    the Qwen3.6-27B drafter shape (DrafterConfig.qwen3_6_27b): step tokens/s, MFU and
+           peak memory of forward + CE loss + backward + AdamW with the mask `dflash train`
+           uses there (flex on CUDA; the first, compiling step timed apart), then flex vs
+           dense at fewer blocks per sequence, where dense's score matrices fit
   extract  a Qwen3.5-architecture target of real width (random weights, hidden 5120, a few
            layers: linear attention x 3 + full x 1, vocab 248320): tokens/s of the bare
            forward, of forward_states + verifier top-k, and of those plus the background
            store writer (the extract pipeline's pieces, in its order)
-  train    the Qwen3.6-27B drafter shape (DrafterConfig.qwen3_6_27b): step tokens/s and MFU
-           of forward + CE loss + backward + AdamW, flex vs dense attention mask
 Random weights everywhere: speed only, nothing here depends on values. Never downloads.
 """
 
 import argparse
+import faulthandler
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -47,6 +51,8 @@ class Shapes:
     """Sequences per drafter training step."""
     anchors: int = 512
     """Blocks per sequence per training step."""
+    compare_anchors: int = 64
+    """Blocks per sequence of the flex vs dense comparison (dense scores must fit)."""
     train_steps: int = 3
     """Timed training steps per attention backend (after warm-up)."""
     dtype: torch.dtype = torch.bfloat16
@@ -54,7 +60,8 @@ class Shapes:
 
 
 CPU_SMOKE = Shapes(hidden=64, target_layers=4, vocab=512, intermediate=128, extract_batch=2,
-                   seq=64, extract_steps=1, train_batch=2, anchors=4, train_steps=1,
+                   seq=64, extract_steps=1, train_batch=2, anchors=4, compare_anchors=2,
+                   train_steps=1,
                    dtype=torch.float32)
 
 
@@ -87,15 +94,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def per_call(fn, device: torch.device, calls: int) -> float:
+    """Seconds per call over `calls` calls, the device's queue drained before and after."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / calls
+
+
 def timed(fn, device: torch.device, steps: int) -> float:
     """Seconds per call over `steps` calls, after one warm-up call."""
     fn()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    sync(device)
-    return (time.perf_counter() - start) / steps
+    return per_call(fn, device, steps)
 
 
 def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str, str]]:
@@ -178,7 +190,10 @@ def drafter_flops(cfg, n: int, t: int, k: int) -> float:
     return flops + cfg.num_hidden_layers * per_layer + 2 * q_tokens * h * cfg.vocab_size
 
 
-def bench_train(s: Shapes, device: torch.device) -> list[tuple[str, str]]:
+def bench_train(s: Shapes, device: torch.device, budget_s: float) -> list[tuple[str, str]]:
+    """The training step at full shape on the backend `dflash train` picks here (flex on CUDA),
+    then flex vs dense at `compare_anchors` blocks, where dense's [N, heads, K*B, T+K*B]
+    scores fit (at full shape they alone would be ~100 GB over the layers)."""
     from dflash.drafter import DFlashDrafter, DrafterConfig, build_block_ids
     from dflash.train.loss import block_ce_loss
 
@@ -196,40 +211,64 @@ def bench_train(s: Shapes, device: torch.device) -> list[tuple[str, str]]:
     model.attach_target_head(embed, head)
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    n, t, k, b = s.train_batch, s.seq, s.anchors, cfg.block_size
+    n, t, b = s.train_batch, s.seq, cfg.block_size
     context = torch.randn(n, t, cfg.num_context_features, cfg.hidden_size, device=device,
                           dtype=s.dtype)
     lengths = torch.full((n,), t, device=device)
-    anchors = torch.sort(torch.randint(1, t - b, (n, k), device=device), dim=1).values
-    ids = build_block_ids(torch.randint(0, cfg.vocab_size, (n, k), device=device),
-                          cfg.mask_token_id, b)
-    labels = torch.randint(0, cfg.vocab_size, (n * k, b), device=device)
-    valid = torch.ones(n * k, b, dtype=torch.bool, device=device)
-    valid[:, 0] = False
-    rows = []
-    backends = ("flex", "dense") if device.type == "cuda" else ("dense",)
-    for attention in backends:
-        def step(attention=attention):
-            with torch.autocast(device.type, dtype=torch.bfloat16,
-                                enabled=device.type == "cuda"):
+    cuda = device.type == "cuda"
+
+    def step_fn(k: int, attention: str):
+        anchors = torch.sort(torch.randint(1, t - b, (n, k), device=device), dim=1).values
+        ids = build_block_ids(torch.randint(0, cfg.vocab_size, (n, k), device=device),
+                              cfg.mask_token_id, b)
+        labels = torch.randint(0, cfg.vocab_size, (n * k, b), device=device)
+        valid = torch.ones(n * k, b, dtype=torch.bool, device=device)
+        valid[:, 0] = False
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 hidden = model(context, lengths, ids, anchors, attention=attention)
                 loss = block_ce_loss(labels, valid, hidden=hidden.flatten(0, 1),
-                                     lm_head_weight=model.target_lm_head, gamma=7.0)
+                                     lm_head_weight=model.target_lm_head)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
 
-        progress(f"train: {attention} mask (first step compiles)")
-        try:
-            seconds = timed(step, device, s.train_steps)
-        except Exception as e:  # report a backend that fails at this shape; go on
-            rows.append((f"train: {attention} mask", f"failed: {type(e).__name__}: {e}"[:200]))
+        return step
+
+    runs = [(s.anchors, "flex" if cuda else "dense")]
+    if cuda:
+        runs += [(s.compare_anchors, "flex"), (s.compare_anchors, "dense")]
+    rows, seconds = [], {}
+    for k, attention in runs:
+        label = f"train: {n}x{t} tokens, {k} blocks/seq, {attention} mask"
+        if time.perf_counter() - _START > budget_s:
+            rows.append((label, f"skipped: the {budget_s:.0f} s budget is spent"))
             continue
-        flops = 3 * drafter_flops(cfg, n, t, k)
-        mfu = flops / seconds / H200_BF16_FLOPS if device.type == "cuda" else float("nan")
-        rows.append((f"train: step, {attention} mask", f"{n * t / seconds:,.0f} context tok/s, "
-                     f"{n * k * b / seconds:,.0f} block tok/s, MFU {mfu:.1%}"))
-    if device.type != "cuda":  # flex on CPU runs eager and forward only: time that much
+        progress(f"{label}: first step (compiles)")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            step = step_fn(k, attention)
+            first = per_call(step, device, 1)
+            progress(f"{label}: {s.train_steps} timed steps")
+            seconds[k, attention] = per_call(step, device, s.train_steps)
+        except Exception as e:  # report a backend that fails at this shape; go on
+            rows.append((label, f"failed: {type(e).__name__}: {e}"[:200]))
+            continue
+        sec = seconds[k, attention]
+        mfu = 3 * drafter_flops(cfg, n, t, k) / sec / H200_BF16_FLOPS if cuda else float("nan")
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        rows.append((label, f"{n * t / sec:,.0f} context tok/s, {n * k * b / sec:,.0f} block "
+                     f"tok/s, MFU {mfu:.1%}, peak {peak:.1f} GiB, first step {first:.0f} s"))
+    if (s.compare_anchors, "flex") in seconds and (s.compare_anchors, "dense") in seconds:
+        ratio = seconds[s.compare_anchors, "dense"] / seconds[s.compare_anchors, "flex"]
+        rows.append((f"train: flex / dense step speed, {s.compare_anchors} blocks/seq",
+                     f"{ratio:.2f}x"))
+    if not cuda:  # flex on CPU runs eager and forward only: time that much
+        k = s.compare_anchors
+        anchors = torch.sort(torch.randint(1, t - b, (n, k)), dim=1).values
+        ids = build_block_ids(torch.randint(0, cfg.vocab_size, (n, k)), cfg.mask_token_id, b)
         with torch.no_grad():
             t_flex = timed(lambda: model(context, lengths, ids, anchors, attention="flex"),
                            device, 1)
@@ -243,7 +282,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on CPU (checks the script, measures nothing)")
+    parser.add_argument("--budget", type=float, default=270,
+                        help="seconds after which parts not yet started are skipped "
+                             "(a started part finishes)")
     args = parser.parse_args()
+    # A run killed by its time limit (SIGTERM) first prints every thread's stack: the log
+    # then says where the time went even inside a compile or a kernel wait.
+    faulthandler.register(signal.SIGTERM, chain=True)
     if args.cpu_smoke:
         device, shapes = torch.device("cpu"), CPU_SMOKE
         from dflash.extract.loading import guard_kernels
@@ -256,15 +301,19 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="dflash-gpu-bench-"))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
     print(f"dflash GPU benchmarks on {name}, {time.strftime('%Y-%m-%d')}", flush=True)
-    start = time.perf_counter()
     try:  # each part prints as it ends: a run cut short still reports what it measured
-        for bench in (lambda: bench_extract(shapes, device, root),
-                      lambda: bench_train(shapes, device)):
+        # training first: the extract part was measured on an H200 (docs/benchmarks.md), the
+        # training step at the 27B drafter shape not yet
+        for bench in (lambda: bench_train(shapes, device, args.budget),
+                      lambda: bench_extract(shapes, device, root)):
             for what, value in bench():
-                print(f"  {what:<46}  {value}", flush=True)
+                print(f"  {what:<54}  {value}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"  {'(wall time of the whole run)':<46}  {time.perf_counter() - start:.0f} s")
+    print(f"  {'(wall time of the whole run)':<54}  {time.perf_counter() - _START:.0f} s")
+
 
 if __name__ == "__main__":
     main()
