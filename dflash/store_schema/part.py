@@ -80,21 +80,30 @@ class Part:
         return np.diff(self.offsets())
 
     def read_tokens(
-        self, start: int, stop: int, names: tuple[str, ...] | None = None
+        self, start: int, stop: int, names: tuple[str, ...] | None = None,
+        out: dict[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
-        """Stored arrays (all, or `names`) of tokens [start, stop) within the committed range."""
+        """Stored arrays (all, or `names`) of tokens [start, stop) within the committed range;
+        those named in `out` are read into its arrays (C-contiguous, of the stored dtype and
+        the read's shape), e.g. straight into a batch, without another copy."""
         if not 0 <= start <= stop <= self.num_tokens:
             raise StoreError(f"part {self.index}: tokens [{start}, {stop}) outside the "
                              f"{self.num_tokens} committed")
         names = names or tuple(a.name for a in TOKEN_ARRAYS)
-        return {name: self._read(name, start, stop) for name in names}
+        out = out or {}
+        return {name: self._read(name, start, stop, out.get(name)) for name in names}
 
-    def _read(self, name: str, start: int, stop: int) -> np.ndarray:
+    def _read(self, name: str, start: int, stop: int, out: np.ndarray | None) -> np.ndarray:
         """Through dflash's shard coder (concurrent requests, parallel decode) where it applies."""
         if name not in self._coders:
             self._coders[name] = ShardCodec.of(self.array(name), immutable=self.complete)
         coder = self._coders[name]
-        return coder.read(start, stop) if coder else self.array(name)[start:stop]
+        if coder:
+            return coder.read(start, stop, out)
+        if out is None:
+            return self.array(name)[start:stop]
+        out[...] = self.array(name)[start:stop]
+        return out
 
     def sample(self, i: int) -> Sample:
         if not 0 <= i < self.num_samples:

@@ -159,9 +159,10 @@ class ShardCodec:
 
         sync(put_all())
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of axis 0 (every other axis whole); see read_many."""
-        return self.read_many([(start, stop)])[0]
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of axis 0 (every other axis whole), into `out` when given; see
+        read_many."""
+        return self.read_many([(start, stop)], None if out is None else [out])[0]
 
     def read_many(self, spans: list[tuple[int, int]],
                   outs: list[np.ndarray] | None = None) -> list[np.ndarray]:
@@ -183,7 +184,7 @@ class ShardCodec:
             buf = await store.get(key, proto, byte_range=byte_range)
             if buf is None:
                 raise ShardDamage(f"shard object '{key}' is missing")
-            return buf.to_bytes()
+            return buf.as_numpy_array()  # uint8, a view of what the store read: no copy
 
         async def fetch_all():
             known = {s: self.indexes[s] for s in shards if self.indexes and s in self.indexes}
@@ -199,11 +200,15 @@ class ShardCodec:
                 int(o), int(o + n))) for b, _, (o, n) in stored))
             return wanted, dict(zip([(b, r) for b, r, _ in stored], data, strict=True))
 
-        wanted, data = sync(fetch_all())
         dtype = np.dtype(self.array.dtype)
+        shapes = [(stop - start, *self.shard_shape[1:]) for start, stop in spans]
         if outs is None:
-            outs = [np.empty((stop - start, *self.shard_shape[1:]), dtype) for start, stop
-                    in spans]
+            outs = [np.empty(shape, dtype) for shape in shapes]
+        elif any(o.shape != shape or o.dtype != dtype or not o.flags.c_contiguous
+                 for o, shape in zip(outs, shapes, strict=True)):
+            raise ValueError(f"outs must be C-contiguous {dtype} arrays shaped {shapes}; got "
+                             f"{[(o.shape, o.dtype) for o in outs]}")
+        wanted, data = sync(fetch_all())
         fill = self.array.metadata.fill_value
 
         def place(item):
@@ -232,16 +237,17 @@ class ShardCodec:
         while len(self.indexes) > INDEX_CACHE_SHARDS:
             self.indexes.popitem(last=False)
 
-    def _parse_index(self, shard: int, raw: bytes) -> np.ndarray:
-        body, crc = raw[:-4], raw[-4:]
+    def _parse_index(self, shard: int, raw: np.ndarray) -> np.ndarray:
+        body, crc = raw[:-4], raw[-4:].tobytes()
         if len(raw) != self._index_bytes() or _crc(body) != crc:
             raise ShardDamage(f"shard index of '{self._key(shard)}' fails its checksum")
-        return np.frombuffer(body, dtype="<u8").reshape(self.chunks_per_shard[0], -1, 2)
+        return body.copy().view("<u8").reshape(self.chunks_per_shard[0], -1, 2)
 
-    def _decode_chunk(self, raw: bytes, key: str) -> np.ndarray:
-        """The chunk's values in this thread's decode buffer: valid until it decodes again."""
-        body = np.frombuffer(raw, np.uint8, count=len(raw) - 4)  # a view, no copy
-        if _crc(body) != raw[-4:]:
+    def _decode_chunk(self, raw: np.ndarray, key: str) -> np.ndarray:
+        """The chunk's values in this thread's decode buffer: valid until it decodes again.
+        raw: the stored bytes as uint8 (the data, then its crc32c)."""
+        body = raw[:-4]
+        if len(raw) < 4 or _crc(body) != raw[-4:].tobytes():
             raise ShardDamage(f"an inner chunk of '{key}' fails its checksum")
         dtype = np.dtype(self.array.dtype)
         nbytes = int(np.prod(self.chunk_shape)) * dtype.itemsize

@@ -151,3 +151,18 @@ def test_many_spans_read_at_once_into_given_buffers(tmp_path):
     for (a, b), out, value in zip(spans, outs, got, strict=True):
         assert value is out
         np.testing.assert_array_equal(out, data[a:b])
+
+
+def test_a_buffer_of_another_shape_dtype_or_layout_is_refused_before_reading(tmp_path):
+    data = hidden_bits(SHARD, seed=8)
+    arr = context_array(tmp_path / "b.zarr")
+    arr.resize(data.shape)
+    arr[:] = data
+    codec = ShardCodec.of(arr)
+    right = np.zeros((10, LAYERS, HIDDEN), np.uint16)
+    assert codec.read(3, 13, right) is right
+    np.testing.assert_array_equal(right, data[3:13])
+    for wrong in (np.zeros((9, LAYERS, HIDDEN), np.uint16), np.zeros(right.shape, np.int32),
+                  np.zeros((10, HIDDEN, LAYERS), np.uint16).transpose(0, 2, 1)):
+        with pytest.raises(ValueError, match="C-contiguous"):
+            codec.read(3, 13, wrong)
