@@ -23,7 +23,7 @@ from dflash.store_schema.layout import (
     TOKEN_ARRAYS,
     TOKEN_CHUNK_SHARDS,
     context_compressors,
-    nonfinite_hidden,
+    has_nonfinite_hidden,
     part_path,
     storage_dtype,
     token_compressors,
@@ -229,7 +229,7 @@ class PartWriter:
         m = self._meta
         arrays = sample_to_arrays(sample, n=m.num_context_layers, hidden=m.target.hidden_size,
                                   top_k=m.top_k, hidden_dtype=m.hidden_dtype, where=where)
-        if nonfinite_hidden(arrays["context"], m.hidden_dtype).any():
+        if has_nonfinite_hidden(arrays["context"], m.hidden_dtype):
             raise StoreError(f"{where}: context holds NaN or Inf")
         if not (np.isfinite(arrays["verifier_topk_logits"]).all()
                 and np.isfinite(arrays["verifier_lse"]).all()):

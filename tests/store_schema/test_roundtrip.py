@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from dflash.store_schema import StoreError, create_store, open_store, validate
-from tests.store_schema.conftest import VOCAB, assert_same_sample, make_meta, random_sample
+from dflash.store_schema.layout import _SCAN_BLOCK
+from tests.store_schema.conftest import (
+    HIDDEN,
+    LAYERS,
+    VOCAB,
+    assert_same_sample,
+    make_meta,
+    random_sample,
+)
 
 
 def _write(url, lengths, gen, shard_tokens=64, dtype=torch.bfloat16, hidden_dtype="bfloat16"):
@@ -129,6 +137,25 @@ def test_writer_rejects_wrong_shapes_and_out_of_order_rows(tmp_path, gen):
         writer.append(nan)
     with pytest.raises(StoreError, match="part 0 holds rows"):
         store.part_writer(0, 0, 20)
+
+
+@pytest.mark.parametrize("hidden_dtype,dtype", [
+    ("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_nonfinite_value_anywhere_in_the_context_is_refused(tmp_path, gen, hidden_dtype,
+                                                              dtype, bad):
+    store = create_store(str(tmp_path / "hs.zarr"), make_meta(hidden_dtype=hidden_dtype))
+    writer = store.part_writer(0, 0, 10)
+    per_token = LAYERS * HIDDEN
+    length = 2 * _SCAN_BLOCK // per_token + 1  # more than two of the writer's scan blocks
+    clean = random_sample(length, 0, gen, dtype)
+    writer.append(clean)
+    for where in (0, _SCAN_BLOCK + 7, length * per_token - 1):  # first, middle, last entry
+        sample = random_sample(length, 1, gen, dtype)
+        sample.context.view(-1)[where] = bad
+        with pytest.raises(StoreError, match="sample 1 .*NaN or Inf"):
+            writer.append(sample)
+    assert writer.pending_samples == 1  # the refused samples were not buffered
 
 
 def test_empty_part_can_be_completed(tmp_path):
