@@ -146,6 +146,21 @@ def _token_array_spec(store: "Store", name: str) -> tuple[tuple[int, ...], type,
                                      "compressors": token_compressors()}
 
 
+def _split_rows(pieces: list[np.ndarray], n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The first n rows (axis 0) of the pieces' concatenation and the rest, as views."""
+    head, tail, seen = [], [], 0
+    for p in pieces:
+        if seen >= n:
+            tail.append(p)
+        elif seen + len(p) <= n:
+            head.append(p)
+        else:
+            head.append(p[:n - seen])
+            tail.append(p[n - seen:])
+        seen += len(p)
+    return head, tail
+
+
 class PartWriter:
     """Appends samples to one part, in source-row order, committing after every
     `flush_shards` whole shards (and at finish)."""
@@ -243,16 +258,19 @@ class PartWriter:
         if self._buffer_tokens >= self._flush_tokens:
             self._flush(final=False)
 
-    def _write_tokens(self, name: str, start: int, stop: int, values: np.ndarray) -> None:
-        """Whole shards through dflash's parallel shard coder where it applies, the rest
-        (a part's last, partial shard) through zarr."""
+    def _write_tokens(self, name: str, start: int, stop: int, pieces: list[np.ndarray]) -> None:
+        """Tokens [start, stop), held by `pieces` (buffered arrays, in order): whole shards
+        through dflash's parallel shard coder where it applies, which gathers its chunks from
+        the pieces without joining them first; the rest (a part's last, partial shard), and
+        arrays the coder does not take, through zarr."""
         whole = (stop - start) // self._shard * self._shard
         coder = self._coders.get(name)
         if coder is not None and whole and start % self._shard == 0:
-            coder.write(start // self._shard, values[:whole])
-            start, values = start + whole, values[whole:]
+            shards, pieces = _split_rows(pieces, whole)
+            coder.write(start // self._shard, shards)
+            start += whole
         if start < stop:
-            self._arrays[name][start:stop] = values
+            self._arrays[name][start:stop] = np.concatenate(pieces)
 
     def finish(self) -> None:
         """Write what is buffered and mark the part complete."""
@@ -265,15 +283,15 @@ class PartWriter:
         count = write_to - self._buffer_start
         if count <= 0 and not final:
             return
-        data = {k: np.concatenate(v) if v else None for k, v in self._buffer.items()}
+        split = {k: _split_rows(v, count) for k, v in self._buffer.items()}
         for name, arr in self._arrays.items():  # (1) sizes: exact when final, else grown
             if name in SAMPLE_ARRAYS:
                 continue
             if final or arr.shape[0] < write_to:
                 arr.resize((write_to, *arr.shape[1:]))
         if count > 0:  # (2) token data, whole shards except the last
-            for name, a in data.items():
-                self._write_tokens(name, self._buffer_start, write_to, a[:count])
+            for name, (head, _) in split.items():
+                self._write_tokens(name, self._buffer_start, write_to, head)
         done = [p for p in self._pending if p[0] <= write_to]
         if done:  # (3) sample offsets and rows
             c = self.committed_samples
@@ -290,7 +308,6 @@ class PartWriter:
         self.group.attrs[PART_KEY] = self._record(  # (4) the commit record, last
             self.committed_samples, self.committed_tokens, final)
         self.complete = final
-        self._buffer = {k: ([] if a is None or count >= len(a) else [a[count:]])
-                        for k, a in data.items()}
+        self._buffer = {k: tail for k, (_, tail) in split.items()}
         self._buffer_start = write_to
         self._buffer_tokens = end - write_to

@@ -75,6 +75,20 @@ def _little(codec) -> bool:
                                               or codec.endian.value == "little")
 
 
+def _gather(pieces: list[np.ndarray], lo: int, hi: int, rest: tuple[slice, ...]) -> np.ndarray:
+    """Rows [lo, hi) of the pieces' concatenation along axis 0, `rest` applied to the other
+    axes, as one C-contiguous array."""
+    found, start = [], 0
+    for p in pieces:
+        a, b = max(lo, start), min(hi, start + len(p))
+        if a < b:
+            found.append(p[a - start:b - start][(slice(None), *rest)])
+        start += len(p)
+        if start >= hi:
+            break
+    return np.ascontiguousarray(found[0]) if len(found) == 1 else np.concatenate(found)
+
+
 @dataclass(frozen=True)
 class ShardCodec:
     """How one array's shards are laid out and coded."""
@@ -123,15 +137,28 @@ class ShardCodec:
         data = self.blosc.encode(np.ascontiguousarray(chunk))
         return data, _crc(data)  # joined once, with the whole shard: one copy, not two
 
-    def encode(self, shards: np.ndarray) -> list[bytes]:
-        """Whole shards stacked along axis 0 -> one `sharding_indexed` object per shard."""
-        if shards.shape[1:] != self.shard_shape[1:] or shards.shape[0] % self.shard_shape[0]:
-            raise ValueError(f"shape {shards.shape} is not whole shards of {self.shard_shape}")
-        count = shards.shape[0] // self.shard_shape[0]
+    def encode(self, shards: np.ndarray | list[np.ndarray]) -> list[bytes]:
+        """Whole shards stacked along axis 0 -> one `sharding_indexed` object per shard.
+        `shards` may be a list of arrays read as their concatenation along axis 0 (e.g. the
+        samples a writer buffered): each inner chunk is gathered from them on the pool, so
+        the data is copied once, in parallel, instead of joined first."""
+        pieces = [shards] if isinstance(shards, np.ndarray) else shards
+        rows = sum(len(p) for p in pieces)
+        if (any(p.shape[1:] != self.shard_shape[1:] for p in pieces)
+                or rows % self.shard_shape[0]):
+            raise ValueError(f"shapes {[p.shape for p in pieces]} are not whole shards of "
+                             f"{self.shard_shape}")
+        count = rows // self.shard_shape[0]
         coords = list(product(*map(range, self.chunks_per_shard)))  # C order
-        jobs = [shards[s * self.shard_shape[0]:(s + 1) * self.shard_shape[0]][
-                    self._chunk_slices(c)] for s in range(count) for c in coords]
-        coded = list(_executor().map(self._encode_chunk, jobs))
+        jobs = [(s * self.shard_shape[0], self._chunk_slices(c)) for s in range(count)
+                for c in coords]
+
+        def code(job):
+            first_row, (rows_in_shard, *rest) = job
+            return self._encode_chunk(_gather(pieces, first_row + rows_in_shard.start,
+                                              first_row + rows_in_shard.stop, tuple(rest)))
+
+        coded = list(_executor().map(code, jobs))
         objects = []
         for s in range(count):
             body = coded[s * len(coords):(s + 1) * len(coords)]
@@ -147,8 +174,9 @@ class ShardCodec:
         key = self.array.metadata.encode_chunk_key((shard, *(0,) * (len(self.shard_shape) - 1)))
         return f"{root}/{key}" if root else key
 
-    def write(self, first_shard: int, shards: np.ndarray) -> None:
-        """Store whole shards from shard number `first_shard` on (the array is already sized)."""
+    def write(self, first_shard: int, shards: np.ndarray | list[np.ndarray]) -> None:
+        """Store whole shards from shard number `first_shard` on (the array is already sized);
+        `shards` as for `encode`."""
         objects = self.encode(shards)
         store, proto = self.array.store_path.store, default_buffer_prototype()
 

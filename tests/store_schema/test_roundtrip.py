@@ -72,6 +72,27 @@ def test_arrays_read_into_given_buffers_are_those_of_a_plain_read(tmp_path, gen)
         np.testing.assert_array_equal(buffers[name], a)
 
 
+def test_commit_spacing_changes_no_stored_byte(tmp_path, gen):
+    lengths = [7, 1, 130, 64, 65, 3, 300, 2, 64, 128]  # ragged across 64-token shards
+    samples = [random_sample(n, row, gen) for row, n in enumerate(lengths)]
+    stores = []
+    for flush_shards in (1, 3):
+        url = str(tmp_path / f"f{flush_shards}.zarr")
+        writer = create_store(url, make_meta(), shard_tokens=64).part_writer(
+            0, 0, len(samples), flush_shards)
+        for s in samples:
+            writer.append(s)
+        writer.finish()
+        stores.append(tmp_path / f"f{flush_shards}.zarr" / "parts" / "00000" / "context")
+    for s, r in zip(samples, open_store(url).part(0).iter_samples(), strict=True):
+        assert_same_sample(s, r)
+    shards = [sorted(p.relative_to(root) for p in root.rglob("c/**/*") if p.is_file())
+              for root in stores]
+    assert shards[0] == shards[1] and len(shards[0]) == -(-sum(lengths) // 64)
+    for rel in shards[0]:
+        assert (stores[0] / rel).read_bytes() == (stores[1] / rel).read_bytes()
+
+
 def test_memory_url_works_through_the_same_api(gen):
     url = "memory://dflash-test/hs.zarr"
     _, samples = _write(url, [5, 100, 33], gen)

@@ -166,3 +166,16 @@ def test_a_buffer_of_another_shape_dtype_or_layout_is_refused_before_reading(tmp
                   np.zeros((10, HIDDEN, LAYERS), np.uint16).transpose(0, 2, 1)):
         with pytest.raises(ValueError, match="C-contiguous"):
             codec.read(3, 13, wrong)
+
+
+def test_pieces_are_coded_exactly_as_their_concatenation(tmp_path):
+    data = hidden_bits(3 * SHARD, seed=9)
+    arr = context_array(tmp_path / "c.zarr")
+    codec = ShardCodec.of(arr)
+    cuts = [0, 5, 6, INNER + 3, SHARD, 2 * SHARD - 1, 3 * SHARD]  # across chunks and shards
+    pieces = [data[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert codec.encode(pieces) == codec.encode(data)
+    with pytest.raises(ValueError, match="whole shards"):
+        codec.encode(pieces[:-1])
+    with pytest.raises(ValueError, match="whole shards"):
+        codec.encode([p[:, :, :-1] for p in pieces])
