@@ -1,10 +1,13 @@
 """The store loader: each sample once per epoch, disjoint across ranks, resumable, bounded."""
 
+import platform
+import sys
+
 import pytest
 import torch
 
 from dflash.store_schema import create_store
-from dflash.train.data import LoaderConfig, StoreLoader
+from dflash.train.data import LoaderConfig, StoreLoader, pin_mmap_threshold
 from tests.store_schema.conftest import make_meta, random_sample
 
 
@@ -141,3 +144,12 @@ def test_read_units_leave_the_cache_once_all_their_samples_are_served(store_url)
         held.append(len(reader.cache))
     assert len(units) > 4 and max(held) < len(units)  # never every unit at once
     assert not reader.cache and reader.cached_tokens == 0  # and none after the epoch
+
+
+def test_glibc_mmap_threshold_is_pinned_unless_the_user_set_it(monkeypatch):
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert pin_mmap_threshold() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert pin_mmap_threshold() is True
