@@ -6,7 +6,9 @@
   train    the Qwen3.6-27B drafter shape (DrafterConfig.qwen3_6_27b): step tokens/s, MFU and
            peak memory of forward + CE loss + backward + AdamW with the mask `dflash train`
            uses there (flex on CUDA; the first, compiling step timed apart), then flex vs
-           dense at fewer blocks per sequence, where dense's score matrices fit
+           dense at fewer blocks per sequence, where dense's score matrices fit (flex then
+           recompiles for the second shape with dynamic shapes, as `dflash train` does once
+           its batches take a second padded shape)
   extract  a Qwen3.5-architecture target of real width (random weights, hidden 5120, a few
            layers: linear attention x 3 + full x 1, vocab 248320): tokens/s of the bare
            forward, of forward_states + verifier top-k, and of those plus the background
@@ -260,7 +262,7 @@ def bench_train(s: Shapes, device: torch.device, budget_s: float) -> list[tuple[
         mfu = 3 * drafter_flops(cfg, n, t, k) / sec / H200_BF16_FLOPS if cuda else float("nan")
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
         rows.append((label, f"{n * t / sec:,.0f} context tok/s, {n * k * b / sec:,.0f} block "
-                     f"tok/s, MFU {mfu:.1%}, peak {peak:.1f} GiB, first step {first:.0f} s"))
+                     f"tok/s, MFU {mfu:.1%}, peak {peak:.1f} GiB, first step {first:.1f} s"))
     if (s.compare_anchors, "flex") in seconds and (s.compare_anchors, "dense") in seconds:
         ratio = seconds[s.compare_anchors, "dense"] / seconds[s.compare_anchors, "flex"]
         rows.append((f"train: flex / dense step speed, {s.compare_anchors} blocks/seq",
@@ -304,8 +306,11 @@ def main() -> None:
     try:  # each part prints as it ends: a run cut short still reports what it measured
         # training first: the extract part was measured on an H200 (docs/benchmarks.md), the
         # training step at the 27B drafter shape not yet
-        for bench in (lambda: bench_train(shapes, device, args.budget),
-                      lambda: bench_extract(shapes, device, root)):
+        for name, bench in (("train", lambda: bench_train(shapes, device, args.budget)),
+                            ("extract", lambda: bench_extract(shapes, device, root))):
+            if time.perf_counter() - _START > args.budget:
+                print(f"  {name:<54}  skipped: the {args.budget:.0f} s budget is spent")
+                continue
             for what, value in bench():
                 print(f"  {what:<54}  {value}", flush=True)
             if device.type == "cuda":

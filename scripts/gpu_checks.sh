@@ -27,6 +27,6 @@ log="${OUT:-.}/gpu_checks.log"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   timeout -k 20 330 python3 benchmarks/gpu.py --budget 270
-  timeout 200 python3 -m pytest -q -rs -k cuda tests/drafter/test_model.py \
+  timeout 180 python3 -m pytest -q -rs -k cuda tests/drafter/test_model.py \
       tests/extract/test_kernels_cuda.py
 } 2>&1 | tee "$log"

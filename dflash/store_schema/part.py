@@ -29,7 +29,7 @@ from dflash.store_schema.layout import (
     token_compressors,
 )
 from dflash.store_schema.sample import Sample, sample_from_arrays, sample_to_arrays
-from dflash.store_schema.shards import ShardCodec
+from dflash.store_schema.shards import ShardCodec, check_buffer
 
 if TYPE_CHECKING:
     from dflash.store_schema.store import Store
@@ -100,9 +100,11 @@ class Part:
         coder = self._coders[name]
         if coder:
             return coder.read(start, stop, out)
+        array = self.array(name)
         if out is None:
-            return self.array(name)[start:stop]
-        out[...] = self.array(name)[start:stop]
+            return array[start:stop]
+        check_buffer(out, (stop - start, *array.shape[1:]), np.dtype(array.dtype))
+        out[...] = array[start:stop]
         return out
 
     def sample(self, i: int) -> Sample:

@@ -75,6 +75,13 @@ def _little(codec) -> bool:
                                               or codec.endian.value == "little")
 
 
+def check_buffer(out: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """A caller's buffer to read into must be exactly what is read: no broadcast, no cast."""
+    if out.shape != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(f"a buffer to read into must be a C-contiguous {dtype} array shaped "
+                         f"{tuple(shape)}; got {out.dtype} {out.shape}")
+
+
 def _gather(pieces: list[np.ndarray], lo: int, hi: int, rest: tuple[slice, ...]) -> np.ndarray:
     """Rows [lo, hi) of the pieces' concatenation along axis 0, `rest` applied to the other
     axes, as one C-contiguous array."""
@@ -148,6 +155,10 @@ class ShardCodec:
                 or rows % self.shard_shape[0]):
             raise ValueError(f"shapes {[p.shape for p in pieces]} are not whole shards of "
                              f"{self.shard_shape}")
+        dtype = np.dtype(self.array.dtype)
+        if any(p.dtype != dtype for p in pieces):  # blosc codes bytes: no silent cast
+            raise ValueError(f"dtypes {sorted({str(p.dtype) for p in pieces})} are not the "
+                             f"array's {dtype}")
         count = rows // self.shard_shape[0]
         coords = list(product(*map(range, self.chunks_per_shard)))  # C order
         jobs = [(s * self.shard_shape[0], self._chunk_slices(c)) for s in range(count)
@@ -232,10 +243,9 @@ class ShardCodec:
         shapes = [(stop - start, *self.shard_shape[1:]) for start, stop in spans]
         if outs is None:
             outs = [np.empty(shape, dtype) for shape in shapes]
-        elif any(o.shape != shape or o.dtype != dtype or not o.flags.c_contiguous
-                 for o, shape in zip(outs, shapes, strict=True)):
-            raise ValueError(f"outs must be C-contiguous {dtype} arrays shaped {shapes}; got "
-                             f"{[(o.shape, o.dtype) for o in outs]}")
+        else:
+            for out, shape in zip(outs, shapes, strict=True):
+                check_buffer(out, shape, dtype)
         wanted, data = sync(fetch_all())
         fill = self.array.metadata.fill_value
 

@@ -70,6 +70,9 @@ def test_arrays_read_into_given_buffers_are_those_of_a_plain_read(tmp_path, gen)
     for name, a in plain.items():
         assert read[name] is buffers[name]
         np.testing.assert_array_equal(buffers[name], a)
+    for name in ("context", "input_ids"):  # the coder's path and zarr's
+        with pytest.raises(ValueError, match="buffer to read into"):
+            part.read_tokens(5, 150, (name,), out={name: buffers[name][:-1]})
 
 
 def test_commit_spacing_changes_no_stored_byte(tmp_path, gen):

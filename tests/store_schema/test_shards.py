@@ -179,3 +179,5 @@ def test_pieces_are_coded_exactly_as_their_concatenation(tmp_path):
         codec.encode(pieces[:-1])
     with pytest.raises(ValueError, match="whole shards"):
         codec.encode([p[:, :, :-1] for p in pieces])
+    with pytest.raises(ValueError, match="dtypes"):  # blosc would code other bytes
+        codec.encode([p.astype(np.int32) if i == 2 else p for i, p in enumerate(pieces)])
