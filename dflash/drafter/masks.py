@@ -18,6 +18,7 @@ module never touches weights.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,8 +124,13 @@ def dense_mask(layout: BlockLayout, causal: bool, window: int | None) -> torch.T
     return visible.unsqueeze(1)
 
 
-def flex_block_mask(layout: BlockLayout, causal: bool, window: int | None) -> BlockMask:
-    """The same rule as `dense_mask`, as a flex-attention BlockMask."""
+def flex_block_mask(layout: BlockLayout, causal: bool, window: int | None,
+                    compiled: bool | None = None) -> BlockMask:
+    """The same rule as `dense_mask`, as a flex-attention BlockMask.
+
+    `compiled` builds it with torch.compile (default: on CUDA, where the eager build would
+    materialise the full [Q, KV] mask).
+    """
     device = layout.anchors.device
     t, b = layout.context_len, layout.block_size
     q_pos, q_anchor = layout.query_positions(), layout.query_anchors()
@@ -143,13 +149,20 @@ def flex_block_mask(layout: BlockLayout, causal: bool, window: int | None) -> Bl
             window=window,
         )
 
-    return create_block_mask(
+    if compiled is None:
+        compiled = device.type == "cuda"
+    build = _compiled_create_block_mask() if compiled else create_block_mask
+    return build(
         mask_mod,
         B=layout.anchors.shape[0],
         H=None,
         Q_LEN=layout.num_queries,
         KV_LEN=layout.num_keys,
         device=device,
-        # Compiled construction avoids materialising the full [Q, KV] mask on the GPU.
-        _compile=device.type == "cuda",
     )
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    # What create_block_mask(_compile=True) did before torch deprecated that flag (2.13).
+    return torch.compile(create_block_mask)

@@ -92,3 +92,34 @@ def test_every_query_sees_at_least_itself():
         layout = BlockLayout.build(torch.tensor([[0, 0]]), torch.tensor([0]), 3, B)
         mask = dense_mask(layout, causal, window)[0, 0]
         assert mask[torch.arange(2 * B), 3 + torch.arange(2 * B)].all()
+
+
+def _tiles(mask: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, Q/tile, KV/tile] (any visible, all visible) per tile of a dense [N, Q, KV] mask."""
+    n, q, kv = mask.shape
+    padded = torch.zeros(n, -(-q // tile) * tile, -(-kv // tile) * tile, dtype=torch.int32)
+    padded[:, :q, :kv] = mask
+    counts = padded.unflatten(1, (-1, tile)).unflatten(3, (-1, tile)).sum((2, 4))
+    return counts > 0, counts == tile * tile
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flex_block_mask_skips_and_fuses_the_right_tiles(compiled):
+    # Long enough that queries and keys span several 128-tiles, some fully visible.
+    gen = torch.Generator().manual_seed(3)
+    t, k, b = 300, 20, 16
+    lengths = torch.tensor([300, 170])
+    anchors = torch.stack([torch.randperm(int(n) + 1, generator=gen)[:k] for n in lengths])
+    # late anchors first, so the first query tile sees whole context tiles
+    layout = BlockLayout.build(anchors.sort(dim=1, descending=True).values, lengths, t, b)
+    dense = dense_mask(layout, causal=False, window=None)[:, 0]
+    any_visible, all_visible = _tiles(dense, 128)
+    assert all_visible.any() and (any_visible & ~all_visible).any() and not any_visible.all()
+    block_mask = flex_block_mask(layout, causal=False, window=None, compiled=compiled)
+    partial, full = torch.zeros_like(any_visible), torch.zeros_like(any_visible)
+    for s, qt in itertools.product(range(2), range(any_visible.shape[1])):
+        for num, idx, out in ((block_mask.kv_num_blocks, block_mask.kv_indices, partial),
+                              (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, full)):
+            out[s, qt, idx[s, 0, qt, :num[s, 0, qt]]] = True
+    assert torch.equal(full, all_visible)
+    assert torch.equal(partial, any_visible & ~all_visible)
