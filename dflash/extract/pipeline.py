@@ -379,7 +379,9 @@ def _forward_batch(target: Target, layer_ids: list[int], items: list[Item | None
         samples.append(Sample(
             input_ids=torch.tensor(item.input_ids, dtype=torch.int32),
             loss_mask=torch.tensor(item.loss_mask, dtype=torch.bool),
-            context=context[b, :n].cpu(), topk_ids=ids[lo:hi].cpu(),
+            # a copy even on a CPU target: a view would keep the whole padded batch alive
+            # in the writer's buffer until its next flush
+            context=context[b, :n].to("cpu", copy=True), topk_ids=ids[lo:hi].cpu(),
             topk_logits=logits[lo:hi].cpu(), lse=lse[lo:hi].cpu(), source_row=item.row,
         ))
     return samples

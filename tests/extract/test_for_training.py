@@ -26,3 +26,20 @@ def test_mask_token_outside_the_vocabulary_is_refused(qwen3_dir, chats_jsonl, tm
         run_extract_cfg(qwen3_dir, chats_jsonl, str(tmp_path / "hs.zarr"),
                         mask_token_id=VOCAB_SIZE)
     assert not (tmp_path / "hs.zarr").exists()
+
+
+def test_buffered_samples_do_not_hold_their_batch(qwen3_dir, chats_jsonl, tmp_path, monkeypatch):
+    from dflash.extract.writer import BackgroundWriter
+
+    seen = []
+    append = BackgroundWriter.append
+
+    def spy(self, writer, samples):
+        seen.extend(samples)
+        append(self, writer, samples)
+
+    monkeypatch.setattr(BackgroundWriter, "append", spy)
+    run_extract_cfg(qwen3_dir, chats_jsonl, str(tmp_path / "hs.zarr"), batch_tokens=400)
+    assert len(seen) == 14
+    for s in seen:  # each sample owns exactly its own bytes, not a slice of a padded batch
+        assert s.context.untyped_storage().nbytes() == s.context.numel() * s.context.element_size()
