@@ -31,8 +31,8 @@ def _rank_and_world() -> tuple[int, int]:
                    "(train split), which implies --regenerate.")
 @click.option("--out", required=True, help="Store to create or resume (path or fsspec URL).")
 @click.option("--layers", default=None,
-              help="Comma-separated target layer ids (id k = HF hidden_states[k+1]). "
-                   "Default: the DFlash formula for 5 features.")
+              help="Comma-separated target layer ids (id k = HF hidden_states[k+1]; the last "
+                   "layer is refused). Default: the DFlash formula for 5 features.")
 @click.option("--top-k", default=_DEFAULTS.top_k, show_default=True, type=click.IntRange(1),
               help="Verifier top-k logits stored per token.")
 @click.option("--max-length", default=_DEFAULTS.max_length, show_default=True,

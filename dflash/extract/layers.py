@@ -30,7 +30,16 @@ def resolve_layer_ids(spec: str | None, num_layers: int) -> list[int]:
     if bad:
         raise ExtractError(
             f"--layers: ids {bad} out of range; the target has {num_layers} layers "
-            f"(valid ids 0..{num_layers - 1}, id k = output of decoder layer k)"
+            f"(valid ids 0..{num_layers - 2}, id k = output of decoder layer k)"
+        )
+    if num_layers - 1 in ids:
+        # REFERENCE.md 2: HF's last hidden_states entry is post-final-norm (z-lab extracts
+        # that), while serving engines capture layer outputs before the norm or not at all:
+        # a drafter trained on one would be served the other.
+        raise ExtractError(
+            f"--layers: id {num_layers - 1} is the target's last layer, whose captured state "
+            f"differs between trainers and serving engines (before or after the final "
+            f"norm); use ids 0..{num_layers - 2}"
         )
     if len(set(ids)) != len(ids):
         raise ExtractError(f"--layers {ids}: repeated ids")

@@ -47,7 +47,7 @@ def run_extract_cfg(model: str, data: str, out: str, **overrides):
     from dflash.extract.pipeline import run_extract
 
     settings = dict(device="cpu", dtype="float32", rows_per_part=5, shard_tokens=16,
-                    batch_tokens=96, layers="0,1,3", progress=False)
+                    batch_tokens=96, layers="0,1,2", progress=False)
     settings.update(overrides)
     rank, world = settings.pop("rank", 0), settings.pop("world_size", 1)
     cfg = ExtractConfig(model=model, data=[data], out=out, **settings)
@@ -75,7 +75,7 @@ def cli_args(model: str, data: str, out: str) -> list[str]:
     """The CLI form of run_extract_cfg's settings."""
     return ["--model", model, "--data", data, "--out", out, "--device", "cpu", "--dtype",
             "float32", "--rows-per-part", "5", "--shard-tokens", "16", "--batch-tokens", "96",
-            "--layers", "0,1,3", "--no-progress"]
+            "--layers", "0,1,2", "--no-progress"]
 
 
 def cli_command(args: list[str]) -> list[str]:

@@ -64,6 +64,13 @@ def test_layer_id_beyond_the_target_is_refused(qwen3_dir, chats_jsonl, tmp_path)
     _assert_clean_failure(result, out, "[4] out of range", "4 layers")
 
 
+def test_the_last_layer_is_refused_as_ambiguous(qwen3_dir, chats_jsonl, tmp_path):
+    out = str(tmp_path / "hs.zarr")
+    result = CliRunner().invoke(extract, ["--model", qwen3_dir, "--data", chats_jsonl, "--out",
+                                          out, "--device", "cpu", "--layers", "0,3"])
+    _assert_clean_failure(result, out, "id 3 is the target's last layer", "0..2")
+
+
 def test_out_dir_holding_a_different_store_is_refused_and_left_intact(qwen3_dir, chats_jsonl,
                                                                       tmp_path):
     out = str(tmp_path / "hs.zarr")

@@ -20,7 +20,7 @@ NUM_ROWS = 14
 ARRAYS = ("input_ids", "loss_mask", "context", "topk_ids", "topk_logits", "lse")
 
 SETTINGS = dict(device="cpu", dtype="float32", rows_per_part=5, shard_tokens=16,
-                batch_tokens=96, layers="0,1,3", progress=False)
+                batch_tokens=96, layers="0,1,2", progress=False)
 """14 rows -> parts of 5, 5, 4 rows; 16-token shards so every part commits several times."""
 
 

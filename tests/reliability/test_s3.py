@@ -50,7 +50,7 @@ def extract_args(inputs: tuple[str, str], out: str) -> list[str]:
     model, data = inputs
     return ["extract", "--model", model, "--data", data, "--out", out, "--device", "cpu",
             "--dtype", "float32", "--rows-per-part", "5", "--shard-tokens", "16",
-            "--batch-tokens", "96", "--layers", "0,1,3", "--mask-token-id", MASK_ID,
+            "--batch-tokens", "96", "--layers", "0,1,2", "--mask-token-id", MASK_ID,
             "--no-progress"]
 
 
