@@ -43,9 +43,18 @@ class S3Endpoint:
 
 
 def _forget_s3_clients() -> None:
-    """Drop cached s3fs instances, so the next one reads the endpoint from the environment."""
+    """Close and drop cached s3fs instances, so the next one reads the endpoint from the
+    environment (and no unclosed aiohttp session is reported at exit)."""
     import s3fs
+    from zarr.core.sync import sync
 
+    for fs in list(s3fs.S3FileSystem._cache.values()):
+        if getattr(fs, "_s3", None) is not None:
+            # zarr's FsspecStore makes asynchronous instances on zarr's own event loop
+            if fs.asynchronous:
+                sync(fs._s3.__aexit__(None, None, None))
+            else:
+                s3fs.S3FileSystem.close_session(fs.loop, fs._s3)
     s3fs.S3FileSystem.clear_instance_cache()
 
 
