@@ -30,13 +30,19 @@ from dflash.drafter.checkpoint import (
     read_config,
     save_drafter,
 )
-from dflash.drafter.config import DrafterConfig, default_target_layer_ids
+from dflash.drafter.config import (
+    AttentionShape,
+    DrafterConfig,
+    default_target_layer_ids,
+    published_attention,
+)
 from dflash.drafter.errors import DrafterError
 from dflash.drafter.masks import BlockLayout, dense_mask, flex_block_mask
 from dflash.drafter.model import ContextCache, DFlashDrafter
 
 __all__ = [
     "DRAFTER_SUBDIR",
+    "AttentionShape",
     "BlockLayout",
     "ContextCache",
     "DFlashDrafter",
@@ -48,6 +54,7 @@ __all__ = [
     "export_checkpoint",
     "flex_block_mask",
     "load_drafter",
+    "published_attention",
     "read_config",
     "save_drafter",
 ]

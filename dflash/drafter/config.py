@@ -103,6 +103,16 @@ class DrafterConfig:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         self.validate()
 
+    def describe(self) -> str:
+        """One line for logs: layers, attention, MLP and the target layers read."""
+        sliding = self.layer_types.count("sliding_attention")
+        layers = (f"{sliding} sliding (window {self.sliding_window}) + "
+                  f"{self.num_hidden_layers - sliding} full" if sliding else "all full")
+        return (f"{self.num_hidden_layers} layers ({layers}), {self.num_attention_heads} query / "
+                f"{self.num_key_value_heads} kv heads of {self.head_dim}, MLP "
+                f"{self.intermediate_size}, block {self.block_size}, target layers "
+                f"{self.target_layer_ids}")
+
     def validate(self) -> None:
         """Raise DrafterError naming the first field that cannot describe a drafter."""
         if len(self.layer_types) != self.num_hidden_layers:
@@ -192,6 +202,7 @@ class DrafterConfig:
     @classmethod
     def qwen3_6_27b(cls) -> DrafterConfig:
         """The published z-lab/Qwen3.6-27B-DFlash shape (REFERENCE.md 1)."""
+        shape = QWEN3_6_27B_ATTENTION
         return cls(
             hidden_size=5120,
             vocab_size=248320,
@@ -200,15 +211,47 @@ class DrafterConfig:
             target_layer_ids=default_target_layer_ids(64, 5),
             mask_token_id=248070,
             num_hidden_layers=5,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_key_value_heads,
+            head_dim=shape.head_dim,
             rms_norm_eps=1e-6,
             rope_theta=1e7,
             max_position_embeddings=262144,
-            layer_types=["sliding_attention"] * 4 + ["full_attention"],
-            sliding_window=2048,
+            layer_types=["sliding_attention"] * shape.sliding_layers + ["full_attention"],
+            sliding_window=shape.sliding_window,
         )
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention part of a drafter's shape, as a trainer chooses it."""
+
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """Key/value heads per layer."""
+    head_dim: int
+    """Width of one attention head."""
+    sliding_layers: int
+    """How many of the first layers use sliding-window attention; the rest are full."""
+    sliding_window: int
+    """Context window of the sliding layers."""
+
+
+QWEN3_6_27B_ATTENTION = AttentionShape(32, 8, 128, sliding_layers=4, sliding_window=2048)
+"""z-lab's released Qwen3.6-27B drafter (REFERENCE.md 1); its target has 24 query heads of 256."""
+
+
+def published_attention(target_config: Any) -> AttentionShape | None:
+    """The released drafter's attention shape for a target DFlash was published for, or None.
+
+    Qwen3.5-27B and Qwen3.6-27B share one architecture (qwen3_5, 64 layers, width 5120).
+    """
+    text = _get(target_config, "text_config", None) or target_config
+    family = str(_get(text, "model_type", "")).startswith("qwen3_5")
+    if family and _get(text, "hidden_size", 0) == 5120 and _get(text, "num_hidden_layers", 0) == 64:
+        return QWEN3_6_27B_ATTENTION
+    return None
 
 
 def _get(obj: Any, name: str, default: Any) -> Any:

@@ -27,17 +27,19 @@ class ModelConfig:
     num_hidden_layers: int = 5
     """Drafter decoder layers."""
     num_attention_heads: int | None = None
-    """Query heads; None: the target's."""
+    """Query heads; None: the released drafter's for a published target (Qwen3.5/3.6-27B:
+    32), else the target's."""
     num_key_value_heads: int | None = None
-    """Key/value heads; None: the target's."""
+    """Key/value heads; None: the released drafter's (27B: 8), else the target's."""
     head_dim: int | None = None
-    """Head width; None: the target's."""
+    """Head width; None: the released drafter's (27B: 128), else the target's."""
     intermediate_size: int | None = None
     """MLP width; None: the target's."""
-    sliding_layers: int = 0
-    """How many of the first layers use sliding-window attention (Qwen3.6-27B drafter: 4)."""
-    sliding_window: int = 2048
-    """Context window of the sliding layers."""
+    sliding_layers: int | None = None
+    """How many of the first layers use sliding-window attention; None: the released
+    drafter's (27B: 4), else 0."""
+    sliding_window: int | None = None
+    """Context window of the sliding layers; None: the released drafter's, else 2048."""
     mask_token_id: int | None = None
     """Mask token filling block slots; None: the one extract recorded in the store."""
     init_from: str | None = None

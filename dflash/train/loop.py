@@ -10,7 +10,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -18,7 +18,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dflash.blocks import draft_topk
-from dflash.drafter import DFlashDrafter, DrafterConfig, load_drafter
+from dflash.drafter import (
+    AttentionShape,
+    DFlashDrafter,
+    DrafterConfig,
+    load_drafter,
+    published_attention,
+)
 from dflash.evaluate.metrics import AcceptanceStats
 from dflash.store_schema import Store, StoreError
 from dflash.store_schema.stats import store_stats
@@ -31,7 +37,7 @@ from dflash.train.checkpoint import (
     read_provenance,
     save_checkpoint,
 )
-from dflash.train.config import TrainConfig, to_toml
+from dflash.train.config import ModelConfig, TrainConfig, to_toml
 from dflash.train.data import StoreLoader, empty_batch
 from dflash.train.errors import TrainError
 from dflash.train.noise import noise_std_at
@@ -87,19 +93,33 @@ def drafter_config(cfg: TrainConfig, store: Store) -> DrafterConfig:
         mask = meta.extra.get("mask_token_id")
     if mask is None:
         raise TrainError(f"{store.url} records no mask token id; pass --model.mask_token_id")
-    m = cfg.model
+    return shape_drafter(target, int(mask), meta.context_layer_ids, cfg.model)
+
+
+def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
+                  m: ModelConfig) -> DrafterConfig:
+    """The drafter for a target config.json: `m`'s fields where set, else a published
+    target's released drafter attention, else the target's own heads, all layers full."""
     text = target.get("text_config") or target
-    overrides = {k: v for k, v in dict(
-        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads
-        or text.get("num_attention_heads"), num_key_value_heads=m.num_key_value_heads
-        or text.get("num_key_value_heads"), head_dim=m.head_dim or text.get("head_dim"),
-        intermediate_size=m.intermediate_size,
-    ).items() if v is not None}
-    if m.sliding_layers:
-        overrides["layer_types"] = (["sliding_attention"] * m.sliding_layers
-                                    + ["full_attention"] * (m.num_hidden_layers - m.sliding_layers))
-        overrides["sliding_window"] = m.sliding_window
-    return DrafterConfig.for_target(target, int(mask), target_layer_ids=meta.context_layer_ids,
+    base = published_attention(target) or AttentionShape(
+        text["num_attention_heads"], text["num_key_value_heads"],
+        text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+        sliding_layers=0, sliding_window=2048)
+    shape = replace(base, **{f.name: getattr(m, f.name) for f in fields(AttentionShape)
+                             if getattr(m, f.name) is not None})
+    if not 0 <= shape.sliding_layers <= m.num_hidden_layers:
+        raise TrainError(f"model.sliding_layers {shape.sliding_layers} is not within the "
+                         f"drafter's {m.num_hidden_layers} layers")
+    overrides = dict(
+        num_hidden_layers=m.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+        layer_types=(["sliding_attention"] * shape.sliding_layers
+                     + ["full_attention"] * (m.num_hidden_layers - shape.sliding_layers)),
+        sliding_window=shape.sliding_window if shape.sliding_layers else None,
+    )
+    if m.intermediate_size is not None:
+        overrides["intermediate_size"] = m.intermediate_size
+    return DrafterConfig.for_target(target, mask_token_id, target_layer_ids=layer_ids,
                                     **overrides)
 
 
@@ -148,6 +168,9 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     else:
         model = DFlashDrafter(dcfg)
     dcfg = model.config
+    if rank == 0:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        echo(f"drafter: {dcfg.describe()}; {trainable / 1e6:.1f}M trainable parameters")
     head_dtype = torch.bfloat16 if use_bf16 else torch.float32
     model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
                              rows["lm_head"].to(device, head_dtype))

@@ -83,3 +83,9 @@ def test_is_causal_overrides_every_layer():
 def test_invalid_config_names_the_field(field, value, words):
     with pytest.raises(DrafterError, match=words.replace("[", r"\[").replace("]", r"\]")):
         tiny_config(**{field: value})
+
+
+def test_describe_names_the_layer_mix_and_heads():
+    line = DrafterConfig.qwen3_6_27b().describe()
+    assert line.startswith("5 layers (4 sliding (window 2048) + 1 full), 32 query / 8 kv heads")
+    assert "target layers [1, 16, 31, 46, 61]" in line

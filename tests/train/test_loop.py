@@ -14,14 +14,14 @@ from click.testing import CliRunner
 
 from dflash.blocks import draft_topk
 from dflash.cli import main
-from dflash.drafter import load_drafter
+from dflash.drafter import DrafterConfig, load_drafter
 from dflash.evaluate.metrics import AcceptanceStats
 from dflash.store_schema import open_store
 from dflash.train.checkpoint import latest_checkpoint
-from dflash.train.config import load_config
+from dflash.train.config import ModelConfig, load_config
 from dflash.train.data import LoaderConfig, StoreLoader
 from dflash.train.errors import TrainError
-from dflash.train.loop import train
+from dflash.train.loop import shape_drafter, train
 from dflash.train.noise import NoiseConfig
 from dflash.train.step import make_blocks, noised_context
 from tests.train.conftest import MASK, build_store
@@ -205,3 +205,47 @@ def test_padding_batches_and_blocks_leaves_the_loss_unchanged(synthetic_store, t
     b = load_drafter(padded.checkpoint).state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+QWEN3_6_27B_TARGET = {  # the config.json Qwen3.6-27B ships (multimodal wrapper)
+    "model_type": "qwen3_5",
+    "text_config": dict(model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                        intermediate_size=17408, vocab_size=248320, rms_norm_eps=1e-6,
+                        max_position_embeddings=262144,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e7}),
+}
+
+
+def test_a_27b_store_gets_the_released_drafter_shape_by_default():
+    cfg = shape_drafter(QWEN3_6_27B_TARGET, 248070, [1, 16, 31, 46, 61], ModelConfig())
+    # REFERENCE.md 1, not the target's 24 x 256 heads
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 128)
+    assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
+    assert cfg.sliding_window == 2048 and cfg.intermediate_size == 17408
+    assert cfg.rope_theta == 1e7
+    assert cfg == DrafterConfig.qwen3_6_27b()
+
+
+def test_explicit_model_fields_override_the_released_shape():
+    m = ModelConfig(num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                    sliding_layers=0)
+    cfg = shape_drafter(QWEN3_6_27B_TARGET, 248070, [1, 16, 31, 46, 61], m)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (24, 4, 256)
+    assert cfg.layer_types == ["full_attention"] * 5 and cfg.sliding_window is None
+
+
+def test_another_target_lends_its_own_heads_and_all_layers_are_full():
+    target = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=400)
+    cfg = shape_drafter(target, 5, [0, 1], ModelConfig(num_hidden_layers=3, sliding_layers=1,
+                                                       sliding_window=8))
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
+    assert cfg.layer_types == ["sliding_attention", "full_attention", "full_attention"]
+    assert cfg.sliding_window == 8
+    assert shape_drafter(target, 5, [0, 1], ModelConfig()).layer_types == ["full_attention"] * 5
+
+
+def test_more_sliding_layers_than_layers_is_refused():
+    with pytest.raises(TrainError, match="sliding_layers 6 is not within the drafter's 5 layers"):
+        shape_drafter(QWEN3_6_27B_TARGET, 248070, [1], ModelConfig(sliding_layers=6))
