@@ -33,7 +33,7 @@ EOS_ID = 3
 EOS_LIKE = 293
 """A token the tiny target generates often; EOS's lm_head row becomes 1.1 x its row."""
 MASK_ID = 4
-LAYERS = [0, 1, 3]
+LAYERS = [0, 1, 2]
 MAX_NEW_TOKENS = 32
 
 

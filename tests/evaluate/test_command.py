@@ -58,7 +58,7 @@ def test_the_same_command_twice_gives_the_same_numbers(regen_store, trained_draf
 
 
 @pytest.mark.parametrize("overrides, named", [
-    (dict(target_layer_ids=[0, 2]), ["[0, 2]", "[0, 1, 3]"]),
+    (dict(target_layer_ids=[0, 3]), ["[0, 3]", "[0, 1, 2]"]),
     (dict(vocab_size=400), ["vocab_size: checkpoint 400, store 344"]),
     (dict(hidden_size=32), ["hidden_size: checkpoint 32, store 64"]),
     (dict(num_target_layers=6), ["checkpoint expects a 6-layer target, store target has 4"]),
