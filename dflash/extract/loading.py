@@ -72,14 +72,24 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def target_info(name_or_path: str, config, revision: str | None = None) -> TargetInfo:
+    """The target's provenance. The config hash covers the architecture only, not where the
+    files were read from; a local path is recorded absolute, so resuming from another working
+    directory or with a relative spelling is the same target."""
     text = text_config(config)
-    fields = {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
-    blob = json.dumps(fields, sort_keys=True, default=str).encode()
+    blob = json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str).encode()
+    if Path(name_or_path).exists():
+        name_or_path = str(Path(name_or_path).resolve())
     return TargetInfo(
         name_or_path=name_or_path, revision=revision, model_type=config.model_type,
         num_hidden_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         vocab_size=text.vocab_size, config_sha256=hashlib.sha256(blob).hexdigest(),
     )
+
+
+def _architecture(config: dict) -> dict:
+    """A config dict without the keys that say where and by which version it was read."""
+    return {k: _architecture(v) if isinstance(v, dict) else v for k, v in config.items()
+            if k not in ("_name_or_path", "transformers_version")}
 
 
 def load_tokenizer(name_or_path: str):
@@ -146,7 +156,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: LoadAs,
-                revision: str | None = None) -> Target:
+                revision: str | None = None, progress: bool = True) -> Target:
     """Load the target for inference and find its decoder and lm_head."""
     guard_kernels(device)
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -156,10 +166,18 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
         raise ExtractError(f"--model {name_or_path}: {config.model_type} has no multimodal "
                            "wrapper; use --load-as causal-lm")
     cls = AutoModelForCausalLM if load_as == "causal-lm" else AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
     try:
         model = cls.from_pretrained(name_or_path, dtype=dtype, revision=revision)
     except Exception as e:  # missing weights, unknown architecture, out of memory, ...
         raise ExtractError(f"--model {name_or_path}: cannot load as {load_as} ({e})") from e
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     model.to(device).eval().requires_grad_(False)
     inner = model.model
     decoder = getattr(inner, "language_model", None) or inner

@@ -43,3 +43,18 @@ def test_rerun_of_a_finished_store_changes_nothing(reference, qwen3_5_dir, chats
     summary = run_extract_cfg(qwen3_5_dir, chats_jsonl, out)
     assert summary.parts_done == [] and summary.parts_already_complete == [0, 1, 2]
     assert_same_samples(store_samples(out), reference)
+
+
+def test_the_same_model_spelled_another_way_resumes(qwen3_dir, chats_jsonl, tmp_path,
+                                                    monkeypatch):
+    from pathlib import Path
+
+    out = str(tmp_path / "hs.zarr")
+    model = Path(qwen3_dir)
+    monkeypatch.chdir(model.parent)
+    run_extract_cfg(model.name, chats_jsonl, out, rows_per_part=20)  # relative path
+    store = open_store(out)
+    assert store.meta.target.name_or_path == str(model.resolve())
+    monkeypatch.chdir(tmp_path)
+    again = run_extract_cfg(str(model.resolve()), chats_jsonl, out, rows_per_part=20)
+    assert again.parts_already_complete == [0]
