@@ -134,6 +134,8 @@ def open_source(paths: list[str]) -> ChatSource:
 
 def _index_file(path: str) -> _File:
     p = Path(path)
+    if p.is_dir():
+        raise ExtractError(f"--data {path}: is a directory; pass .jsonl or .parquet files")
     if not p.is_file():
         raise ExtractError(f"--data {path}: no such file")
     suffix = p.suffix.lower()

@@ -13,7 +13,7 @@ DEFAULT_NUM_FEATURES = 5
 
 def resolve_layer_ids(spec: str | None, num_layers: int) -> list[int]:
     """Layer ids from a comma list such as "1,16,31", or the default formula when None."""
-    if spec is None or not spec.strip():
+    if spec is None:
         # tiny targets (L < n + 4) make the formula repeat ids; keep each once
         try:
             ids = list(dict.fromkeys(default_target_layer_ids(num_layers, DEFAULT_NUM_FEATURES)))
@@ -21,11 +21,9 @@ def resolve_layer_ids(spec: str | None, num_layers: int) -> list[int]:
             raise ExtractError(f"{e}; pass --layers") from e
     else:
         try:
-            ids = [int(x) for x in spec.split(",") if x.strip()]
+            ids = [int(x) for x in spec.split(",")]
         except ValueError as e:
             raise ExtractError(f"--layers {spec!r}: expected comma-separated integers") from e
-    if not ids:
-        raise ExtractError(f"--layers {spec!r}: no layer ids")
     bad = [k for k in ids if not 0 <= k < num_layers]
     if bad:
         raise ExtractError(
@@ -43,4 +41,9 @@ def resolve_layer_ids(spec: str | None, num_layers: int) -> list[int]:
         )
     if len(set(ids)) != len(ids):
         raise ExtractError(f"--layers {ids}: repeated ids")
+    if ids != sorted(ids):
+        # serving engines collect a drafter's context layers in ascending order, whatever
+        # order its config lists: fc weights trained on another order would read them swapped
+        raise ExtractError(f"--layers {ids}: list the ids in ascending order "
+                           f"({','.join(map(str, sorted(ids)))})")
     return ids

@@ -18,6 +18,7 @@ import transformers
 from tqdm import tqdm
 
 import dflash
+from dflash.devices import resolve_device
 from dflash.drafter.config import default_mask_token_id
 from dflash.extract.capture import forward_states
 from dflash.extract.claims import exclusive as _exclusive
@@ -90,7 +91,7 @@ class Summary:
             f"{self.parts_already_complete or 'none'}",
             f"truncated: {c.truncated}; skipped overlong: {c.skipped_overlong}; "
             f"skipped with no assistant token within max-length: {c.skipped_no_assistant}"
-            + _listed(self.skipped),
+            + (f"; skipped rows: {_listed(self.skipped)}" if self.skipped else ""),
             "store complete" if self.store_complete else "store not complete yet "
             "(other ranks still running, or re-run the same command to resume)",
         ]
@@ -100,7 +101,7 @@ def _listed(where: list[str], limit: int = 5) -> str:
     if not where:
         return ""
     more = f" and {len(where) - limit} more" if len(where) > limit else ""
-    return f" ({'; '.join(where[:limit])}{more})"
+    return f"{'; '.join(where[:limit])}{more}"
 
 
 def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
@@ -113,6 +114,9 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     config = load_config(cfg.model)
     info = target_info(cfg.model, config, cfg.revision)
     layer_ids = resolve_layer_ids(cfg.layers, info.num_hidden_layers)
+    if cfg.top_k > info.vocab_size:
+        raise ExtractError(f"--top-k {cfg.top_k} exceeds the target vocabulary "
+                           f"({info.vocab_size} tokens)")
     tokenizer = load_tokenizer(cfg.model)
     parts = plan_parts(source.num_rows, cfg.rows_per_part)
     mine = parts if cfg.dry_run else parts_of_rank(parts, rank, world_size)
@@ -126,6 +130,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
                     world_size)
         return Summary(cfg.out, bytes_per_token=bpt)
 
+    device = resolve_device(cfg.device, ExtractError, rank)
     with tempfile.TemporaryDirectory() as tmp:
         tok_files = tokenizer_files(tokenizer, tmp)
     meta = StoreMeta(
@@ -133,7 +138,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
         source=SourceInfo(paths=source.paths, sha256=source.sha256, max_length=cfg.max_length,
                           regenerated=cfg.regenerate, num_rows=source.num_rows),
         created_with=CreatedWith(dflash=dflash.__version__, torch=torch.__version__,
-                                 transformers=transformers.__version__, device=cfg.device,
+                                 transformers=transformers.__version__, device=device.type,
                                  kernels="not loaded yet"),
         context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=_DTYPE_NAMES[dtype],
         num_parts=len(parts),
@@ -143,8 +148,8 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     )
     _refuse_different_store(cfg.out, meta)
 
-    target = load_target(cfg.model, device=cfg.device, dtype=dtype, load_as=cfg.load_as,
-                         revision=cfg.revision)
+    target = load_target(cfg.model, device=str(device), dtype=dtype, load_as=cfg.load_as,
+                         revision=cfg.revision, progress=cfg.progress)
     meta.created_with.kernels = target.kernels
     try:
         return _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids, mine,

@@ -5,7 +5,7 @@ import os
 
 import pytest
 from click.testing import CliRunner
-from conftest import make_chats, run_extract_cfg, store_samples, write_jsonl
+from conftest import VOCAB_SIZE, make_chats, run_extract_cfg, store_samples, write_jsonl
 
 from dflash.extract.command import extract
 from dflash.store_schema import validate
@@ -69,6 +69,42 @@ def test_the_last_layer_is_refused_as_ambiguous(qwen3_dir, chats_jsonl, tmp_path
     result = CliRunner().invoke(extract, ["--model", qwen3_dir, "--data", chats_jsonl, "--out",
                                           out, "--device", "cpu", "--layers", "0,3"])
     _assert_clean_failure(result, out, "id 3 is the target's last layer", "0..2")
+
+
+@pytest.mark.parametrize("layers, needle", [
+    ("2,1", "list the ids in ascending order (1,2)"),  # serving reads them ascending
+    ("0,,1", "expected comma-separated integers"),
+    ("", "expected comma-separated integers"),
+])
+def test_unsorted_or_empty_layer_lists_are_refused(qwen3_dir, chats_jsonl, tmp_path, layers,
+                                                   needle):
+    out = str(tmp_path / "hs.zarr")
+    result = CliRunner().invoke(extract, ["--model", qwen3_dir, "--data", chats_jsonl, "--out",
+                                          out, "--device", "cpu", "--layers", layers])
+    _assert_clean_failure(result, out, needle)
+
+
+def test_top_k_beyond_the_vocabulary_is_refused_before_any_write(qwen3_dir, chats_jsonl,
+                                                                 tmp_path):
+    out = str(tmp_path / "hs.zarr")
+    result = _run(qwen3_dir, chats_jsonl, out, "--top-k", str(VOCAB_SIZE + 1))
+    _assert_clean_failure(result, out, f"--top-k {VOCAB_SIZE + 1} exceeds the target "
+                                       f"vocabulary ({VOCAB_SIZE} tokens)")
+
+
+def test_a_directory_as_data_is_named(qwen3_dir, tmp_path):
+    out = str(tmp_path / "hs.zarr")
+    _assert_clean_failure(_run(qwen3_dir, str(tmp_path), out), out, "is a directory")
+
+
+def test_a_device_torch_cannot_use_is_refused(qwen3_dir, chats_jsonl, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = str(tmp_path / "hs.zarr")
+    result = CliRunner().invoke(extract, ["--model", qwen3_dir, "--data", chats_jsonl, "--out",
+                                          out, "--device", "cuda", "--layers", "0,1"])
+    _assert_clean_failure(result, out, "sees no CUDA device", "--device cpu")
 
 
 def test_out_dir_holding_a_different_store_is_refused_and_left_intact(qwen3_dir, chats_jsonl,
