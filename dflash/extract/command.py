@@ -27,12 +27,13 @@ def _rank_and_world() -> tuple[int, int]:
 @click.option("--model", required=True, help="Target checkpoint directory (HF format).")
 @click.option("--data", "data", multiple=True,
               help="Input .jsonl or .parquet of chats ('messages') or 'prompt'/'response' "
-                   "pairs; repeat for several files. Default: the embedded coding prompts "
-                   "(train split), which implies --regenerate.")
+                   "pairs ('messages' wins in a row holding both); repeat for several files. "
+                   "Default: the embedded coding prompts (train split), which implies "
+                   "--regenerate.")
 @click.option("--out", required=True, help="Store to create or resume (path or fsspec URL).")
 @click.option("--layers", default=None,
-              help="Comma-separated target layer ids (id k = HF hidden_states[k+1]; the last "
-                   "layer is refused). Default: the DFlash formula for 5 features.")
+              help="Comma-separated target layer ids, ascending (id k = HF hidden_states[k+1]; "
+                   "the last layer is refused). Default: the DFlash formula for 5 features.")
 @click.option("--top-k", default=_DEFAULTS.top_k, show_default=True, type=click.IntRange(1),
               help="Verifier top-k logits stored per token.")
 @click.option("--max-length", default=_DEFAULTS.max_length, show_default=True,
@@ -49,7 +50,8 @@ def _rank_and_world() -> tuple[int, int]:
 @click.option("--shard-tokens", default=_DEFAULTS.shard_tokens, show_default=True,
               type=click.IntRange(8), help="Tokens per stored shard (unit of crash-safe commit).")
 @click.option("--device", default=_DEFAULTS.device, show_default=True,
-              help="Torch device; 'cpu' for tiny models.")
+              help="cuda (each torchrun rank takes its own card), cuda:N, cpu (tiny models) "
+                   "or auto.")
 @click.option("--dtype", default=_DEFAULTS.dtype, show_default=True,
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Compute and storage dtype; auto = bf16 on CUDA, fp32 on CPU.")
