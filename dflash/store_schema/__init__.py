@@ -2,8 +2,9 @@
 
 Every stage reads and writes hs.zarr through these names. Layout: layout.py; provenance:
 meta.py; writing and reading parts: part.py (whole context shards, coded in parallel:
-shards.py); checking a store: validate.py; what readers do about damage: integrity.py; a
-store of some of another's samples: subset.py.
+shards.py); checking a store: validate.py; which chunk objects an array needs and lacks:
+chunks.py; what readers do about damage: integrity.py; a store of some of another's samples:
+subset.py.
 """
 
 from dflash.store_schema.errors import StoreError

@@ -35,8 +35,9 @@ def info(path: str, as_json: bool) -> None:
         click.echo(json.dumps(out, indent=2))
         return
     t = meta.target
-    state = "complete" if not summary.parts_incomplete and not summary.parts_missing \
-        else "INCOMPLETE"
+    state = "DAMAGED" if summary.parts_damaged else "complete" \
+        if not summary.parts_incomplete and not summary.parts_missing else "INCOMPLETE"
+    per_token, ratio = summary.bytes_per_token, summary.compression_ratio
     lines = [
         f"store          {path}  (schema v{meta.schema_version}, {state})",
         f"target         {t.name_or_path} ({t.model_type}, {t.num_hidden_layers} layers, "
@@ -51,11 +52,14 @@ def info(path: str, as_json: bool) -> None:
         f"samples        {summary.samples:,}",
         f"tokens         {summary.tokens:,}",
         f"bytes on disk  {summary.bytes_on_disk:,} ({_human(summary.bytes_on_disk)})",
-        f"bytes/token    {summary.bytes_per_token:,.1f}",
-        f"compression    {summary.compression_ratio:.2f}x",
+        "bytes/token    " + ("n/a (no token written yet)" if per_token is None
+                               else f"{per_token:,.1f}"),
+        "compression    " + ("n/a (no token written yet)" if ratio is None else f"{ratio:.2f}x"),
         f"parts          {summary.parts_complete}/{summary.parts_planned} complete"
         + (f"; incomplete {summary.parts_incomplete}" if summary.parts_incomplete else "")
-        + (f"; not started {_short(summary.parts_missing)}" if summary.parts_missing else ""),
+        + (f"; not started {_short(summary.parts_missing)}" if summary.parts_missing else "")
+        + (f"; DAMAGED {_short(summary.parts_damaged)} (metadata unreadable: run "
+           f"`dflash store validate {path}`)" if summary.parts_damaged else ""),
     ]
     click.echo("\n".join(lines))
 
@@ -71,24 +75,37 @@ def validate_cmd(path: str, no_data: bool, require_complete: bool) -> None:
     findings = validate(path, check_data=not no_data)
     for f in findings:
         click.echo(str(f), err=True)
-    incomplete = False
-    if require_complete and not findings:
-        s = summarize(open_store(path))
-        incomplete = bool(s.parts_incomplete or s.parts_missing)
-        if incomplete:
-            click.echo(f"store is incomplete: parts unfinished {s.parts_incomplete}, "
-                       f"not started {_short(s.parts_missing)}", err=True)
-    if findings or incomplete:
-        click.echo(f"{path}: {len(findings)} problem(s) found", err=True)
+    unfinished = _unfinished(path) if require_complete else None
+    if unfinished:
+        click.echo(f"store is incomplete: {unfinished}", err=True)
+    if findings or unfinished:
+        verdict = [f"{len(findings)} problem(s) found"] if findings else []
+        verdict += [f"not complete ({unfinished})"] if unfinished else []
+        click.echo(f"{path}: {'; '.join(verdict)}", err=True)
         sys.exit(1)
     click.echo(f"{path}: ok")
+
+
+def _unfinished(path: str) -> str | None:
+    """Which planned parts keep the store at PATH from being complete, or None."""
+    try:
+        s = summarize(open_store(path))
+    except StoreError as e:  # validate has named what is wrong already
+        return f"cannot tell which parts are done: {e}"
+    why = [f"parts unfinished {_short(s.parts_incomplete)}" if s.parts_incomplete else "",
+           f"not started {_short(s.parts_missing)}" if s.parts_missing else "",
+           f"damaged {_short(s.parts_damaged)}" if s.parts_damaged else ""]
+    return ", ".join(w for w in why if w) or None
 
 
 @store.command("stats")
 @click.argument("path")
 @click.option("--recompute", is_flag=True, help="Ignore the statistics cached in the store.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def stats(path: str, recompute: bool, as_json: bool) -> None:
+@click.option("--skip-corrupt", is_flag=True,
+              help="Leave damaged parts and shards out (named; nothing cached) instead of "
+                   "refusing the store.")
+def stats(path: str, recompute: bool, as_json: bool, skip_corrupt: bool) -> None:
     """Per-context-layer mean, RMS, absmax and outlier channels over the whole store.
 
     Computed in parallel with dask and cached in the store; training scales its noise by them.
@@ -98,13 +115,15 @@ def stats(path: str, recompute: bool, as_json: bool) -> None:
             s = open_store(path, mode="r+")
         except StoreError:
             s = open_store(path)  # read-only location: compute without caching
-        result = store_stats(s, recompute=recompute)
+        result = store_stats(s, recompute=recompute, skip_damaged=skip_corrupt)
     except StoreError as e:
         raise click.ClickException(str(e)) from e
     if as_json:
-        click.echo(json.dumps({"tokens": result.tokens,
+        click.echo(json.dumps({"tokens": result.tokens, "left_out": result.left_out,
                                "layers": [vars(layer) for layer in result.layers]}, indent=2))
         return
+    for what in result.left_out:
+        click.echo(f"left out as damaged (--skip-corrupt): {what}", err=True)
     click.echo(f"{result.tokens:,} tokens")
     click.echo(f"{'layer':>5} {'mean':>10} {'rms':>10} {'absmax':>10}  largest channels (rms)")
     for layer in result.layers:

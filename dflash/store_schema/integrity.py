@@ -2,10 +2,11 @@
 
 Two cheap guards, no full scan:
 - before reading, `check_before_reading`: validate(check_data=False) over the parts a stage
-  will read: commit records, array metadata, offsets and the presence of every shard object.
-  It reads the offsets and lists object names, never chunk data, so it costs O(parts + shard
+  will read: commit records, array metadata, offsets and the presence of every shard object,
+  and the metadata and chunk objects of the frozen target rows and carried files. It reads
+  the offsets and lists object names, never chunk data, so it costs O(parts + shard
   objects), not O(store bytes). A missing shard must be caught here: zarr would read it as
-  zeros.
+  zeros. `store stats` runs the same check before it reads.
 - while reading, `read_guarded`: a sample whose bytes fail their crc32c or do not decode
   becomes a `Damage` naming store, part and sample, instead of a codec traceback.
 Damage found either way is refused (`refusal`) unless the caller opted in to skipping it.
@@ -16,8 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from dflash.store_schema.errors import StoreError
-from dflash.store_schema.layout import part_path
+from dflash.store_schema.errors import StoreError, one_line
 from dflash.store_schema.store import Store
 from dflash.store_schema.validate import validate
 
@@ -50,35 +50,16 @@ class Damage:
                 "reason": self.reason}
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def check_before_reading(store: Store, parts: Iterable[int]) -> list[Damage]:
     """Damage in the parts a stage will read, and in any part whose metadata is unreadable
     (Store.parts() leaves such a part out, which would otherwise drop it silently)."""
-    wanted = set(parts)
-    readable = {p.index for p in store.parts()}
-    for i in store.part_indices():
-        if i not in readable and _metadata_unreadable(store, i):
-            wanted.add(i)
+    wanted = set(parts) | set(store.unreadable_parts())
     damage = []
     for f in validate(store, check_data=False):
         if f.part is None or f.part in wanted:
-            reason = _one_line(f"[{f.kind}] {f.message}")
+            reason = one_line(f"[{f.kind}] {f.message}")
             damage.append(Damage(store.url, f.part, f.sample, reason))
     return damage
-
-
-def _metadata_unreadable(store: Store, index: int) -> bool:
-    """True for a torn part zarr.json; False for a part whose creation a crash cut short
-    before its commit record (it holds nothing: not started, not damaged)."""
-    try:
-        store.root[part_path(index)]
-    except Exception:
-        return True
-    return False
 
 
 def read_guarded(store_url: str, part: int, sample: int, read: Callable[[], T]
@@ -87,7 +68,7 @@ def read_guarded(store_url: str, part: int, sample: int, read: Callable[[], T]
     try:
         return read(), None
     except Exception as e:  # zarr and the codecs raise ValueError, RuntimeError, OSError, ...
-        reason = _one_line(f"cannot be read: {type(e).__name__}: {e}")
+        reason = one_line(f"cannot be read: {type(e).__name__}: {e}")
         return None, Damage(store_url, part, sample, reason)
 
 

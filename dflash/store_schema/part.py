@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zarr
 
-from dflash.store_schema.errors import StoreError
+from dflash.store_schema.errors import StoreError, one_line
 from dflash.store_schema.layout import (
     CONTEXT_INNER_TOKENS,
     PART_KEY,
@@ -64,16 +64,35 @@ class Part:
             return self.group[name]
         except KeyError as e:
             raise StoreError(f"{self.store.url}: part {self.index} lacks array {name}") from e
+        except Exception as e:  # zarr surfaces a torn zarr.json as a JSON or metadata error
+            raise self.damaged(name, "metadata (zarr.json) is unreadable", e) from e
+
+    def damaged(self, name: str, what: str, error: Exception) -> StoreError:
+        """The error naming this part's array `name` as damaged, and the way to see more."""
+        url = self.store.url
+        return StoreError(f"{url}: part {self.index} metadata: array {name} {what}: "
+                          f"{type(error).__name__}: {one_line(error)}; refusing a damaged "
+                          f"store: run `dflash store validate {url}` for every problem")
+
+    def _read_sample_array(self, name: str, count: int) -> np.ndarray:
+        """The first `count` entries of a per-sample array: every sample's location hangs on
+        them, so damage there is damage to the whole part. (A lost chunk reads as zeros,
+        which validate's offset and source-row checks catch, except where zeros are right.)"""
+        arr = self.array(name)
+        try:
+            return arr[:count]
+        except Exception as e:  # codecs raise ValueError/RuntimeError on corrupt bytes
+            raise self.damaged(name, "cannot be read", e) from e
 
     def offsets(self) -> np.ndarray:
         """int64 [num_samples + 1]: sample i spans tokens offsets[i]:offsets[i+1]."""
         if self._offsets is None:
-            self._offsets = self.array("sample_offsets")[: self.num_samples + 1]
+            self._offsets = self._read_sample_array("sample_offsets", self.num_samples + 1)
         return self._offsets
 
     def sources(self) -> np.ndarray:
         if self._sources is None:
-            self._sources = self.array("sample_source")[: self.num_samples]
+            self._sources = self._read_sample_array("sample_source", self.num_samples)
         return self._sources
 
     def sample_lengths(self) -> np.ndarray:

@@ -7,20 +7,24 @@ A caller that cannot cache (train opens stores read-only) bounds its cost with `
 whole shards evenly spaced over every part, so the estimate sees the whole store's variety
 while reading a fixed number of bytes however large the store grows.
 
-A shard whose bytes fail their checksum is a StoreError naming part and samples, or, when the
-caller skips damage (train --skip-corrupt), left out: it is read as zeros, which add nothing
-to the sums, squares or absmax, and its tokens are taken off the count, so the statistics are
-exactly those of the undamaged tokens.
+Damage is never averaged in. Before reading, the parts get the readers' structural check
+(integrity.check_before_reading: metadata, offsets, every shard object present, since zarr
+reads a missing one as zeros); while reading, a shard whose bytes fail their checksum is
+caught. Either is a StoreError naming part and array, or, when the caller skips damage (train
+--skip-corrupt), left out: a part with structural damage is not read at all; a shard failing
+its checksum is read as zeros, which add nothing to the sums, squares or absmax, and its
+tokens are taken off the count. Statistics that left anything out are never cached.
 """
 
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import dask
 import dask.array as da
 import numpy as np
 
 from dflash.store_schema.errors import StoreError
+from dflash.store_schema.integrity import check_before_reading, refuse_unless_skipping
 from dflash.store_schema.store import Store
 from dflash.store_schema.validate import samples_in
 
@@ -44,6 +48,8 @@ class LayerStats:
 class StoreStats:
     tokens: int
     layers: list[LayerStats]
+    left_out: list[str] = field(default_factory=list)
+    """Damage skipped (skip_damaged): parts or shards whose tokens are not in the numbers."""
 
     @property
     def rms(self) -> list[float]:
@@ -60,7 +66,7 @@ class _GuardedContext:
     """A part's context array as dask reads it: a block that cannot be read is a StoreError
     naming its samples, or (skip) zeros whose token count is remembered."""
 
-    def __init__(self, store: Store, part, skip: bool, damaged: list[int]):
+    def __init__(self, store: Store, part, skip: bool, damaged: list[tuple[str, int]]):
         self.arr = part.array("context")
         self.part, self.url, self.skip, self.damaged = part, store.url, skip, damaged
         self.shape, self.dtype, self.ndim = self.arr.shape, self.arr.dtype, self.arr.ndim
@@ -80,14 +86,28 @@ class _GuardedContext:
                     f"context cannot be read: {type(e).__name__}: {e}; run `dflash store "
                     f"validate {self.url}`") from e
             with self.lock:
-                self.damaged.append(stop - start)
+                self.damaged.append((f"part {self.part.index} context tokens [{start}, "
+                                     f"{stop}): {type(e).__name__}", stop - start))
             shape = (stop - start, *self.shape[1:])
             return np.zeros(shape, self.dtype)[(slice(None), *key[1:])]
 
 
-def _context(store: Store, skip: bool, exclude_parts, damaged: list[int],
+def _sound_parts(store: Store, skip: bool, exclude_parts, left_out: list[str]) -> list:
+    """The parts to read: all but `exclude_parts`, refused (StoreError naming part and
+    array) if any has structural damage, or, when skipping, without the damaged ones."""
+    parts = [p for p in store.parts() if p.index not in exclude_parts]
+    damage = [d for d in check_before_reading(store, [p.index for p in parts])
+              if d.part not in exclude_parts]
+    refuse_unless_skipping(damage, skip)
+    damaged = {d.part for d in damage}
+    left_out += [f"part {i}: {next(d.reason for d in damage if d.part == i)}"
+                 for i in sorted(damaged)]
+    return [p for p in parts if p.index not in damaged]
+
+
+def _context(store: Store, parts: list, skip: bool, damaged: list[tuple[str, int]],
              max_tokens: int | None) -> list[da.Array]:
-    parts = [p for p in store.parts() if p.num_tokens and p.index not in exclude_parts]
+    parts = [p for p in parts if p.num_tokens]
     shards = [(p, i) for p in parts for i in range(-(-p.num_tokens // store.shard_tokens))]
     if max_tokens is not None and len(shards) * store.shard_tokens > max_tokens:
         keep = max(1, max_tokens // store.shard_tokens)
@@ -112,8 +132,10 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
     skip_damaged: leave out shards that cannot be read instead of raising; exclude_parts:
     parts not to read at all (their metadata is damaged); max_tokens: read at most about
     this many tokens, as whole shards evenly spaced over the store (None: every token)."""
-    damaged: list[int] = []
-    pieces = _context(store, skip_damaged, set(exclude_parts), damaged, max_tokens)
+    left_out: list[str] = []
+    parts = _sound_parts(store, skip_damaged, set(exclude_parts), left_out)
+    damaged: list[tuple[str, int]] = []
+    pieces = _context(store, parts, skip_damaged, damaged, max_tokens)
     if not pieces:
         raise StoreError(f"{store.url} has no committed tokens to compute statistics on")
     x = da.concatenate(pieces, axis=0)  # [T, n, H]
@@ -122,7 +144,8 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
     absmax = abs(x).max(axis=0)
     with dask.config.set(scheduler="threads", num_workers=workers):
         sums, squares, absmax = dask.compute(sums, squares, absmax)
-    tokens, hidden = x.shape[0] - sum(damaged), x.shape[2]
+    tokens, hidden = x.shape[0] - sum(n for _, n in damaged), x.shape[2]
+    left_out += [what for what, _ in damaged]
     if tokens <= 0:
         raise StoreError(f"{store.url}: every context shard is damaged; no statistics")
     layers = []
@@ -137,7 +160,7 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
             outlier_channels=[int(c) for c in top],
             outlier_rms=[float(channel_rms[c]) for c in top],
         ))
-    return StoreStats(tokens=int(tokens), layers=layers)
+    return StoreStats(tokens=int(tokens), layers=layers, left_out=left_out)
 
 
 def store_stats(store: Store, *, recompute: bool = False, cache: bool = True,
@@ -151,7 +174,7 @@ def store_stats(store: Store, *, recompute: bool = False, cache: bool = True,
         return StoreStats(tokens=tokens, layers=[LayerStats(**d) for d in cached["layers"]])
     stats = compute_stats(store, skip_damaged=skip_damaged, exclude_parts=exclude_parts,
                           max_tokens=max_tokens)
-    if cache and store.mode != "r" and stats.tokens == tokens:
+    if cache and store.mode != "r" and stats.tokens == tokens and not stats.left_out:
         store.root.attrs[STATS_KEY] = {"tokens": stats.tokens,
                                        "layers": [asdict(s) for s in stats.layers]}
     return stats

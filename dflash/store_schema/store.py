@@ -9,7 +9,8 @@ import zarr
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
-from dflash.store_schema.errors import StoreError
+from dflash.store_schema.chunks import child_names, missing_chunks
+from dflash.store_schema.errors import StoreError, one_line
 from dflash.store_schema.layout import (
     FILES_GROUP,
     META_KEY,
@@ -28,6 +29,9 @@ from dflash.store_schema.meta import StoreMeta
 from dflash.store_schema.part import Part, PartWriter
 
 LAYOUT_KEY = "dflash_layout"  # root attrs: how arrays are chunked (not provenance)
+# Every chunk of a frozen array is stored, even one equal to the fill value (zarr skips those
+# by default), so that an absent chunk always means damage.
+_PRESENT = {"write_empty_chunks": True}
 
 
 def zarr_store(url: str, read_only: bool):
@@ -141,18 +145,67 @@ class Store:
                 else (hidden,)
             arr = group.create_array(name, shape=t.shape, chunks=chunks,
                                      dtype=storage_dtype(dt), compressors=token_compressors(),
-                                     overwrite=True)
+                                     overwrite=True, config=_PRESENT)
             arr[...] = hidden_to_numpy(t, dt)
 
     def target_rows(self) -> dict[str, torch.Tensor]:
         """embed_tokens [V, H], lm_head [V, H], final_norm [H] in the hidden dtype."""
+        if TARGET_GROUP not in self.child_names(""):
+            raise StoreError(f"{self.url} holds no frozen target rows; "
+                             "was extract interrupted before writing them?")
+        return {n: hidden_from_numpy(self.read_frozen(f"{TARGET_GROUP}/{n}"),
+                                     self.meta.hidden_dtype) for n in TARGET_ARRAYS}
+
+    # -- frozen arrays: target rows and carried files ----------------------------------
+
+    def frozen_paths(self) -> list[str]:
+        """Paths of the frozen arrays present: the target rows, then every carried file
+        (listed, not opened: one may be torn)."""
+        top = self.child_names("")
+        paths = [f"{TARGET_GROUP}/{n}" for n in self.child_names(TARGET_GROUP)] \
+            if TARGET_GROUP in top else []
+        if FILES_GROUP in top:
+            for group in self.child_names(FILES_GROUP):
+                paths += [f"{FILES_GROUP}/{group}/{n}"
+                          for n in self.child_names(f"{FILES_GROUP}/{group}")]
+        return paths
+
+    def frozen_problem(self, path: str, read_data: bool = True) -> tuple[str, str] | None:
+        """(kind, message) of what is wrong with frozen array `path`, or None: its metadata
+        unreadable ("metadata"), a chunk object absent, which zarr would read as zeros
+        ("missing"), or (read_data) a chunk failing its checksum ("checksum"). validate
+        reports it; read_frozen refuses it."""
+        return self._frozen(path, read_data)[1]
+
+    def read_frozen(self, path: str) -> np.ndarray:
+        """Frozen array `path`, whole; StoreError naming it when it is damaged."""
+        data, problem = self._frozen(path, read_data=True)
+        if problem is not None:
+            raise StoreError(f"{self.url}: {problem[1]}; refusing a damaged store: run "
+                             f"`dflash store validate {self.url}` for every problem")
+        return data
+
+    def _frozen(self, path: str, read_data: bool
+                ) -> tuple[np.ndarray | None, tuple[str, str] | None]:
         try:
-            group = self.root[TARGET_GROUP]
-            return {n: hidden_from_numpy(group[n][...], self.meta.hidden_dtype)
-                    for n in TARGET_ARRAYS}
-        except KeyError as e:
-            raise StoreError(f"{self.url} holds no frozen target rows ({e}); "
-                             "was extract interrupted before writing them?") from e
+            arr = self.root[path]
+        except KeyError:
+            return None, ("missing", f"{path} is missing")
+        except Exception as e:  # zarr surfaces a torn zarr.json as a JSON or metadata error
+            return None, ("metadata", f"{path} metadata (zarr.json) is unreadable: "
+                                      f"{one_line(e)}")
+        if not isinstance(arr, zarr.Array):
+            return None, ("layout", f"{path} is a group, not an array")
+        missing = missing_chunks(arr)
+        if missing:
+            return None, ("missing", f"{path} chunk '{missing[0][2]}' is missing")
+        if not read_data:
+            return None, None
+        try:
+            return arr[...], None
+        except Exception as e:  # codecs raise ValueError/RuntimeError on corrupt bytes
+            return None, ("checksum", f"{path} cannot be read: {type(e).__name__}: "
+                                      f"{one_line(e)}")
 
     # -- opaque files (tokenizer) ------------------------------------------------------
 
@@ -163,16 +216,19 @@ class Store:
         for name, data in files.items():
             a = np.frombuffer(data, dtype=np.uint8)
             arr = g.create_array(name, shape=a.shape, chunks=(max(1, a.size),), dtype=np.uint8,
-                                 compressors=token_compressors(), overwrite=True)
+                                 compressors=token_compressors(), overwrite=True,
+                                 config=_PRESENT)
             if a.size:
                 arr[...] = a
 
     def read_files(self, group: str) -> dict[str, bytes]:
-        try:
-            g = self.root[f"{FILES_GROUP}/{group}"]
-        except KeyError as e:
-            raise StoreError(f"{self.url} holds no '{group}' files") from e
-        return {name: arr[...].tobytes() for name, arr in g.arrays()}
+        """The files kept by write_files; StoreError naming a damaged one."""
+        if group not in (self.child_names(FILES_GROUP)
+                         if FILES_GROUP in self.child_names("") else []):
+            raise StoreError(f"{self.url} holds no '{group}' files")
+        prefix = f"{FILES_GROUP}/{group}"
+        return {name: self.read_frozen(f"{prefix}/{name}").tobytes()
+                for name in self.child_names(prefix)}
 
     # -- parts -------------------------------------------------------------------------
 
@@ -204,23 +260,23 @@ class Store:
             raise StoreError(f"{self.url}: part {index} metadata is unreadable: {e}") from e
         return Part(self, index, group)
 
+    def child_names(self, path: str) -> list[str]:
+        """Names directly under group `path` ("" for the root), listed without opening them."""
+        prefix = "/".join(p for p in (self.root.path, path) if p)
+        return child_names(self.root.store, prefix)
+
     def part_names(self) -> list[str]:
         """Names under parts/, listed without opening them (one may be torn). Leftovers of
         an atomic write cut short by a crash (`*.partial`, local disks) are not parts."""
-        prefix = f"{self.root.path}/{PARTS_GROUP}" if self.root.path else PARTS_GROUP
-
-        async def names():
-            return sorted([n async for n in self.root.store.list_dir(prefix)
-                           if n != "zarr.json" and not n.endswith(".partial")])
-
-        return sync(names())
+        return self.child_names(PARTS_GROUP)
 
     def part_indices(self) -> list[int]:
         return [int(n) for n in self.part_names() if n.isdigit()]
 
     def parts(self) -> list[Part]:
         """Parts with a commit record, in index order. A part whose creation was torn by a
-        crash has none: it holds nothing and counts as not started."""
+        crash has none: it holds nothing and counts as not started. A part whose metadata is
+        unreadable is left out too: `unreadable_parts` names those."""
         found = []
         for i in self.part_indices():
             try:
@@ -228,6 +284,18 @@ class Store:
             except StoreError:
                 continue
         return found
+
+    def unreadable_parts(self) -> list[int]:
+        """Parts listed under parts/ whose group metadata (zarr.json) cannot be read: damaged,
+        unlike a part whose creation a crash cut short before its commit record (it holds
+        nothing: not started)."""
+        bad = []
+        for i in self.part_indices():
+            try:
+                self.root[part_path(i)]
+            except Exception:  # torn JSON, undecodable or absent metadata
+                bad.append(i)
+        return bad
 
     @property
     def complete(self) -> bool:

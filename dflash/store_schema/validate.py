@@ -3,7 +3,8 @@
 validate() never raises for a problem in the store: every problem becomes a Finding, so one run
 reports all of them. Checks: schema and provenance, each part's commit record and array
 metadata, offsets and source rows, array shapes and dtypes, shards present, checksums (by
-reading every chunk), NaN/Inf, token ids within the vocabulary, verifier top-k ordering.
+reading every chunk), NaN/Inf, token ids within the vocabulary, verifier top-k ordering; the
+frozen target rows and carried files (metadata and chunks present, checksums).
 """
 
 from dataclasses import dataclass
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import zarr
 
-from dflash.store_schema.errors import StoreError
+from dflash.store_schema.chunks import existing_keys, missing_chunks
+from dflash.store_schema.errors import StoreError, one_line
 from dflash.store_schema.layout import (
     CONTEXT_INNER_TOKENS,
     PART_KEY,
@@ -51,12 +53,25 @@ def validate(store_or_url: "Store | str", *, check_data: bool = True) -> list[Fi
     findings: list[Finding] = []
     if "parts" not in store.root:
         return [Finding(None, None, "layout", "the 'parts' group is missing")]
+    findings += _check_frozen(store, check_data)
     for name in store.part_names():
         if not name.isdigit() or int(name) >= store.meta.num_parts:
             findings.append(Finding(None, None, "layout", f"unexpected part group '{name}'"))
             continue
         findings += _check_part(store, int(name), check_data)
     return findings
+
+
+def _check_frozen(store: Store, check_data: bool) -> list[Finding]:
+    """The target rows and carried files (config, tokenizer) every reader needs: metadata and
+    chunks present, and (check_data) every chunk intact. Their damage is the store's, not a
+    part's: no skipping steps around it."""
+    found = []
+    for path in store.frozen_paths():
+        problem = store.frozen_problem(path, read_data=check_data)
+        if problem is not None:
+            found.append(Finding(None, None, *problem))
+    return found
 
 
 def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
@@ -81,8 +96,10 @@ def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
     found = _check_arrays(store, index, arrays, committed, tokens, complete)
     if found:
         return found  # offsets and data checks would only repeat the same problem
-    offsets = arrays["sample_offsets"][: committed + 1]
-    sources = arrays["sample_source"][: committed]
+    sample_arrays, found = _read_sample_arrays(index, arrays, committed)
+    if found:
+        return found  # no sample can be located
+    offsets, sources = sample_arrays
     found = _check_offsets(index, offsets, tokens, sources, rows)
     if found:
         return found
@@ -106,6 +123,19 @@ def _open_arrays(group: zarr.Group, index: int) -> tuple[dict[str, zarr.Array], 
             found.append(Finding(index, None, "metadata",
                                  f"array {name} metadata (zarr.json) is unreadable: {e}"))
     return arrays, found
+
+
+def _read_sample_arrays(index, arrays, committed):
+    """(offsets, sources) of the committed samples; a finding naming the array that cannot be
+    read (a chunk failing its checksum or not decoding) instead."""
+    read, found = [], []
+    for name, count in (("sample_offsets", committed + 1), ("sample_source", committed)):
+        try:
+            read.append(arrays[name][:count])
+        except Exception as e:  # codecs raise ValueError/RuntimeError on corrupt bytes
+            found.append(Finding(index, None, "checksum", f"array {name} cannot be read: "
+                                 f"{type(e).__name__}: {one_line(e)}"))
+    return (read if not found else None), found
 
 
 def _first_per_sample(found: list[Finding]) -> list[Finding]:
@@ -189,26 +219,13 @@ def _check_shards_present(store, index, arrays, tokens, offsets) -> list[Finding
     """Every chunk object covering the committed tokens must exist: zarr would silently read
     fill values for a missing one."""
     f = []
-    keys = _existing_keys(store, part_path(index))
+    keys = existing_keys(store.root.store,
+                         "/".join(p for p in (store.root.path, part_path(index)) if p))
     for spec in TOKEN_ARRAYS:
-        arr = arrays[spec.name]
-        step = arr.shards[0] if arr.shards else arr.chunks[0]
-        for start in range(0, tokens, step):
-            coords = (start // step,) + (0,) * (arr.ndim - 1)
-            key = f"{part_path(index)}/{spec.name}/{arr.metadata.encode_chunk_key(coords)}"
-            if key not in keys:
-                f += _span_findings(index, offsets, start, min(start + step, tokens), "missing",
-                                    f"{spec.name} chunk '{key}' is missing")
+        for start, stop, key in missing_chunks(arrays[spec.name], tokens, keys):
+            f += _span_findings(index, offsets, start, stop, "missing",
+                                f"{spec.name} chunk '{key}' is missing")
     return f
-
-
-def _existing_keys(store: Store, prefix: str) -> set[str]:
-    from zarr.core.sync import sync
-
-    async def collect():
-        return {k async for k in store.root.store.list_prefix(prefix)}
-
-    return sync(collect())
 
 
 def _check_data(store, index, arrays, offsets) -> list[Finding]:

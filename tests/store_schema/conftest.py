@@ -68,3 +68,11 @@ def gen() -> torch.Generator:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)
+
+
+def flip_bytes(path) -> None:
+    """Corrupt a stored object in place: 8 bytes in its middle inverted (as bit rot would)."""
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2
+    data[i:i + 8] = bytes(b ^ 0x5A for b in data[i:i + 8])
+    path.write_bytes(bytes(data))

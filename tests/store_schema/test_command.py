@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from dflash.cli import main
@@ -54,3 +55,42 @@ def test_info_on_a_missing_store_is_one_clear_line(tmp_path):
     result = CliRunner().invoke(main, ["store", "info", str(tmp_path / "nope.zarr")])
     assert result.exit_code == 1
     assert "no such store" in result.output and "Traceback" not in result.output
+
+
+def _bytes_under(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_info_names_a_torn_part_as_damaged_and_sizes_only_readable_parts(tmp_path, gen):
+    url = _store(tmp_path, gen, finish_parts=(0, 1))
+    (tmp_path / "hs.zarr" / part_path(1) / "zarr.json").write_text('{"zarr_format": 3, "no')
+    result = CliRunner().invoke(main, ["store", "info", url, "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["parts_damaged"] == [1] and info["parts_missing"] == [2]
+    assert info["tokens"] == 200  # part 0 only: part 1 cannot be counted
+    part0 = _bytes_under(tmp_path / "hs.zarr" / part_path(0))
+    assert info["bytes_per_token"] == pytest.approx(part0 / 200)
+    text = CliRunner().invoke(main, ["store", "info", url]).output
+    assert "DAMAGED [1]" in text and f"dflash store validate {url}" in text
+    assert "not started [2]" in text
+
+
+def test_info_shows_sizes_as_n_a_before_any_token_is_written(tmp_path, gen):
+    url = str(tmp_path / "hs.zarr")
+    store = create_store(url, make_meta(num_parts=2), shard_tokens=64)
+    store.part_writer(0, 0, 10).append(random_sample(20, 0, gen))  # buffered, not written
+    info = json.loads(CliRunner().invoke(main, ["store", "info", url, "--json"]).output)
+    assert info["tokens"] == 0 and info["parts_incomplete"] == [0]
+    assert info["bytes_per_token"] is None and info["compression_ratio"] is None
+    text = CliRunner().invoke(main, ["store", "info", url]).output
+    assert "bytes/token    n/a" in text and "compression    n/a" in text and "0.00x" not in text
+
+
+def test_validate_require_complete_ends_saying_which_parts_keep_it_incomplete(tmp_path, gen):
+    url = _store(tmp_path, gen)  # part 0 complete, part 1 unfinished, part 2 not started
+    result = CliRunner().invoke(main, ["store", "validate", url, "--require-complete"])
+    assert result.exit_code == 1
+    last = result.output.strip().splitlines()[-1]
+    assert "0 problem" not in result.output
+    assert "not complete" in last and "unfinished [1]" in last and "not started [2]" in last

@@ -1,6 +1,7 @@
 """Store statistics equal a direct computation over every sample, and are cached."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +9,8 @@ import torch
 from click.testing import CliRunner
 
 from dflash.cli import main
-from dflash.store_schema import create_store, open_store
+from dflash.store_schema import StoreError, create_store, open_store
+from dflash.store_schema.layout import part_path
 from dflash.store_schema.stats import STATS_KEY, compute_stats, store_stats
 from tests.store_schema.conftest import make_meta, random_sample
 
@@ -76,3 +78,41 @@ def test_stats_command_prints_each_layer(store):
     doc = json.loads(result.output)
     assert [layer["layer_id"] for layer in doc["layers"]] == store.meta.context_layer_ids
     assert doc["tokens"] == store.num_tokens
+
+
+def _lose_second_context_shard_of_part_0(store):
+    (Path(store.url) / part_path(0) / "context" / "c" / "1" / "0" / "0").unlink()
+
+
+def test_stats_refuse_a_store_missing_a_context_shard_and_cache_nothing(store):
+    _lose_second_context_shard_of_part_0(store)
+    with pytest.raises(StoreError) as e:
+        store_stats(store)
+    assert "part 0" in str(e.value) and "context" in str(e.value) and "missing" in str(e.value)
+    assert STATS_KEY not in dict(open_store(store.url).root.attrs)
+
+
+def test_stats_skipping_damage_leave_the_damaged_part_out_and_cache_nothing(store):
+    _lose_second_context_shard_of_part_0(store)
+    sound = store.part(1)
+    x = torch.cat([s.context for s in sound.iter_samples()]).double()
+    stats = store_stats(store, skip_damaged=True)
+    assert stats.tokens == sound.num_tokens == x.shape[0]
+    for i, layer in enumerate(stats.layers):
+        assert layer.rms == pytest.approx(x[:, i].pow(2).mean().sqrt().item(), rel=1e-9)
+        assert layer.mean == pytest.approx(x[:, i].mean().item(), rel=1e-9)
+    assert any("part 0" in what for what in stats.left_out)
+    assert STATS_KEY not in dict(open_store(store.url).root.attrs)
+
+
+def test_stats_command_on_a_damaged_store_fails_naming_part_and_array(store):
+    _lose_second_context_shard_of_part_0(store)
+    result = CliRunner().invoke(main, ["store", "stats", store.url])
+    assert result.exit_code == 1
+    assert "part 0" in result.output and "context" in result.output
+    assert "Traceback" not in result.output
+    skipped = CliRunner().invoke(main, ["store", "stats", store.url, "--skip-corrupt", "--json"])
+    assert skipped.exit_code == 0, skipped.output
+    doc = json.loads(skipped.output)
+    assert doc["tokens"] == store.part(1).num_tokens and doc["left_out"]
+    assert STATS_KEY not in dict(open_store(store.url).root.attrs)

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import zarr
 
-from dflash.store_schema import create_store, open_store, validate
+from dflash.store_schema import StoreError, check_before_reading, create_store, open_store, validate
+from dflash.store_schema.integrity import refuse_unless_skipping
 from dflash.store_schema.layout import part_path
-from tests.store_schema.conftest import make_meta, random_sample
+from tests.store_schema.conftest import flip_bytes, make_meta, random_sample
 
 SHARD = 1024
 INNER = 256
@@ -112,3 +113,34 @@ def test_a_crash_leftover_partial_file_is_not_a_part(store_path):
     (store_path / "parts" / "zarr.8d8ace2714084ada90e06ffbae715fc0.partial").write_text("{")
     assert validate(str(store_path)) == []
     assert [p.index for p in open_store(str(store_path)).parts()] == [0]
+
+
+@pytest.mark.parametrize("name", ["sample_offsets", "sample_source"])
+def test_corrupt_per_sample_array_is_a_finding_naming_part_and_array(store_path, name):
+    flip_bytes(store_path / part_path(0) / name / "c" / "0")
+    findings = validate(str(store_path))
+    assert [(f.part, f.sample, f.kind) for f in findings] == [(0, None, "checksum")]
+    assert name in findings[0].message
+    assert validate(str(store_path), check_data=False) == findings  # readers' cheap check too
+
+
+@pytest.mark.parametrize("name", ["sample_offsets", "sample_source"])
+def test_reading_a_corrupt_per_sample_array_raises_store_error_naming_part_and_array(
+        store_path, name):
+    flip_bytes(store_path / part_path(0) / name / "c" / "0")
+    part = open_store(str(store_path)).part(0)
+    with pytest.raises(StoreError) as e:
+        next(part.iter_samples())
+    assert "part 0" in str(e.value) and name in str(e.value)
+    assert "dflash store validate" in str(e.value)
+
+
+def test_corrupt_offsets_are_whole_part_damage_that_skipping_steps_around(store_path):
+    flip_bytes(store_path / part_path(0) / "sample_offsets" / "c" / "0")
+    store = open_store(str(store_path))
+    damage = check_before_reading(store, [0])
+    assert [(d.part, d.sample) for d in damage] == [(0, None)]  # the whole part, skippable
+    assert "sample_offsets" in damage[0].reason
+    with pytest.raises(StoreError, match="--skip-corrupt"):
+        refuse_unless_skipping(damage, skip=False)
+    refuse_unless_skipping(damage, skip=True)
