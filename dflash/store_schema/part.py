@@ -213,7 +213,10 @@ class PartWriter:
                     f"{record['row_stop']}), asked for [{row_start}, {row_stop}): "
                     "was the dataset or the number of parts changed?")
             self.group = store.root[path]
-        self._arrays = {name: arr for name, arr in self.group.arrays()}
+        # every chunk stored, even one equal to the fill value (zarr skips those by default):
+        # a long prompt's all-False loss_mask chunk must not pass for a lost one
+        self._arrays = {name: arr.with_config({"write_empty_chunks": True})
+                        for name, arr in self.group.arrays()}
         self._coders = {name: c for name, arr in self._arrays.items()
                         if (c := ShardCodec.of(arr)) is not None}
         part = Part(store, index, self.group)

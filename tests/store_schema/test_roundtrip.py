@@ -199,3 +199,19 @@ def test_part_torn_at_creation_counts_as_not_started_and_is_recreated(tmp_path, 
     writer.append(random_sample(3, 0, gen))
     writer.finish()
     assert [p.index for p in open_store(store.url).parts()] == [1]
+
+
+def test_a_chunk_of_fill_values_is_stored_not_taken_for_a_lost_one(tmp_path, gen):
+    # a long prompt: a whole loss_mask chunk of False (zarr's fill value), ids of 0
+    url = str(tmp_path / "hs.zarr")
+    store = create_store(url, make_meta(), shard_tokens=16)
+    writer = store.part_writer(0, 0, 2)
+    long = random_sample(300, 0, gen)
+    long.loss_mask[:] = False
+    long.loss_mask[-1] = True
+    long.input_ids[:200] = 0
+    writer.append(long)
+    writer.append(random_sample(5, 1, gen))
+    writer.finish()
+    assert validate(url) == []
+    assert_same_sample(long, open_store(url).part(0).sample(0))
