@@ -9,7 +9,9 @@
   `draft_block` are the live single-block forward over a context KV cache. The target's
   embed_tokens / lm_head are borrowed frozen via `attach_target_head`, never saved.
 - `checkpoint.py`: `save_drafter` / `load_drafter` / `export_checkpoint` in the HF
-  directory format vLLM, SGLang and z-lab load (REFERENCE.md 6), written atomically.
+  directory format vLLM, SGLang and z-lab load (REFERENCE.md 6), written atomically with
+  a sha256 record (checksums.json) that loading verifies; an overwrite replaces only an
+  empty directory or a previous export.
 
 Typical use (the caller applies the lm_head, in chunks if memory is tight):
 

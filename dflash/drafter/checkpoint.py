@@ -6,12 +6,19 @@ Qwen3 fields, layer_types, block_size, dflash_config) plus `model.safetensors` k
 lm_head. Our own save format IS this format, so a training checkpoint holds such a
 directory under `drafter/` (next to optimiser state) and export is a validated copy.
 
-Owns reading/writing those two files, atomically (temp dir + rename). Never trains,
-never touches optimiser state, never reads the feature store.
+Every directory we write also holds `checksums.json` (sha256 of the other files, written
+last): load_drafter verifies it when present, so flipped bytes are refused instead of being
+evaluated, exported or resumed. Serving engines read config.json and *.safetensors only and
+ignore other files; directories without the record (z-lab / HF downloads) load unverified.
+
+Owns reading/writing those files, atomically (temp dir + rename), and the rule of what an
+overwrite may replace. Never trains, never touches optimiser state, never reads the feature
+store, and never deletes a directory that holds anything but a drafter's own files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -30,6 +37,10 @@ from dflash.drafter.model import DFlashDrafter
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CHECKSUMS_NAME = "checksums.json"
+"""sha256 of every other file a drafter directory was written with."""
+OWN_FILES = (CONFIG_NAME, WEIGHTS_NAME, CHECKSUMS_NAME)
+"""Everything save_drafter / export write: the only files an overwrite may replace."""
 DRAFTER_SUBDIR = "drafter"
 """Where a training checkpoint keeps its drafter directory."""
 
@@ -85,7 +96,6 @@ def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "use_sliding_window": "sliding_attention" in config.layer_types,
         "max_window_layers": config.num_hidden_layers,
         "vocab_size": config.vocab_size,
-        "num_target_layers": config.num_target_layers,
         "block_size": config.block_size,
         "dflash_config": {
             "mask_token_id": config.mask_token_id,
@@ -98,6 +108,11 @@ def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
     if config.is_causal is not None:
         raw["is_causal"] = config.is_causal
+    # Unknown for third-party drafters without it: a null here makes SGLang fall back to the
+    # drafter's own layer count and reject the target layer ids, and no value can be derived
+    # exactly (max(target_layer_ids) + 1 is only a lower bound), so the key is left out.
+    if config.num_target_layers is not None:
+        raw["num_target_layers"] = config.num_target_layers
     return raw
 
 
@@ -199,8 +214,53 @@ def save_drafter(
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        write_checksums(tmp, [CONFIG_NAME, WEIGHTS_NAME])
 
     return _write_dir_atomically(Path(out_dir), write, overwrite)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: Path, names: list[str]) -> None:
+    """Record the sha256 of `names` in `directory`/checksums.json, last and atomically."""
+    record = {"algorithm": "sha256",
+              "files": {name: file_sha256(directory / name) for name in names}}
+    tmp = directory / f".{CHECKSUMS_NAME}.tmp"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, directory / CHECKSUMS_NAME)
+
+
+def verify_checksums(directory: str | os.PathLike) -> bool:
+    """Check the files against checksums.json; False when there is no record (third-party
+    directories), DrafterError naming the file when one differs or is missing."""
+    directory = Path(directory)
+    record_path = directory / CHECKSUMS_NAME
+    if not record_path.is_file():
+        return False
+    try:
+        record = json.loads(record_path.read_text())
+        files = record["files"]
+        if record.get("algorithm") != "sha256" or not isinstance(files, dict):
+            raise ValueError("expected {'algorithm': 'sha256', 'files': {name: hex}}")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise DrafterError(f"{record_path}: unreadable checksum record ({err})") from err
+    for name, want in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise DrafterError(f"{path}: listed in {CHECKSUMS_NAME} but missing")
+        got = file_sha256(path)
+        if got != want:
+            raise DrafterError(
+                f"{path}: sha256 {got[:16]}... does not match {CHECKSUMS_NAME} "
+                f"({str(want)[:16]}...): the file is corrupt or was changed after saving "
+                f"(delete {CHECKSUMS_NAME} only if you changed it on purpose)")
+    return True
 
 
 def load_drafter(
@@ -216,6 +276,7 @@ def load_drafter(
     and lm_head are not in the directory: attach them with `attach_target_head`.
     """
     directory = resolve_drafter_dir(path)
+    verify_checksums(directory)
     config = read_config(directory)
     state = _read_weights(directory)
     with torch.device("meta"):
@@ -240,6 +301,10 @@ def read_config(directory: str | os.PathLike) -> DrafterConfig:
 def resolve_drafter_dir(path: str | os.PathLike) -> Path:
     """The drafter directory itself, or the `drafter/` inside a training checkpoint."""
     path = Path(path)
+    if not path.exists():
+        raise DrafterError(f"{path}: does not exist")
+    if not path.is_dir():
+        raise DrafterError(f"{path}: is a file, not a drafter directory or checkpoint")
     if (path / CONFIG_NAME).is_file():
         return path
     if (path / DRAFTER_SUBDIR / CONFIG_NAME).is_file():
@@ -262,8 +327,45 @@ def export_checkpoint(
     `dtype` (bf16 like the published drafters; None keeps the stored dtype) and writes it
     atomically. Returns the written directory.
     """
-    model = load_drafter(src_dir)
+    source = resolve_drafter_dir(src_dir)
+    if Path(out_dir).resolve() in (source.resolve(), Path(src_dir).resolve()):
+        raise DrafterError(f"{out_dir}: is the checkpoint being exported; pick another "
+                           "output directory")
+    check_output_dir(out_dir, overwrite)
+    model = load_drafter(source)
     return save_drafter(model, out_dir, dtype=dtype, overwrite=overwrite)
+
+
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool,
+                     flag: str = "overwrite=True") -> None:
+    """Refuse `out_dir` unless it is new, or `overwrite` and it is empty or holds only a
+    previous drafter's own files (OWN_FILES, config.json naming DFlashDraftModel).
+
+    flag: how the caller's user asks for an overwrite (`--overwrite` on the command line).
+    """
+    out = Path(out_dir)
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise DrafterError(f"{out}: already exists (pass {flag} to replace a previous export)")
+    if out.is_symlink() or not out.is_dir():
+        raise DrafterError(f"{out}: is not a directory; refusing to replace it")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    foreign = [n for n in entries if n not in OWN_FILES or not (out / n).is_file()]
+    config = out / CONFIG_NAME
+    if not foreign and config.is_file():
+        try:
+            architectures = json.loads(config.read_text()).get("architectures") or []
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+            architectures = []
+        if ARCHITECTURE in architectures:
+            return
+    shown = ", ".join(entries[:6]) + (f", ... ({len(entries)} entries)"
+                                      if len(entries) > 6 else "")
+    raise DrafterError(f"{out}: holds {shown}, not only a previous DFlash export; refusing to "
+                       "replace it (remove it yourself or pick another directory)")
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -309,9 +411,9 @@ def _write_dir_atomically(
     out_dir: Path, write: Callable[[Path], None], overwrite: bool
 ) -> Path:
     """Write into a sibling temp dir, then rename it into place: a crash never leaves a
-    half-written drafter at `out_dir`."""
-    if out_dir.exists() and not overwrite:
-        raise DrafterError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+    half-written drafter at `out_dir`. Only a directory check_output_dir accepts is
+    replaced."""
+    check_output_dir(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

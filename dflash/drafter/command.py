@@ -2,7 +2,7 @@
 
 import click
 
-from dflash.drafter.checkpoint import export_checkpoint
+from dflash.drafter.checkpoint import check_output_dir, export_checkpoint
 from dflash.drafter.errors import DrafterError
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "keep": None}
@@ -13,13 +13,16 @@ _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--dtype", type=click.Choice(list(_DTYPES)), default="bfloat16", show_default=True,
               help="Weight dtype of the export; keep = as trained.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT_DIR if it exists.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT_DIR if it is empty or a previous export (config.json, "
+                   "model.safetensors, checksums.json only); any other directory is refused.")
 def export_command(checkpoint: str, out_dir: str, dtype: str, overwrite: bool) -> None:
     """Write CHECKPOINT (a training checkpoint or drafter dir) as a DFlash drafter directory
     (config.json + model.safetensors) that vLLM, SGLang and z-lab's code load."""
     import torch
 
     try:
+        check_output_dir(out_dir, overwrite, flag="--overwrite")  # before loading anything
         name = _DTYPES[dtype]
         out = export_checkpoint(checkpoint, out_dir, overwrite=overwrite,
                                 dtype=getattr(torch, name) if name else None)

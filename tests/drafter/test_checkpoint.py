@@ -1,5 +1,6 @@
 """The serving directory format: round trip, published fields and key names, export."""
 
+import hashlib
 import json
 
 import pytest
@@ -143,7 +144,8 @@ def test_saved_weights_have_the_published_key_names(tmp_path):
                          layer_types=["sliding_attention"] * 2 + ["full_attention"])
     out = save_drafter(model, tmp_path / "d")
     assert sorted(load_file(str(out / "model.safetensors"))) == _published_keys(3)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json",
+                                                     "model.safetensors"]
 
 
 def test_published_shapes_follow_from_the_config():
@@ -214,6 +216,7 @@ def test_unsupported_checkpoints_are_refused_by_name(tmp_path, change, words):
 
 def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
     out = save_drafter(tiny_drafter(0), tmp_path / "d")
+    (out / "checksums.json").unlink()  # hand-made weights, as in a third-party directory
     tensors = load_file(str(out / "model.safetensors"))
     cases = [
         ({**tensors, "lm_head.weight": torch.zeros(100, 64)}, "own embed_tokens/lm_head"),
@@ -235,7 +238,8 @@ def test_export_writes_bf16_serving_dir_from_a_training_checkpoint(tmp_path):
     save_drafter(model, ckpt / DRAFTER_SUBDIR)
     (ckpt / "optimizer.pt").write_bytes(b"optimiser state, not exported")
     out = export_checkpoint(ckpt, tmp_path / "serve")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json",
+                                                     "model.safetensors"]
     raw = json.loads((out / "config.json").read_text())
     assert raw["dtype"] == "bfloat16"
     assert config_from_dict(raw) == model.config
@@ -287,5 +291,141 @@ def test_a_failed_write_leaves_no_directory_behind(tmp_path, monkeypatch):
 
 
 def test_missing_directory_is_named(tmp_path):
-    with pytest.raises(DrafterError, match="no config.json"):
+    with pytest.raises(DrafterError, match="nowhere: does not exist"):
         load_drafter(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DrafterError, match="empty: no config.json here or in drafter/"):
+        load_drafter(tmp_path / "empty")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DrafterError, match="file: is a file"):
+        load_drafter(tmp_path / "file")
+
+
+def _flip_bytes(path, at=None):
+    """XOR 8 bytes in the middle of the file (the tensor data of a safetensors file)."""
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if at is None else at
+    data[i : i + 8] = bytes(b ^ 0x5A for b in data[i : i + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_the_checksum_record_holds_the_sha256_of_every_file_written(tmp_path):
+    out = save_drafter(tiny_drafter(0), tmp_path / "d")
+    record = json.loads((out / "checksums.json").read_text())
+    assert record["algorithm"] == "sha256"
+    assert record["files"] == {
+        name: hashlib.sha256((out / name).read_bytes()).hexdigest()
+        for name in ("config.json", "model.safetensors")}
+
+
+def test_flipped_weight_bytes_are_refused_naming_the_file(tmp_path):
+    model = tiny_drafter(0)
+    ckpt = tmp_path / "step_1"
+    out = save_drafter(model, ckpt / DRAFTER_SUBDIR)
+    _flip_bytes(out / "model.safetensors")
+    # The flip lies in tensor data: safetensors itself reads the file without complaint.
+    flipped = load_file(str(out / "model.safetensors"))
+    assert any(not torch.equal(flipped[k], v) for k, v in model.state_dict().items()
+               if k in flipped)
+    for path in (out, ckpt):
+        with pytest.raises(DrafterError, match=r"model\.safetensors: sha256 .* does not match"):
+            load_drafter(path)
+    with pytest.raises(DrafterError, match="model.safetensors"):
+        export_checkpoint(ckpt, tmp_path / "serve")
+    assert not (tmp_path / "serve").exists()
+
+
+def test_an_edited_config_or_a_missing_listed_file_is_refused(tmp_path):
+    out = save_drafter(tiny_drafter(0), tmp_path / "d")
+    config = (out / "config.json").read_text()
+    (out / "config.json").write_text(config.replace('"num_hidden_layers": 2',
+                                                    '"num_hidden_layers": 3'))
+    with pytest.raises(DrafterError, match="config.json: sha256"):
+        load_drafter(out)
+    (out / "config.json").write_text(config)
+    assert load_drafter(out).config == tiny_drafter(0).config
+    (out / "model.safetensors").unlink()
+    with pytest.raises(DrafterError, match="model.safetensors: listed in checksums.json"):
+        load_drafter(out)
+
+
+def test_a_directory_without_a_checksum_record_still_loads(tmp_path):
+    # z-lab / HF downloads and older checkpoints carry no record: loaded unverified.
+    model = tiny_drafter(0)
+    out = save_drafter(model, tmp_path / "d")
+    (out / "checksums.json").unlink()
+    loaded = load_drafter(out)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_unknown_num_target_layers_is_left_out_of_the_export_not_written_null(tmp_path):
+    src = save_drafter(tiny_drafter(0), tmp_path / "zlab")
+    raw = json.loads((src / "config.json").read_text())
+    assert raw["num_target_layers"] == 8
+    del raw["num_target_layers"]
+    (src / "config.json").write_text(json.dumps(raw))
+    (src / "checksums.json").unlink()  # a third-party directory has none
+    out = export_checkpoint(src, tmp_path / "serve")
+    exported = json.loads((out / "config.json").read_text())
+    assert "num_target_layers" not in exported
+    assert read_config(out).num_target_layers is None
+    assert exported["dflash_config"]["target_layer_ids"] == [1, 3, 5]
+
+
+def _user_dirs(tmp_path):
+    """Directories an overwrite must never delete, and the files each holds."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.tex").write_text("years of work")
+    run = tmp_path / "run1"
+    save_drafter(tiny_drafter(0), run / "checkpoints" / "step_2" / DRAFTER_SUBDIR)
+    (run / "log.jsonl").write_text("{}\n")
+    # config.json + model.safetensors, but of another model: not a DFlash export.
+    other = tmp_path / "qwen3"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    (other / "model.safetensors").write_bytes(b"target weights")
+    # a previous export plus one file of the user's
+    mixed = save_drafter(tiny_drafter(0), tmp_path / "mixed")
+    (mixed / "README.md").write_text("my notes")
+    return [notes, run, other, mixed]
+
+
+def _tree(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_overwrite_never_replaces_a_directory_that_is_not_a_previous_export(tmp_path):
+    src = save_drafter(tiny_drafter(1), tmp_path / "src")
+    for target in _user_dirs(tmp_path):
+        before = _tree(target)
+        with pytest.raises(DrafterError) as info:
+            export_checkpoint(src, target, overwrite=True)
+        message = str(info.value)
+        assert str(target) in message and "refusing to replace" in message
+        assert sorted(p.name for p in target.iterdir())[0] in message
+        assert "\n" not in message
+        assert _tree(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed", "notes", "qwen3", "run1",
+                                                          "src"]
+
+
+def test_overwrite_replaces_an_empty_directory_or_a_previous_export(tmp_path):
+    src = save_drafter(tiny_drafter(1), tmp_path / "src")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    previous = export_checkpoint(save_drafter(tiny_drafter(0), tmp_path / "old"),
+                                 tmp_path / "previous")
+    for target in (empty, previous):
+        out = export_checkpoint(src, target, overwrite=True, dtype=None)
+        assert torch.equal(load_drafter(out).fc.weight, tiny_drafter(1).fc.weight)
+
+
+def test_export_refuses_to_write_over_its_own_source(tmp_path):
+    ckpt = tmp_path / "step_1"
+    src = save_drafter(tiny_drafter(0), ckpt / DRAFTER_SUBDIR)
+    before = _tree(ckpt)
+    for target in (ckpt, src):
+        with pytest.raises(DrafterError, match="is the checkpoint being exported"):
+            export_checkpoint(ckpt, target, overwrite=True)
+    assert _tree(ckpt) == before
