@@ -49,7 +49,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               show_default=True, type=click.IntRange(1),
               help="Blocks per sequence per drafter forward (--mode all).")
 @click.option("--device", default="auto", show_default=True,
-              help="Torch device; auto = cuda when available, else cpu.")
+              help="Torch device: auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Drafter compute dtype; auto = bf16 on CUDA, fp32 on CPU.")
@@ -65,9 +65,12 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--online", is_flag=True,
               help="Also run live greedy speculative decoding with the target (--model) on "
                    "the same prompts: the ground truth offline replay must match.")
-@click.option("--model", default=None, help="Target checkpoint for --online.")
+@click.option("--model", default=None,
+              help="Target checkpoint for --online; refused without --online (offline replay "
+                   "never loads the target).")
 @click.option("--max-new-tokens", default=None, type=click.IntRange(1),
-              help="--online generation length. Default: the store's --regenerate setting.")
+              help="--online generation length (refused without --online). Default: the "
+                   "store's --regenerate setting.")
 @click.option("--skip-corrupt", is_flag=True,
               help="Skip damaged samples of the store (missing shard, failed checksum, torn "
                    "part metadata) and list them in the report, instead of refusing it.")

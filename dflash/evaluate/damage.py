@@ -1,4 +1,5 @@
-"""What eval does about a damaged store: refuse it, or (with --skip-corrupt) skip and list.
+"""What eval does about a damaged store: refuse it, or (with --skip-corrupt) skip and list;
+and the parts it leaves out because extraction has not finished them (as train does).
 
 Owns the policy only: the checks themselves live in dflash.store_schema.integrity (a
 structural check before reading that reads no chunk data; a guard naming the sample whose
@@ -23,6 +24,8 @@ class DamagePolicy:
     """Skip (and list) damaged samples; False refuses the store at the first one."""
     skipped: list[Damage] = field(default_factory=list)
     """Every damaged sample or part left out, in the order met."""
+    unfinished: list[int] = field(default_factory=list)
+    """Parts extraction has not marked complete: never read, like train."""
 
     def __post_init__(self) -> None:
         self._parts = {d.part for d in self.known if d.sample is None}
@@ -31,6 +34,10 @@ class DamagePolicy:
 
     def part_is_damaged(self, part: int) -> bool:
         return part in self._parts
+
+    def part_is_left_out(self, part: int) -> bool:
+        """Damaged (known before reading) or unfinished: none of its samples is read."""
+        return part in self._parts or part in self.unfinished
 
     def known_damage(self, part: int, sample: int) -> Damage | None:
         return self._samples.get((part, sample))
@@ -49,11 +56,14 @@ class DamagePolicy:
 
 
 def check_store(store: Store, skip: bool) -> DamagePolicy:
-    """The structural check over every part eval reads; EvalError (one line naming store,
-    part and sample) unless `skip`, and always for damage to the store's own metadata."""
-    damage = check_before_reading(store, [p.index for p in store.parts()])
+    """The structural check over every complete part (the ones eval reads); EvalError (one
+    line naming store, part and sample) unless `skip`, and always for damage to the store's
+    own metadata. Unfinished parts are left out, listed in `unfinished`."""
+    parts = store.parts()
+    damage = check_before_reading(store, [p.index for p in parts if p.complete])
     try:
         refuse_unless_skipping(damage, skip)
     except StoreError as e:
         raise EvalError(str(e)) from e
-    return DamagePolicy(known=damage, skip=skip)
+    return DamagePolicy(known=damage, skip=skip,
+                        unfinished=[p.index for p in parts if not p.complete])

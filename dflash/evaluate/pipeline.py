@@ -1,12 +1,15 @@
 """`dflash eval` end to end: open the store, load and check checkpoints, replay, report.
 
-Owns the order of things: every input is checked (store, checkpoints against the store,
-plot dependency, --online model) before the first drafter forward; all checkpoints see the
-same samples and blocks; the outputs are written only after every number is computed.
+Owns the order of things: every input is checked (options, device, output paths, store,
+checkpoints against the store, plot dependency, --online model) before the first drafter
+forward; unfinished parts of the store are left out (named on stderr) as train does; all
+checkpoints see the same samples and blocks; the outputs are written only after every number
+is computed.
 Deterministic: sample choice depends only on --limit / --seed, batching only on the store
 and the options, so the same command gives the same numbers.
 """
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -16,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from dflash.blocks import eligible_anchors
+from dflash.devices import resolve_device
 from dflash.evaluate.checkpoints import Checkpoint, layer_selection, load_checkpoint, unique_names
 from dflash.evaluate.damage import DamagePolicy, check_store
 from dflash.evaluate.drafting import BlockDrafter
@@ -104,12 +108,6 @@ class EvalOutcome:
     """Outputs skipped, and why."""
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -146,7 +144,7 @@ def load_drafters(store: Store, paths: list[str], *, device: torch.device, dtype
 def _total_samples(store: Store, keys, damage: DamagePolicy) -> int:
     if keys is not None:
         return len(keys)
-    return sum(p.num_samples for p in store.parts() if not damage.part_is_damaged(p.index))
+    return sum(p.num_samples for p in store.parts() if not damage.part_is_left_out(p.index))
 
 
 def shown_blocks(drafters: dict[str, BlockDrafter], samples: list[EvalSample],
@@ -198,16 +196,16 @@ def _online_check(offline: dict, online: dict, generated: dict, samples: list[Ev
 
 def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcome:
     """Run `dflash eval`; returns the report and the per-checkpoint results."""
+    check_options(cfg)
+    device = resolve_device(cfg.device, EvalError)
+    dtype = resolve_dtype(cfg.dtype, device)
     store = _open(cfg.store)
     damage = check_store(store, cfg.skip_corrupt)  # reads no chunk data: offsets and listings
+    if damage.unfinished:
+        echo(f"leaving out unfinished parts {damage.unfinished} of {cfg.store} (extraction "
+             "has not completed them; train skips them too)")
     for d in damage.known:
         echo(f"skipping damaged data (--skip-corrupt): {d}")
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.plot:
-        require_matplotlib()
-    if cfg.online and not cfg.model:
-        raise EvalError("--online needs --model (the target checkpoint)")
     budgets = cfg.settings.tree_budgets
     if any(b < 1 for b in budgets) or any(k < 1 for k in cfg.settings.recall_at):
         raise EvalError(f"tree budgets {budgets} and recall k {cfg.settings.recall_at} "
@@ -221,6 +219,8 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
 
     keys = pick_samples(store, cfg.limit, cfg.seed, damage)
     total = _total_samples(store, keys, damage)
+    if total == 0:
+        raise EvalError(f"--store {cfg.store}: no sample to evaluate ({_why_empty(damage)})")
     kept_for_show: list[EvalSample] = []
     kept_light: list[EvalSample] = []
     bar = tqdm(total=total, unit="seq", disable=not cfg.progress, desc="eval")
@@ -255,6 +255,13 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
     skipped = damage.report()
     for d in [d for d in damage.skipped if d not in damage.known]:  # found while reading
         echo(f"skipped damaged data (--skip-corrupt): {d}")
+    if total - skipped["samples"] <= 0:
+        raise EvalError(f"--store {cfg.store}: every sample chosen was damaged and skipped; "
+                        "nothing was evaluated")
+    if all(r.stats.summary()["n_blocks"] == 0 for r in offline.values()):
+        raise EvalError(f"--store {cfg.store}: none of the {total - skipped['samples']} "
+                        "samples has a response token to draft at (empty loss masks?); "
+                        "nothing was evaluated")
     report = build_report(
         store_url=cfg.store, meta=store.meta, settings=settings,
         samples=total - skipped["samples"], skipped=skipped,
@@ -267,8 +274,79 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
     if cfg.show:
         text += "\n\n" + format_shown(shown_blocks(drafters, kept_for_show, settings),
                                       store_tokenizer(store))
-    written, notes = _write_outputs(cfg, report, offline, online)
+    try:
+        written, notes = _write_outputs(cfg, report, offline, online)
+    except OSError as e:  # checked up front; this is a race or a full disk
+        raise EvalError(f"cannot write the outputs: {e}") from e
     return EvalOutcome(report, text, offline, online, generated, written, notes)
+
+
+def check_options(cfg: EvalConfig) -> None:
+    """Refuse option combinations and output paths that cannot work, before any reading."""
+    if cfg.online and not cfg.model:
+        raise EvalError("--online needs --model (the target checkpoint)")
+    if not cfg.online:
+        # Offline replay never loads the target: a --model given without --online would be
+        # silently ignored, and the user would read offline numbers as live ones.
+        given = [name for name, value in (("--model", cfg.model),
+                                          ("--max-new-tokens", cfg.max_new_tokens))
+                 if value is not None]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise EvalError(f"{' and '.join(given)} only {verb} to --online (live decoding "
+                            "with the target); add --online, or drop it for offline replay")
+    if cfg.out is not None:
+        _check_writable_dir(Path(cfg.out), "--out")
+    if cfg.plot:
+        require_matplotlib()
+        plot = Path(cfg.plot)
+        if plot.is_dir():
+            raise EvalError(f"--plot {cfg.plot}: is a directory; give the PNG file's path")
+        parent = plot.parent
+        if not parent.is_dir():
+            raise EvalError(f"--plot {cfg.plot}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise EvalError(f"--plot {cfg.plot}: directory {parent} is not writable")
+        _check_plot_format(plot)
+
+
+def _check_writable_dir(path: Path, option: str) -> None:
+    """`path` is a directory, or can be created as one (its first existing ancestor is a
+    writable directory)."""
+    if path.exists():
+        if not path.is_dir():
+            raise EvalError(f"{option} {path}: exists and is not a directory")
+        if not os.access(path, os.W_OK):
+            raise EvalError(f"{option} {path}: directory is not writable")
+        return
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise EvalError(f"{option} {path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK):
+        raise EvalError(f"{option} {path}: cannot create it under {ancestor} (not writable)")
+
+
+def _check_plot_format(plot: Path) -> None:
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = plot.suffix.lower().lstrip(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise EvalError(f"--plot {plot}: matplotlib cannot write .{suffix} files (use one "
+                        f"of {', '.join(sorted(formats))})")
+
+
+def _why_empty(damage: DamagePolicy) -> str:
+    reasons = []
+    if damage.unfinished:
+        reasons.append(f"parts {damage.unfinished} are unfinished")
+    damaged = sorted({d.part for d in damage.known if d.sample is None and d.part is not None})
+    if damaged:
+        reasons.append(f"parts {damaged} are damaged")
+    return "; ".join(reasons) + "; finish extraction first" if reasons \
+        else "it holds no committed sample"
 
 
 def _stop_rule(target, tokenizer, store: Store, max_new_tokens: int | None) -> StopRule:

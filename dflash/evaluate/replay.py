@@ -78,9 +78,10 @@ class EvalSample:
 
 
 def sample_keys(store: Store, damage: DamagePolicy | None = None) -> list[tuple[int, int]]:
-    """(part, index) of every committed sample outside damaged parts, in store order."""
+    """(part, index) of every committed sample outside damaged and unfinished parts, in
+    store order."""
     damage = damage or DamagePolicy()
-    return [(p.index, i) for p in store.parts() if not damage.part_is_damaged(p.index)
+    return [(p.index, i) for p in store.parts() if not damage.part_is_left_out(p.index)
             for i in range(p.num_samples)]
 
 
@@ -103,7 +104,7 @@ def read_samples(store: Store, keys: list[tuple[int, int]] | None = None,
     damage = damage or DamagePolicy()
     if keys is None:
         for part in store.parts():
-            if not damage.part_is_damaged(part.index):
+            if not damage.part_is_left_out(part.index):
                 yield from _read_part(part, damage)
         return
     parts = {}
