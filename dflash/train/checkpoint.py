@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.drafter import DRAFTER_SUBDIR, save_drafter
+from dflash.drafter import DRAFTER_SUBDIR, load_drafter, save_drafter
 from dflash.store_schema import StoreMeta
 from dflash.train.errors import TrainError
 
@@ -128,16 +128,44 @@ def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, wh
             "(checkpoint != store):\n  " + "\n  ".join(diffs))
 
 
-def load_trainer_state(path: str | Path, scheduler) -> tuple[TrainState, dict]:
-    """Restore scheduler and RNG from a checkpoint; returns the run position and the full
-    optimiser state (for parallel.load_optimizer_state)."""
+def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
+    """(drafter state_dict, trainer.pt contents) of a complete checkpoint; a file that does not
+    read back whole (truncated, bit rot) is a TrainError naming it."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise TrainError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-    blob = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    try:
+        blob = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+        missing = {"optimizer", "scheduler", "state", "torch_rng"} - set(blob)
+        if missing:
+            raise KeyError(f"no {sorted(missing)}")
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
+        raise TrainError(f"{path / TRAINER_STATE} is damaged and cannot be read "
+                         f"({type(e).__name__}: {_first_line(e)})") from e
+    try:
+        drafter_state = load_drafter(path).state_dict()
+    except Exception as e:  # a truncated safetensors or config.json
+        raise TrainError(f"{path / DRAFTER_SUBDIR} is damaged and cannot be read "
+                         f"({type(e).__name__}: {_first_line(e)})") from e
+    return drafter_state, blob
+
+
+def restore_trainer(blob: dict, scheduler) -> tuple[TrainState, dict]:
+    """Restore scheduler and RNG from trainer.pt contents; returns the run position and the
+    full optimiser state (for parallel.load_optimizer_state)."""
     scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])
     return TrainState(**blob["state"]), blob["optimizer"]
+
+
+def load_trainer_state(path: str | Path, scheduler) -> tuple[TrainState, dict]:
+    """Restore scheduler and RNG from a checkpoint; returns the run position and the full
+    optimiser state (for parallel.load_optimizer_state)."""
+    return restore_trainer(read_checkpoint(path)[1], scheduler)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 def _fsync_tree(root: Path) -> None:

@@ -6,33 +6,18 @@ from dflash.drafter import DrafterError
 from dflash.store_schema import StoreError
 from dflash.train.config import load_config
 from dflash.train.errors import TrainError
+from dflash.train.options import CLI_OPTIONS
 
-# Common settings get their own flag; every other field is reachable with --set.
-_FLAGS = {
-    "out": "run.out_dir",
-    "epochs": "optim.epochs",
-    "max_steps": "optim.max_steps",
-    "lr": "optim.lr",
-    "batch_tokens": "loader.batch_tokens",
-    "max_length": "loader.max_length",
-    "gamma": "loss.gamma",
-    "loss": "loss.kind",
-    "noise": "noise.kind",
-    "noise_std": "noise.std",
-    "anchors_per_seq": "run.anchors_per_seq",
-    "layers": "model.num_hidden_layers",
-    "device": "run.device",
-    "seed": "run.seed",
-    "weights": "loader.store_weights",
-    "fsdp": "run.fsdp",
-    "skip_corrupt": "loader.skip_corrupt",
-}
+# Common settings get their own flag (options.CLI_OPTIONS); every other field is reachable
+# with --set. Keyed by click's parameter name: --max-steps -> max_steps.
+_FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items()}
 
 
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--store", "stores", multiple=True, required=True,
               help="Feature store to train on (repeat to mix several of one target).")
-@click.option("--weights", help="Comma-separated passes per epoch over each --store, e.g. 1,0.5.")
+@click.option("--weights", help="Comma-separated passes per epoch over each --store, e.g. 1,0.5."
+              "  [default: 1 per store]")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="TOML file of settings ([loader], [model], [loss], [noise], [optim], [run]).")
 @click.option("--out", help="Run directory for checkpoints and logs.  [default: runs/drafter]")
@@ -42,7 +27,8 @@ _FLAGS = {
 @click.option("--lr", type=float, help="Peak learning rate.  [default: 6e-4]")
 @click.option("--batch-tokens", type=click.IntRange(1),
               help="Padded tokens per global batch.  [default: 16384]")
-@click.option("--max-length", type=click.IntRange(2), help="Cut longer samples to this.")
+@click.option("--max-length", type=click.IntRange(3),
+              help="Cut longer samples to this many tokens.  [default: none (no cut)]")
 @click.option("--gamma", type=float, help="Position decay of the loss weights.  [default: 10]")
 @click.option("--loss", type=click.Choice(["ce", "kl-topk"]),
               help="Hard CE on the verifier argmax, or KL to its stored top-k.  [default: ce]")
@@ -86,6 +72,10 @@ def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
         result = train(cfg, resume=resume, echo=click.echo)
     except (TrainError, StoreError, DrafterError) as e:
         raise click.ClickException(str(e)) from e
+    if result.already_complete:
+        click.echo(f"{result.run_dir} is already complete (step {result.steps} of "
+                   f"{result.steps}); nothing to train; checkpoint {result.checkpoint}")
+        return
     click.echo(f"trained {result.steps} steps, final loss {result.final_loss:.4f}; "
                f"checkpoint {result.checkpoint}; log {result.run_dir / 'log.jsonl'}")
 

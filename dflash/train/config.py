@@ -6,6 +6,7 @@ steps (`optim`) and how the run is kept (`run`). Unknown keys are errors, never 
 """
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -18,6 +19,7 @@ from dflash.train.data import LoaderConfig
 from dflash.train.errors import TrainError
 from dflash.train.loss import LossConfig
 from dflash.train.noise import NoiseConfig
+from dflash.train.options import option_name, require
 
 
 @dataclass
@@ -45,6 +47,17 @@ class ModelConfig:
     init_from: str | None = None
     """Start from this drafter directory or checkpoint instead of random weights."""
 
+    def __post_init__(self) -> None:
+        require(self.num_hidden_layers >= 1, "model.num_hidden_layers", ">= 1",
+                self.num_hidden_layers)
+        for name in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "sliding_window"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"model.{name}", ">= 1", value)
+        for name in ("sliding_layers", "mask_token_id"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, f"model.{name}", ">= 0", value)
+
 
 @dataclass
 class OptimConfig:
@@ -67,6 +80,24 @@ class OptimConfig:
     max_steps: int | None = None
     """Stop after this many optimiser steps (the schedule still spans `epochs`)."""
 
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "a finite number > 0",
+                self.lr)
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]",
+                self.min_lr_ratio)
+        require(0 <= self.warmup_ratio <= 1, "optim.warmup_ratio", "in [0, 1]",
+                self.warmup_ratio)
+        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                "optim.weight_decay", "a finite number >= 0", self.weight_decay)
+        betas = tuple(self.betas)
+        require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "optim.betas",
+                "two numbers in [0, 1)", betas)
+        require(self.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 disables clipping)",
+                self.grad_clip)
+        require(self.epochs >= 1, "optim.epochs", ">= 1", self.epochs)
+        require(self.max_steps is None or self.max_steps >= 1, "optim.max_steps", ">= 1",
+                self.max_steps)
+
 
 @dataclass
 class RunConfig:
@@ -87,7 +118,7 @@ class RunConfig:
     checkpoint_every: int = 500
     """Optimiser steps between checkpoints (one is always written at the end)."""
     keep_checkpoints: int = 3
-    """Most recent checkpoints kept; older ones are deleted."""
+    """Most recent checkpoints kept; older ones are deleted (0: keep every one)."""
     log_every: int = 10
     """Steps between log lines with per-slot accuracy."""
     fsdp: bool = False
@@ -98,6 +129,18 @@ class RunConfig:
     """Show a progress bar."""
     tensorboard: bool = False
     """Also write TensorBoard event files to out_dir/tb (needs the `tb` extra)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.out_dir), "run.out_dir", "a directory", self.out_dir)
+        require(self.seed >= 0, "run.seed", ">= 0", self.seed)
+        require(self.anchors_per_seq >= 1, "run.anchors_per_seq", ">= 1", self.anchors_per_seq)
+        require(self.pad_blocks_to is None or self.pad_blocks_to >= 1, "run.pad_blocks_to",
+                ">= 1", self.pad_blocks_to)
+        require(self.checkpoint_every >= 1, "run.checkpoint_every", ">= 1",
+                self.checkpoint_every)
+        require(self.keep_checkpoints >= 0, "run.keep_checkpoints", ">= 0 (0 keeps all)",
+                self.keep_checkpoints)
+        require(self.log_every >= 1, "run.log_every", ">= 1", self.log_every)
 
 
 @dataclass
@@ -172,7 +215,9 @@ def _build(cls, data: dict[str, Any], where: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise TrainError(f"{where}: unknown key(s) {unknown}; known: {sorted(names)}")
+        kind = f"section [{where}]" if where else "top level (sections and `stores`)"
+        raise TrainError(f"unknown key(s) {unknown} in the config's {kind}; "
+                         f"known: {sorted(names)}")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -182,7 +227,7 @@ def _build(cls, data: dict[str, Any], where: str):
                 raise TrainError(f"{key}: expected a table of settings, got {value!r}")
             kwargs[name] = _build(hint, value, key)
         else:
-            kwargs[name] = _coerce(value, hint, key)
+            kwargs[name] = _coerce(value, hint, option_name(key))
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:  # the sections' own __post_init__ checks
@@ -215,21 +260,32 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
 
 
 def to_toml(cfg: TrainConfig) -> str:
-    """The resolved config as TOML (None values are left out: they mean 'the default')."""
+    """The resolved config as TOML, read back by load_config to an equal config. TOML has no
+    null: a None that is the field's default is left out, any other is written "none"."""
     lines: list[str] = []
 
-    def emit(table: dict[str, Any], prefix: str) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict) and v is not None}
+    def emit(section: Any, prefix: str) -> None:
         if prefix:
             lines.append(f"\n[{prefix}]")
-        for k, v in scalars.items():
-            lines.append(f"{k} = {_toml_value(v)}")
-        for k, v in table.items():
-            if isinstance(v, dict):
-                emit(v, f"{prefix}.{k}" if prefix else k)
+        tables = []
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                tables.append((f.name, value))
+            elif value is not None:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+            elif not _default_is_none(f):
+                lines.append(f'{f.name} = "none"')
+        for name, table in tables:
+            emit(table, f"{prefix}.{name}" if prefix else name)
 
-    emit(cfg.to_dict(), "")
+    emit(cfg, "")
     return "\n".join(lines).strip() + "\n"
+
+
+def _default_is_none(f: dataclasses.Field) -> bool:
+    return f.default is None or (f.default is dataclasses.MISSING
+                                 and f.default_factory is dataclasses.MISSING)
 
 
 def _toml_value(v: Any) -> str:

@@ -23,6 +23,7 @@ Never touches labels or noise: a batch carries the stored arrays as they are.
 """
 
 import ctypes
+import math
 import os
 import queue
 import sys
@@ -48,6 +49,11 @@ from dflash.store_schema import (
 from dflash.store_schema.integrity import refuse_unless_skipping
 from dflash.store_schema.layout import hidden_to_numpy, torch_dtype
 from dflash.store_schema.sample import sample_from_arrays
+from dflash.train.options import option_name, require
+
+MIN_TRAINABLE_LENGTH = 3
+"""Shortest sample holding a block: an anchor a >= 1 (one context position before it) and
+its first label at a + 1 (blocks.valid_anchor_mask)."""
 
 
 @dataclass
@@ -81,6 +87,28 @@ class LoaderConfig:
     skip_corrupt: bool = False
     """Skip samples whose data is damaged (missing shard, failed checksum, torn part metadata)
     and report them, instead of refusing the store. Off: any damage stops the run."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_tokens", "part_window", "pad_to"):
+            require(getattr(self, name) >= 1, f"loader.{name}", ">= 1", getattr(self, name))
+        for name in ("shuffle_buffer_tokens", "prefetch_batches", "workers", "seed",
+                     "unit_cache_tokens"):
+            require(getattr(self, name) >= 0, f"loader.{name}", ">= 0", getattr(self, name))
+        require(self.max_length is None or self.max_length >= MIN_TRAINABLE_LENGTH,
+                "loader.max_length", f">= {MIN_TRAINABLE_LENGTH} (an anchor after one context "
+                "token, and its label)", self.max_length)
+        weights = self.store_weights
+        if weights is not None:
+            require(all(math.isfinite(w) and w >= 0 for w in weights), "loader.store_weights",
+                    "finite numbers >= 0", _weights_text(weights))
+            require(any(w > 0 for w in weights), "loader.store_weights",
+                    "> 0 for at least one store (all zero leaves nothing to train on)",
+                    _weights_text(weights))
+
+
+def _weights_text(weights: list[float]) -> str:
+    """Weights as they are typed after --weights: 1,0.5."""
+    return ",".join(f"{w:g}" for w in weights)
 
 
 @dataclass(frozen=True)
@@ -265,12 +293,15 @@ class StoreLoader:
         self.cfg, self.rank, self.world = cfg, rank, world
         pin_mmap_threshold()
         self.stores: list[Store] = [open_store(u) for u in urls]
-        first = self.stores[0].meta
+        first = self.stores[0]
         for s in self.stores[1:]:
-            diffs = first.target_mismatches(s.meta) + [
-                d for d in first.mismatches(s.meta) if d.startswith(("hidden_dtype", "top_k"))]
+            # "s does not match first": each difference reads s's value != first's
+            diffs = s.meta.target_mismatches(first.meta) + [
+                d for d in s.meta.mismatches(first.meta) if d.startswith(("hidden_dtype", "top_k"))]
             if diffs:
-                raise StoreError(f"{s.url} does not match {self.stores[0].url}: {diffs}")
+                raise StoreError(f"{s.url} does not match {first.url}: stores trained together "
+                                 f"must share target, layers, top-k and dtype ({s.url} != "
+                                 f"{first.url}):\n  " + "\n  ".join(diffs))
         complete = [(i, p) for i, s in enumerate(self.stores) for p in s.parts() if p.complete]
         if damage is None:
             damage = [d for i, s in enumerate(self.stores) for d in
@@ -283,9 +314,10 @@ class StoreLoader:
         if not self.parts:
             raise StoreError(f"no complete part in {urls}: finish extraction first")
         weights = cfg.store_weights
-        if weights is not None and (len(weights) != len(urls) or min(weights) < 0):
-            raise StoreError(f"store_weights {weights} must give one weight >= 0 per store "
-                             f"({len(urls)} stores)")
+        if weights is not None and len(weights) != len(urls):
+            raise StoreError(f"{option_name('loader.store_weights')} "
+                             f"{_weights_text(weights)} gives {len(weights)} weight(s) for "
+                             f"{len(urls)} store(s): give one per --store")
 
     def plan(self, epoch: int) -> Iterator[list[SampleRef]]:
         """This rank's share of each global batch (possibly empty when W > batch size)."""
@@ -318,6 +350,39 @@ class StoreLoader:
         index = {s.url: i for i, s in enumerate(self.stores)}
         return {(index[d.store], d.part, d.sample): d for d in self.damage
                 if d.sample is not None}
+
+
+    def has_trainable_block(self) -> bool:
+        """Whether any sample drawn (store weight > 0) holds a valid anchor within
+        max_length. Reads loss masks a read unit at a time and stops at the first one found,
+        so a usable store costs one small read; damaged units are left to the reader."""
+        weights = self.cfg.store_weights
+        cut = self.cfg.max_length
+        for store_i, part in self.parts:
+            if weights is not None and weights[store_i] <= 0:
+                continue
+            offsets = part.offsets()
+            for a, b in _read_units(np.diff(offsets), part.store.shard_tokens):
+                start = int(offsets[a])
+                try:
+                    mask = part.read_tokens(start, int(offsets[b]), ("loss_mask",))["loss_mask"]
+                except Exception:  # damage: refused or skipped when the loader reads it
+                    continue
+                for s in range(a, b):
+                    t0, t1 = int(offsets[s]) - start, int(offsets[s + 1]) - start
+                    m = mask[t0 : min(t1, t0 + cut) if cut else t1].astype(bool)
+                    if (m[1:-1] & m[2:]).any():  # blocks.valid_anchor_mask
+                        return True
+        return False
+
+
+def unfinished_parts(store: Store) -> list[int]:
+    """Planned parts of a store that are not complete: not started, or still being written
+    (or stopped mid-way). Unreadable part metadata is damage, reported elsewhere."""
+    complete = {p.index for p in store.parts() if p.complete}
+    unreadable = set(store.unreadable_parts())
+    planned = range(max([store.meta.num_parts, *(i + 1 for i in store.part_indices())]))
+    return [i for i in planned if i not in complete and i not in unreadable]
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):

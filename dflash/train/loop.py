@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dflash.blocks import draft_topk
+from dflash.devices import resolve_device
 from dflash.drafter import (
     AttentionShape,
     DFlashDrafter,
@@ -27,20 +28,22 @@ from dflash.drafter import (
 )
 from dflash.evaluate.metrics import AcceptanceStats
 from dflash.store_schema import Store, StoreError
+from dflash.store_schema.integrity import SKIP_HINT
 from dflash.store_schema.stats import store_stats
 from dflash.train.checkpoint import (
     TrainState,
     check_provenance,
     checkpoint_dir,
     latest_checkpoint,
-    load_trainer_state,
     read_provenance,
+    restore_trainer,
     save_checkpoint,
 )
 from dflash.train.config import ModelConfig, TrainConfig, to_toml
-from dflash.train.data import StoreLoader, empty_batch
+from dflash.train.data import StoreLoader, empty_batch, unfinished_parts
 from dflash.train.errors import TrainError
 from dflash.train.noise import noise_std_at
+from dflash.train.options import option_name
 from dflash.train.parallel import (
     barrier,
     full_states,
@@ -48,6 +51,13 @@ from dflash.train.parallel import (
     load_optimizer_state,
     parallel_mode,
     wrap,
+)
+from dflash.train.rundir import (
+    ResumePoint,
+    check_new_run_dir,
+    check_resume_config,
+    find_resume_point,
+    set_aside,
 )
 from dflash.train.step import block_loss, make_blocks, noised_context, weight_sum
 
@@ -66,6 +76,8 @@ class TrainResult:
     run_dir: Path
     skipped: int = 0
     """Distinct damaged samples (or parts) this process skipped (loader.skip_corrupt)."""
+    already_complete: bool = False
+    """A --resume found the run finished: nothing was trained or written."""
 
 
 def _distributed() -> tuple[int, int]:
@@ -75,10 +87,13 @@ def _distributed() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def _device(name: str, rank: int) -> torch.device:
-    if name == "auto":
-        name = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+def parameter_count(n: int) -> str:
+    """An honest count: exact below a million, else millions or billions to 3 digits."""
+    if n < 10**6:
+        return f"{n:,}"
+    if n < 10**9:
+        return f"{n / 1e6:.3g}M"
+    return f"{n / 1e9:.3g}B"
 
 
 def drafter_config(cfg: TrainConfig, store: Store) -> DrafterConfig:
@@ -138,11 +153,19 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     if not cfg.stores:
         raise TrainError("no store given: pass --store PATH")
     rank, world = _distributed()
-    device = _device(cfg.run.device, rank)
+    device = resolve_device(cfg.run.device, TrainError, rank)
     precision = cfg.run.precision
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     run_dir = Path(cfg.run.out_dir)
     torch.manual_seed(cfg.run.seed)
+
+    # The run directory: a new run never mixes into an old one; a resume continues the run
+    # it finds exactly as configured (rundir.RUN_MANAGEMENT_FIELDS aside), from the newest
+    # checkpoint that reads whole. Every rank checks before rank 0 writes anything.
+    point = _resume_point(run_dir, cfg, rank, world, echo) if resume else None
+    if point is None:
+        check_new_run_dir(run_dir)
+    barrier(world)
 
     # Data: a deterministic plan over complete parts; this rank reads only its share. On CUDA
     # batches are padded to few shapes, so compiled flex attention does not recompile often.
@@ -152,10 +175,23 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     pad_blocks_to = cfg.run.pad_blocks_to or (32 if cuda else 1)
     loader = StoreLoader(cfg.stores, loader_cfg, rank=rank, world=world)
     store = loader.stores[0]
+    if rank == 0:
+        _announce_unfinished(loader, echo)
+    if not loader.has_trainable_block():
+        raise TrainError(_nothing_to_train(cfg))
     steps_per_epoch = loader.batches_per_epoch()
     total_steps = steps_per_epoch * cfg.optim.epochs
     if cfg.optim.max_steps is not None:
         total_steps = min(total_steps, cfg.optim.max_steps)
+    if total_steps == 0:
+        raise TrainError(f"{option_name('loader.store_weights')} "
+                         f"{cfg.loader.store_weights} draws no sample in epoch 0: nothing to "
+                         "train on; raise the weights")
+    if point is not None:
+        done = TrainState(**point.trainer["state"])
+        if done.step >= total_steps or done.epoch >= cfg.optim.epochs:
+            return TrainResult(done.step, float("nan"), point.path, run_dir,
+                               already_complete=True)
 
     # Drafter: built for the store's target, borrowing its frozen embed_tokens / lm_head.
     rows = store.target_rows()
@@ -170,7 +206,7 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     dcfg = model.config
     if rank == 0:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        echo(f"drafter: {dcfg.describe()}; {trainable / 1e6:.1f}M trainable parameters")
+        echo(f"drafter: {dcfg.describe()}; {parameter_count(trainable)} trainable parameters")
     head_dtype = torch.bfloat16 if use_bf16 else torch.float32
     model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
                              rows["lm_head"].to(device, head_dtype))
@@ -182,17 +218,21 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         # A damaged shard is refused here too, or, when skipping, left out of the statistics.
         skip = cfg.loader.skip_corrupt
         damaged_parts = {d.part for d in loader.damage if d.store == store.url and d.sample is None}
-        layer_rms = torch.tensor(store_stats(store, skip_damaged=skip,
-                                             exclude_parts=damaged_parts,
-                                             max_tokens=cfg.noise.stats_max_tokens).rms,
-                                 device=device)
+        try:
+            stats = store_stats(store, skip_damaged=skip, exclude_parts=damaged_parts,
+                                max_tokens=cfg.noise.stats_max_tokens)
+        except StoreError as e:  # unreadable context; skipping steps around it, as in reading
+            raise StoreError(f"{e}; pass {SKIP_HINT} to skip the damaged samples") from e
+        layer_rms = torch.tensor(stats.rms, device=device)
 
-    found = latest_checkpoint(run_dir) if resume else None
-    if resume and found is None:
-        raise TrainError(f"--resume: no complete checkpoint under {run_dir}/checkpoints")
-    if found is not None:
+    if point is not None:
+        found = point.path
         check_provenance(read_provenance(found), store.meta, store.url, str(found))
-        model.load_state_dict(load_drafter(found).state_dict())
+        try:
+            model.load_state_dict(point.drafter_state)
+        except RuntimeError as e:
+            raise TrainError(f"{found}: its drafter weights do not fit the drafter this config "
+                             f"builds ({_first_line(e)})") from e
 
     # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
     mode = parallel_mode(world, cfg.run.fsdp)
@@ -203,15 +243,22 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(total_steps, warmup, cfg.optim.min_lr_ratio))
     state = TrainState()
-    if found is not None:
-        state, optimizer_state = load_trainer_state(found, scheduler)
-        load_optimizer_state(model, optimizer, optimizer_state)
-        echo(f"resumed from {found} (step {state.step}, epoch {state.epoch})")
+    if point is not None:
+        state, optimizer_state = restore_trainer(point.trainer, scheduler)
+        try:
+            load_optimizer_state(model, optimizer, optimizer_state)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise TrainError(f"{point.path}: its optimizer state does not fit this drafter "
+                             f"({_first_line(e)})") from e
+        echo(f"resumed from {point.path} (step {state.step}, epoch {state.epoch})")
 
     config_toml = to_toml(cfg)
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_toml)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(config_toml)
+        except OSError as e:
+            raise TrainError(f"--out {run_dir}: cannot write the run directory: {e}") from e
     log = (run_dir / "log.jsonl").open("a") if rank == 0 else None
     board = _tensorboard(run_dir) if rank == 0 and cfg.run.tensorboard else None
     bar = tqdm(total=total_steps, initial=state.step, disable=rank != 0 or not cfg.run.progress,
@@ -315,6 +362,45 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
              f"listed in {run_dir / SKIPPED_FILE}")
     return TrainResult(state.step, last_loss, checkpoint or latest_checkpoint(run_dir), run_dir,
                        skipped.count)
+
+
+def _resume_point(run_dir: Path, cfg: TrainConfig, rank: int, world: int,
+                  echo) -> ResumePoint:
+    """The checkpoint a resume continues from, its config checked against cfg; damaged newer
+    ones are named and (rank 0, once every rank has chosen) renamed out of rotation."""
+    point = find_resume_point(run_dir)
+    check_resume_config(point.path, cfg)
+    barrier(world)
+    for path, reason in point.damaged:
+        aside = set_aside(path) if rank == 0 else path
+        if rank == 0:
+            echo(f"note: {reason}; resuming from the previous complete checkpoint "
+                 f"{point.path.name} instead (the damaged one is kept as {aside})")
+    return point
+
+
+def _announce_unfinished(loader: StoreLoader, echo) -> None:
+    """One line naming the parts left out because extraction has not finished them."""
+    named = [f"{s.url} part(s) {', '.join(map(str, parts))}" for s in loader.stores
+             if (parts := unfinished_parts(s))]
+    if named:
+        echo(f"leaving out unfinished parts (extraction still running or stopped; training "
+             f"on complete parts only): {'; '.join(named)}")
+
+
+def _nothing_to_train(cfg: TrainConfig) -> str:
+    where = ", ".join(cfg.stores)
+    if cfg.loader.max_length:
+        return (f"{option_name('loader.max_length')} {cfg.loader.max_length} leaves nothing "
+                f"to train on in {where}: no sample has a trainable block (two consecutive "
+                "loss-mask tokens after the first) within its first "
+                f"{cfg.loader.max_length} tokens; raise it")
+    return (f"nothing to train on in {where}: no sample has a trainable block (two "
+            "consecutive loss-mask tokens after the first)")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
 
 
 class _SkipLedger:

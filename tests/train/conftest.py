@@ -27,7 +27,9 @@ def next_token(x: torch.Tensor) -> torch.Tensor:
     return (5 * x + 3) % (VOCAB - 1)  # never produces MASK
 
 
-def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: str = "tiny"):
+def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: str = "tiny",
+                unfinished: int = 0):
+    """`unfinished`: the last parts are written but never finished (extraction cut short)."""
     meta = StoreMeta(
         target=TargetInfo(name, None, "qwen3", 4, HIDDEN, VOCAB, "c" * 64),
         tokenizer=TokenizerInfo("t" * 64, None, False),
@@ -64,7 +66,8 @@ def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: s
                 input_ids=x.int(), loss_mask=mask, context=code[x],
                 topk_ids=torch.cat([top1[:, None], others], 1).int(), topk_logits=logits,
                 lse=torch.full((length,), 6.0), source_row=row))
-        writer.finish()
+        if p < parts - unfinished:
+            writer.finish()
     return store
 
 

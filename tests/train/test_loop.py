@@ -16,7 +16,7 @@ from dflash.blocks import draft_topk
 from dflash.cli import main
 from dflash.drafter import DrafterConfig, load_drafter
 from dflash.evaluate.metrics import AcceptanceStats
-from dflash.store_schema import open_store
+from dflash.store_schema import StoreError, open_store
 from dflash.train.checkpoint import latest_checkpoint
 from dflash.train.config import ModelConfig, load_config
 from dflash.train.data import LoaderConfig, StoreLoader
@@ -114,7 +114,8 @@ def test_checkpoint_refuses_a_store_of_another_target(synthetic_store, tmp_path)
     assert "target.name_or_path: 'tiny' != 'another-target'" in str(e.value)
     cli = CliRunner().invoke(main, ["train", "--store", other, "--out", str(tmp_path / "r"),
                                     "--resume", "--no-progress"])
-    assert cli.exit_code == 1 and "another-target" in cli.output
+    # resuming on another store is a changed setting, refused before any provenance check
+    assert cli.exit_code == 1 and f"stores: {synthetic_store} -> {other}" in cli.output
     assert "Traceback" not in cli.output
 
 
@@ -249,3 +250,94 @@ def test_another_target_lends_its_own_heads_and_all_layers_are_full():
 def test_more_sliding_layers_than_layers_is_refused():
     with pytest.raises(TrainError, match="sliding_layers 6 is not within the drafter's 5 layers"):
         shape_drafter(QWEN3_6_27B_TARGET, 248070, [1], ModelConfig(sliding_layers=6))
+
+
+def test_nothing_to_train_on_is_refused_up_front_naming_the_option(synthetic_store, tmp_path):
+    # every synthetic sample's first 4 tokens are prompt: no block fits in 4 tokens
+    for extra, option in ([["--weights", "0"], "--weights"],
+                          [["--max-length", "4"], "--max-length"]):
+        out = tmp_path / option.strip("-")
+        result = CliRunner().invoke(main, ["train", "--store", synthetic_store, "--out",
+                                           str(out), "--layers", "1", "--no-progress", *extra])
+        assert result.exit_code == 1, result.output
+        assert f"Error: {option} (" in result.output and "Traceback" not in result.output
+        assert not out.exists()
+    # one more token holds a block (anchor 4, label 5): training goes ahead
+    ok = train(_cfg(synthetic_store, tmp_path / "ok", **{"loader.max_length": 6,
+                                                         "optim.max_steps": 1}))
+    assert ok.steps == 1
+
+
+def test_mixed_stores_refusal_reads_as_the_first_store_against_the_second(synthetic_store,
+                                                                           tmp_path):
+    other = str(tmp_path / "other.zarr")
+    build_store(other, rows=8, parts=1, name="another-target")
+    with pytest.raises(StoreError) as e:
+        StoreLoader([synthetic_store, other], LoaderConfig(prefetch_batches=0))
+    message = str(e.value)
+    assert message.startswith(f"{other} does not match {synthetic_store}")
+    assert "target.name_or_path: 'another-target' != 'tiny'" in message
+    assert "[" not in message.split(":", 1)[1].split("\n")[0]  # no list repr
+
+
+def _flip_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2
+    data[i:i + 8] = bytes(b ^ 0x5A for b in data[i:i + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_a_context_checksum_refusal_offers_skip_corrupt(synthetic_store, tmp_path):
+    import shutil
+
+    store = Path(shutil.copytree(synthetic_store, tmp_path / "hs.zarr"))
+    shard = sorted((store / "parts" / "00000" / "context" / "c").rglob("*"))
+    _flip_middle(next(p for p in shard if p.is_file()))
+    result = CliRunner().invoke(main, ["train", "--store", str(store), "--out",
+                                       str(tmp_path / "r"), "--layers", "1", "--no-progress",
+                                       "--max-steps", "1"])
+    assert result.exit_code == 1
+    assert "checksum" in result.output and "pass --skip-corrupt" in result.output
+
+
+def test_a_tiny_drafter_reports_its_exact_parameter_count(synthetic_store, tmp_path):
+    lines = []
+    result = train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 1}),
+                   echo=lines.append)
+    n = sum(p.numel() for p in load_drafter(result.checkpoint).parameters())
+    assert n < 10**6
+    assert any(line.endswith(f"; {n:,} trainable parameters") for line in lines), lines
+
+
+def test_parameter_counts_keep_their_digits():
+    from dflash.train.loop import parameter_count
+
+    assert parameter_count(12_345) == "12,345"
+    assert parameter_count(1_234_567) == "1.23M"
+    assert parameter_count(1_700_000_000) == "1.7B"
+
+
+def test_unfinished_parts_are_named_in_one_line_and_left_out(tmp_path):
+    url = str(tmp_path / "partial.zarr")
+    build_store(url, rows=24, parts=3, unfinished=1)
+    lines = []
+    result = train(_cfg(url, tmp_path / "r", **{"optim.max_steps": 1}), echo=lines.append)
+    named = [line for line in lines if "unfinished" in line]
+    assert len(named) == 1 and f"{url} part(s) 2" in named[0], lines
+    assert result.steps == 1
+
+
+def test_a_device_torch_cannot_use_is_a_train_error(synthetic_store, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(TrainError, match="--device 'cuda'.*no CUDA device"):
+        train(_cfg(synthetic_store, tmp_path / "r", **{"run.device": "cuda"}))
+    assert not (tmp_path / "r").exists()
+
+
+def test_help_shows_a_default_for_every_setting_option():
+    import re
+
+    text = CliRunner().invoke(main, ["train", "--help"], terminal_width=200).output
+    for option in ("--weights", "--max-length", "--lr", "--epochs"):
+        block = re.search(rf"^\s+{option} .*?(?=^\s+--)", text, re.S | re.M).group(0)
+        assert "[default: " in block, block
