@@ -126,14 +126,20 @@ def _context(store: Store, parts: list, skip: bool, damaged: list[tuple[str, int
 
 def compute_stats(store: Store, top_channels: int = 8, workers: int | None = None,
                   skip_damaged: bool = False, exclude_parts=(),
-                  max_tokens: int | None = None) -> StoreStats:
+                  max_tokens: int | None = None, checked_parts=None) -> StoreStats:
     """Mean, RMS, absmax and the largest channels of each context layer (float64 sums).
 
     skip_damaged: leave out shards that cannot be read instead of raising; exclude_parts:
     parts not to read at all (their metadata is damaged); max_tokens: read at most about
-    this many tokens, as whole shards evenly spaced over the store (None: every token)."""
+    this many tokens, as whole shards evenly spaced over the store (None: every token);
+    checked_parts: the only parts to read, which the caller has already given the structural
+    check (train's loader), so it is not repeated (a whole-store listing on object storage)."""
     left_out: list[str] = []
-    parts = _sound_parts(store, skip_damaged, set(exclude_parts), left_out)
+    if checked_parts is None:
+        parts = _sound_parts(store, skip_damaged, set(exclude_parts), left_out)
+    else:
+        wanted = set(checked_parts) - set(exclude_parts)
+        parts = [p for p in store.parts() if p.index in wanted]
     damaged: list[tuple[str, int]] = []
     pieces = _context(store, parts, skip_damaged, damaged, max_tokens)
     if not pieces:
@@ -165,7 +171,7 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
 
 def store_stats(store: Store, *, recompute: bool = False, cache: bool = True,
                 skip_damaged: bool = False, exclude_parts=(),
-                max_tokens: int | None = None) -> StoreStats:
+                max_tokens: int | None = None, checked_parts=None) -> StoreStats:
     """The cached statistics if still current, else computed (over at most `max_tokens`
     tokens; cached when writable and every token was read)."""
     tokens = store.num_tokens
@@ -173,7 +179,7 @@ def store_stats(store: Store, *, recompute: bool = False, cache: bool = True,
     if cached and not recompute and cached.get("tokens") == tokens:
         return StoreStats(tokens=tokens, layers=[LayerStats(**d) for d in cached["layers"]])
     stats = compute_stats(store, skip_damaged=skip_damaged, exclude_parts=exclude_parts,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, checked_parts=checked_parts)
     if cache and store.mode != "r" and stats.tokens == tokens and not stats.left_out:
         store.root.attrs[STATS_KEY] = {"tokens": stats.tokens,
                                        "layers": [asdict(s) for s in stats.layers]}

@@ -215,11 +215,13 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     model.train()
     layer_rms = None
     if cfg.noise.kind != "none" and not cfg.noise.absolute:
-        # A damaged shard is refused here too, or, when skipping, left out of the statistics.
+        # Over the parts the loader checked and found sound (its check is not repeated); a
+        # shard failing its checksum is refused here too, or, when skipping, left out.
         skip = cfg.loader.skip_corrupt
-        damaged_parts = {d.part for d in loader.damage if d.store == store.url and d.sample is None}
+        damaged_parts = {d.part for d in loader.damage if d.store == store.url}
+        sound = [p.index for i, p in loader.parts if i == 0 and p.index not in damaged_parts]
         try:
-            stats = store_stats(store, skip_damaged=skip, exclude_parts=damaged_parts,
+            stats = store_stats(store, skip_damaged=skip, checked_parts=sound,
                                 max_tokens=cfg.noise.stats_max_tokens)
         except StoreError as e:  # unreadable context; skipping steps around it, as in reading
             raise StoreError(f"{e}; pass {SKIP_HINT} to skip the damaged samples") from e

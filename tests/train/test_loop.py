@@ -341,3 +341,21 @@ def test_help_shows_a_default_for_every_setting_option():
     for option in ("--weights", "--max-length", "--lr", "--epochs"):
         block = re.search(rf"^\s+{option} .*?(?=^\s+--)", text, re.S | re.M).group(0)
         assert "[default: " in block, block
+
+
+def test_the_structural_check_runs_once_per_start(synthetic_store, tmp_path, monkeypatch):
+    # it lists every object of the store: on object storage, the costly part of a start
+    import dflash.store_schema.integrity as integrity
+
+    calls = []
+    real = integrity.validate
+
+    def counting(store, **kw):
+        calls.append(store.url)
+        return real(store, **kw)
+
+    monkeypatch.setattr(integrity, "validate", counting)
+    cfg = _cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 1})
+    assert cfg.noise.kind != "none" and not cfg.noise.absolute  # the statistics are needed
+    train(cfg)
+    assert calls == [synthetic_store]
