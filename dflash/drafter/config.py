@@ -108,7 +108,8 @@ class DrafterConfig:
         sliding = self.layer_types.count("sliding_attention")
         layers = (f"{sliding} sliding (window {self.sliding_window}) + "
                   f"{self.num_hidden_layers - sliding} full" if sliding else "all full")
-        return (f"{self.num_hidden_layers} layers ({layers}), {self.num_attention_heads} query / "
+        count = f"{self.num_hidden_layers} layer{'s' if self.num_hidden_layers != 1 else ''}"
+        return (f"{count} ({layers}), {self.num_attention_heads} query / "
                 f"{self.num_key_value_heads} kv heads of {self.head_dim}, MLP "
                 f"{self.intermediate_size}, block {self.block_size}, target layers "
                 f"{self.target_layer_ids}")

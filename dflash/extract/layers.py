@@ -16,7 +16,7 @@ def resolve_layer_ids(spec: str | None, num_layers: int) -> list[int]:
     if spec is None:
         # tiny targets (L < n + 4) make the formula repeat ids; keep each once
         try:
-            ids = list(dict.fromkeys(default_target_layer_ids(num_layers, DEFAULT_NUM_FEATURES)))
+            ids = sorted(set(default_target_layer_ids(num_layers, DEFAULT_NUM_FEATURES)))
         except DrafterError as e:
             raise ExtractError(f"{e}; pass --layers") from e
     else:

@@ -150,8 +150,10 @@ def kernels_used(model: nn.Module, device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """auto: bf16 where the target will run on CUDA (`--device auto` included), else fp32."""
     if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        return torch.bfloat16 if cuda else torch.float32
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
 
 

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+import torch
 from click.testing import CliRunner
 from conftest import make_chats, write_jsonl
 
@@ -45,3 +47,20 @@ def test_rows_of_several_files_are_numbered_in_order(tmp_path):
     assert source.num_rows == 5
     assert source.where(3).endswith("b.jsonl:line 1 (row 3)")
     assert source.chat(4)[-1]["role"] == "assistant"
+
+
+def test_default_layers_of_a_tiny_target_are_ascending_and_usable():
+    # L = 3: the formula gives 1, 1, 0, 0, 0; the last layer (2) is never among them
+    assert resolve_layer_ids(None, 3) == [0, 1]
+
+
+@pytest.mark.parametrize("cuda, device, expected", [
+    (True, "auto", torch.bfloat16), (False, "auto", torch.float32),
+    (True, "cuda:1", torch.bfloat16), (True, "cpu", torch.float32),
+])
+def test_auto_dtype_follows_where_the_target_will_run(monkeypatch, cuda, device, expected):
+    from dflash.extract.loading import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert resolve_dtype("auto", device) == expected
+    assert resolve_dtype("float16", device) == torch.float16
