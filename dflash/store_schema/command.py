@@ -35,7 +35,7 @@ def info(path: str, as_json: bool) -> None:
         click.echo(json.dumps(out, indent=2))
         return
     t = meta.target
-    state = "DAMAGED" if summary.parts_damaged else "complete" \
+    state = "DAMAGED" if summary.parts_damaged or summary.frozen_damaged else "complete" \
         if not summary.parts_incomplete and not summary.parts_missing else "INCOMPLETE"
     per_token, ratio = summary.bytes_per_token, summary.compression_ratio
     lines = [
@@ -61,6 +61,9 @@ def info(path: str, as_json: bool) -> None:
         + (f"; DAMAGED {_short(summary.parts_damaged)} (metadata unreadable: run "
            f"`dflash store validate {path}`)" if summary.parts_damaged else ""),
     ]
+    if summary.frozen_damaged:
+        lines.append(f"DAMAGED        {', '.join(summary.frozen_damaged)} (run `dflash store "
+                     f"validate {path}`)")
     click.echo("\n".join(lines))
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from zarr.core.sync import sync
 
 from dflash.store_schema.errors import StoreError
-from dflash.store_schema.layout import TOKEN_ARRAYS, part_path
+from dflash.store_schema.layout import SAMPLE_ARRAYS, TOKEN_ARRAYS, part_path
 from dflash.store_schema.store import Store
 
 
@@ -22,6 +22,9 @@ class StoreSummary:
     """Planned parts not started (no part group, or one whose creation a crash cut short)."""
     parts_damaged: list[int]
     """Parts whose metadata cannot be read: neither counted nor sized; `store validate`."""
+    frozen_damaged: list[str]
+    """Target rows or carried files whose metadata is torn or whose chunks are missing
+    (checksums are validate's: info reads no data)."""
     bytes_on_disk: int
     """Every object in the store, target rows and tokenizer included."""
     part_bytes_on_disk: int
@@ -54,6 +57,8 @@ def summarize(store: Store) -> StoreSummary:
     parts, held = [], []
     for p in store.parts():
         try:
+            for name in [a.name for a in TOKEN_ARRAYS] + list(SAMPLE_ARRAYS):
+                p.array(name)
             # The context array's length is what the writer has sized and written (it grows
             # before the data lands); every token array of a part has the same length.
             held.append(p.array("context").shape[0])
@@ -70,6 +75,8 @@ def summarize(store: Store) -> StoreSummary:
         parts_incomplete=[p.index for p in parts if not p.complete],
         parts_missing=[i for i in range(store.meta.num_parts) if i not in present],
         parts_damaged=sorted(damaged),
+        frozen_damaged=[path for path in store.frozen_paths()
+                        if store.frozen_problem(path, read_data=False) is not None],
         bytes_on_disk=sync(zstore.getsize_prefix(prefix)) if prefix else _total(zstore),
         part_bytes_on_disk=sum(sync(zstore.getsize_prefix(
             "/".join(x for x in (prefix, part_path(p.index)) if x))) for p in parts),

@@ -3,12 +3,13 @@
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dflash.cli import main
-from dflash.store_schema import create_store
+from dflash.store_schema import create_store, open_store
 from dflash.store_schema.layout import part_path
-from tests.store_schema.conftest import make_meta, random_sample
+from tests.store_schema.conftest import HIDDEN, VOCAB, make_meta, random_sample
 
 
 def _store(tmp_path, gen, finish_parts=(0,)):
@@ -94,3 +95,20 @@ def test_validate_require_complete_ends_saying_which_parts_keep_it_incomplete(tm
     last = result.output.strip().splitlines()[-1]
     assert "0 problem" not in result.output
     assert "not complete" in last and "unfinished [1]" in last and "not started [2]" in last
+
+
+def test_info_calls_a_store_with_a_torn_token_array_or_target_row_damaged(tmp_path, gen):
+    url = _store(tmp_path, gen, finish_parts=(0, 1))
+    root = tmp_path / "hs.zarr"
+    (root / part_path(0) / "loss_mask" / "zarr.json").write_text('{"zarr_format": 3, "no')
+    info = json.loads(CliRunner().invoke(main, ["store", "info", url, "--json"]).output)
+    assert info["parts_damaged"] == [0] and info["frozen_damaged"] == []
+
+    store = open_store(url, mode="r+")
+    store.write_target_rows(torch.randn(VOCAB, HIDDEN, generator=gen),
+                            torch.randn(VOCAB, HIDDEN, generator=gen), torch.ones(HIDDEN))
+    (root / "target" / "lm_head" / "zarr.json").write_text("{")
+    text = CliRunner().invoke(main, ["store", "info", url]).output
+    assert "DAMAGED" in text.splitlines()[0]
+    assert any(line.startswith("DAMAGED") and "target/lm_head" in line
+               for line in text.splitlines())
