@@ -220,7 +220,8 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
     keys = pick_samples(store, cfg.limit, cfg.seed, damage)
     total = _total_samples(store, keys, damage)
     if total == 0:
-        raise EvalError(f"--store {cfg.store}: no sample to evaluate ({_why_empty(damage)})")
+        raise EvalError(f"--store {cfg.store}: no sample to evaluate "
+                        f"({_why_empty(damage, cfg.store)})")
     kept_for_show: list[EvalSample] = []
     kept_light: list[EvalSample] = []
     bar = tqdm(total=total, unit="seq", disable=not cfg.progress, desc="eval")
@@ -338,15 +339,18 @@ def _check_plot_format(plot: Path) -> None:
                         f"of {', '.join(sorted(formats))})")
 
 
-def _why_empty(damage: DamagePolicy) -> str:
+def _why_empty(damage: DamagePolicy, url: str) -> str:
     reasons = []
     if damage.unfinished:
         reasons.append(f"parts {damage.unfinished} are unfinished")
     damaged = sorted({d.part for d in damage.known if d.sample is None and d.part is not None})
     if damaged:
         reasons.append(f"parts {damaged} are damaged")
-    return "; ".join(reasons) + "; finish extraction first" if reasons \
-        else "it holds no committed sample"
+    if damaged:
+        reasons.append(f"run `dflash store validate {url}` for the damage")
+    if damage.unfinished:
+        reasons.append("finish extraction first")
+    return "; ".join(reasons) if reasons else "it holds no committed sample"
 
 
 def _stop_rule(target, tokenizer, store: Store, max_new_tokens: int | None) -> StopRule:

@@ -147,3 +147,36 @@ def test_cuda_without_cuda_is_a_one_line_error(monkeypatch, regen_store, random_
 def test_auto_device_falls_back_to_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pipeline.resolve_device("auto", pipeline.EvalError) == torch.device("cpu")
+
+
+def _flip(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_store_left_empty_by_damage_points_to_validate_not_to_extraction(tmp_path,
+                                                                          random_drafter_dir):
+    gen = torch.Generator().manual_seed(2)
+    url = _store(str(tmp_path / "s.zarr"), [(_samples([0, 1], 32, gen), True)])
+    _flip(tmp_path / "s.zarr" / "parts" / "00000" / "sample_offsets" / "c" / "0")
+    result = _run("--store", url, "--skip-corrupt", random_drafter_dir)
+    assert result.exit_code == 1
+    assert "parts [0] are damaged" in result.output
+    assert f"dflash store validate {url}" in result.output
+    assert "finish extraction" not in result.output
+
+
+def test_a_damaged_store_tokenizer_is_named_not_silently_dropped(tmp_path, random_drafter_dir):
+    gen = torch.Generator().manual_seed(3)
+    url = _store(str(tmp_path / "s.zarr"), [(_samples([0, 1], 32, gen), True)])
+    store = open_store(url, mode="r+")
+    store.write_files("tokenizer", {"tokenizer.json": b'{"version": "1.0", "pad": "' +
+                                    b"x" * 300 + b'"}'})
+    chunk = next(p for p in (tmp_path / "s.zarr" / "files" / "tokenizer" / "tokenizer.json"
+                             / "c").rglob("*") if p.is_file())
+    _flip(chunk)
+    result = _run("--store", url, "--show", "1", random_drafter_dir)
+    assert result.exit_code == 1
+    assert "files/tokenizer/tokenizer.json" in result.output
+    assert "Traceback" not in result.output
