@@ -5,6 +5,8 @@ A checkpoint is a directory `checkpoints/step_00000100/` holding
   trainer.pt        optimiser, scheduler, step / epoch / batch position, RNG states,
   provenance.json   the store's provenance it was trained on (checked on resume and eval),
   config.toml       the resolved training config,
+  checksums.json    sha256 of trainer.pt, provenance.json and config.toml (drafter/ keeps its
+                    own), checked on resume so bit rot in any of them reads as damage,
   COMPLETE          written last; a directory without it is never trusted.
 It is assembled under a temporary name (`.tmp-step_...`) and renamed into place, so a crash
 mid-save leaves the previous checkpoint as the latest one; the next save removes the torn
@@ -13,15 +15,19 @@ temporary directory.
 
 import json
 import os
+import pickle
 import shutil
 import signal
+import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dflash.drafter import DRAFTER_SUBDIR, load_drafter, save_drafter
-from dflash.store_schema import StoreMeta
+from dflash.drafter import DRAFTER_SUBDIR, DFlashDrafter, DrafterError, load_drafter, save_drafter
+from dflash.drafter.checkpoint import CHECKSUMS_NAME, file_sha256, write_checksums
+from dflash.store_schema import StoreError, StoreMeta
 from dflash.train.errors import TrainError
 
 COMPLETE = "COMPLETE"
@@ -29,6 +35,8 @@ PROVENANCE = "provenance.json"
 TRAINER_STATE = "trainer.pt"
 CONFIG = "config.toml"
 CHECKPOINTS = "checkpoints"
+CHECKSUMMED = (TRAINER_STATE, PROVENANCE, CONFIG)
+"""The checkpoint's own files recorded in its checksums.json (drafter/ has its own record)."""
 TMP_PREFIX = ".tmp-"
 KILL_IN_SAVE_ENV = "DFLASH_TRAIN_KILL_IN_SAVE_STEP"
 """Fault injection for the crash tests: SIGKILL this process while it writes the checkpoint of
@@ -78,6 +86,7 @@ def save_checkpoint(
         os.kill(os.getpid(), signal.SIGKILL)
     (tmp / PROVENANCE).write_text(json.dumps(provenance.to_dict(), indent=2))
     (tmp / CONFIG).write_text(config_toml)
+    write_checksums(tmp, list(CHECKSUMMED))
     (tmp / COMPLETE).write_text(f"step {state.step}\n")
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again (e.g. resumed exactly at it)
@@ -128,26 +137,63 @@ def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, wh
             "(checkpoint != store):\n  " + "\n  ".join(diffs))
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
-    """(drafter state_dict, trainer.pt contents) of a complete checkpoint; a file that does not
-    read back whole (truncated, bit rot) is a TrainError naming it."""
+BAD_FILE_ERRORS = (
+    DrafterError, StoreError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError,
+    KeyError, IndexError, TypeError, AttributeError, ImportError, FileNotFoundError,
+    IsADirectoryError, NotADirectoryError,
+)
+"""What reading a truncated, bit-rotten or missing file raises (torch.load alone raises most of
+these; JSON and TOML decode errors are ValueErrors). Not MemoryError, nor an OSError such as
+EIO: those say nothing about the file, and one rank taking them for damage would resume from
+another checkpoint than its peers."""
+
+
+@dataclass
+class CheckpointContents:
+    """A complete checkpoint read back whole."""
+
+    path: Path
+    drafter: DFlashDrafter
+    """The drafter as saved: its own config.json and weights, on CPU."""
+    trainer: dict
+    """trainer.pt: optimizer, scheduler, state, torch_rng."""
+    provenance: StoreMeta
+    """The store provenance it was trained on."""
+    config: dict[str, Any]
+    """config.toml as parsed TOML (the run's settings, not yet checked as a TrainConfig)."""
+
+
+def read_checkpoint(path: str | Path) -> CheckpointContents:
+    """Everything a resume needs from a complete checkpoint; a file that does not read back
+    whole (truncated, bit rot, a checksum that differs) is a TrainError naming it. A
+    checkpoint written before checksums.json existed is read without that check."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise TrainError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    file = path / CHECKSUMS_NAME
     try:
-        blob = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+        recorded = json.loads(file.read_text())["files"] if file.is_file() else {}
+        for name in CHECKSUMMED:
+            file = path / name
+            if name in recorded and file_sha256(file) != recorded[name]:
+                raise ValueError(f"its sha256 differs from the one {CHECKSUMS_NAME} recorded")
+        file = path / TRAINER_STATE
+        blob = torch.load(file, map_location="cpu", weights_only=False)
         missing = {"optimizer", "scheduler", "state", "torch_rng"} - set(blob)
         if missing:
             raise KeyError(f"no {sorted(missing)}")
-    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
-        raise TrainError(f"{path / TRAINER_STATE} is damaged and cannot be read "
+        file = path / PROVENANCE
+        provenance = StoreMeta.from_dict(json.loads(file.read_text()))
+        file = path / CONFIG
+        config = tomllib.loads(file.read_text())
+        file = path / DRAFTER_SUBDIR
+        drafter = load_drafter(path)
+    except BAD_FILE_ERRORS as e:
+        if _out_of_memory(e):
+            raise
+        raise TrainError(f"{file} is damaged and cannot be read "
                          f"({type(e).__name__}: {_first_line(e)})") from e
-    try:
-        drafter_state = load_drafter(path).state_dict()
-    except Exception as e:  # a truncated safetensors or config.json
-        raise TrainError(f"{path / DRAFTER_SUBDIR} is damaged and cannot be read "
-                         f"({type(e).__name__}: {_first_line(e)})") from e
-    return drafter_state, blob
+    return CheckpointContents(path, drafter, blob, provenance, config)
 
 
 def restore_trainer(blob: dict, scheduler) -> tuple[TrainState, dict]:
@@ -161,7 +207,15 @@ def restore_trainer(blob: dict, scheduler) -> tuple[TrainState, dict]:
 def load_trainer_state(path: str | Path, scheduler) -> tuple[TrainState, dict]:
     """Restore scheduler and RNG from a checkpoint; returns the run position and the full
     optimiser state (for parallel.load_optimizer_state)."""
-    return restore_trainer(read_checkpoint(path)[1], scheduler)
+    return restore_trainer(read_checkpoint(path).trainer, scheduler)
+
+
+def _out_of_memory(e: Exception) -> bool:
+    """torch reports a failed CPU allocation as a RuntimeError: this process's trouble, not
+    the file's."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in text
+                                            or "can't allocate memory" in text)
 
 
 def _first_line(e: Exception) -> str:

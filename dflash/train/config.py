@@ -78,7 +78,8 @@ class OptimConfig:
     epochs: int = 6
     """Passes over the store."""
     max_steps: int | None = None
-    """Stop after this many optimiser steps (the schedule still spans `epochs`)."""
+    """Stop after this many optimiser steps. The learning-rate schedule (warmup and cosine
+    decay) spans the steps the run takes: min(this, the steps of all `epochs`)."""
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "a finite number > 0",

@@ -100,13 +100,13 @@ class LoaderConfig:
         weights = self.store_weights
         if weights is not None:
             require(all(math.isfinite(w) and w >= 0 for w in weights), "loader.store_weights",
-                    "finite numbers >= 0", _weights_text(weights))
+                    "finite numbers >= 0", weights_text(weights))
             require(any(w > 0 for w in weights), "loader.store_weights",
                     "> 0 for at least one store (all zero leaves nothing to train on)",
-                    _weights_text(weights))
+                    weights_text(weights))
 
 
-def _weights_text(weights: list[float]) -> str:
+def weights_text(weights: list[float]) -> str:
     """Weights as they are typed after --weights: 1,0.5."""
     return ",".join(f"{w:g}" for w in weights)
 
@@ -316,7 +316,7 @@ class StoreLoader:
         weights = cfg.store_weights
         if weights is not None and len(weights) != len(urls):
             raise StoreError(f"{option_name('loader.store_weights')} "
-                             f"{_weights_text(weights)} gives {len(weights)} weight(s) for "
+                             f"{weights_text(weights)} gives {len(weights)} weight(s) for "
                              f"{len(urls)} store(s): give one per --store")
 
     def plan(self, epoch: int) -> Iterator[list[SampleRef]]:
@@ -351,29 +351,48 @@ class StoreLoader:
         return {(index[d.store], d.part, d.sample): d for d in self.damage
                 if d.sample is not None}
 
-
     def has_trainable_block(self) -> bool:
         """Whether any sample drawn (store weight > 0) holds a valid anchor within
         max_length. Reads loss masks a read unit at a time and stops at the first one found,
-        so a usable store costs one small read; damaged units are left to the reader."""
+        so a usable store costs one small read. A unit that cannot be read is read sample by
+        sample; when no block is found and some sample could not be read, that is damage
+        (refused, or under skip_corrupt left to the reader), not "nothing to train on"."""
         weights = self.cfg.store_weights
-        cut = self.cfg.max_length
+        damage: list[Damage] = []
         for store_i, part in self.parts:
             if weights is not None and weights[store_i] <= 0:
                 continue
-            offsets = part.offsets()
-            for a, b in _read_units(np.diff(offsets), part.store.shard_tokens):
-                start = int(offsets[a])
-                try:
-                    mask = part.read_tokens(start, int(offsets[b]), ("loss_mask",))["loss_mask"]
-                except Exception:  # damage: refused or skipped when the loader reads it
-                    continue
-                for s in range(a, b):
-                    t0, t1 = int(offsets[s]) - start, int(offsets[s + 1]) - start
-                    m = mask[t0 : min(t1, t0 + cut) if cut else t1].astype(bool)
-                    if (m[1:-1] & m[2:]).any():  # blocks.valid_anchor_mask
-                        return True
+            for mask in self._loss_masks(part, damage):
+                if (mask[1:-1] & mask[2:]).any():  # blocks.valid_anchor_mask
+                    return True
+        refuse_unless_skipping(damage, self.cfg.skip_corrupt)
         return False
+
+    def _loss_masks(self, part: Part, damage: list[Damage]) -> Iterator[np.ndarray]:
+        """Each sample's loss mask (cut to max_length) a read unit at a time; a sample that
+        cannot be read is added to `damage` instead."""
+        offsets = part.offsets()
+        cut = self.cfg.max_length
+
+        def read(t0: int, t1: int) -> np.ndarray:
+            return part.read_tokens(t0, t1, ("loss_mask",))["loss_mask"].astype(bool)
+
+        for a, b in _read_units(np.diff(offsets), part.store.shard_tokens):
+            start = int(offsets[a])
+            unit, _ = read_guarded(part.store.url, part.index, a,
+                                   lambda a=a, b=b, start=start: read(start, int(offsets[b])))
+            for s in range(a, b):
+                t0 = int(offsets[s])
+                t1 = min(int(offsets[s + 1]), t0 + cut) if cut else int(offsets[s + 1])
+                if unit is not None:
+                    yield unit[t0 - start : t1 - start]
+                    continue
+                mask, broken = read_guarded(part.store.url, part.index, s,
+                                            lambda t0=t0, t1=t1: read(t0, t1))
+                if broken is not None:
+                    damage.append(broken)
+                else:
+                    yield mask
 
 
 def unfinished_parts(store: Store) -> list[int]:

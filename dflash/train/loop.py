@@ -31,6 +31,7 @@ from dflash.store_schema import Store, StoreError
 from dflash.store_schema.integrity import SKIP_HINT
 from dflash.store_schema.stats import store_stats
 from dflash.train.checkpoint import (
+    CHECKPOINTS,
     TrainState,
     check_provenance,
     checkpoint_dir,
@@ -40,13 +41,14 @@ from dflash.train.checkpoint import (
     save_checkpoint,
 )
 from dflash.train.config import ModelConfig, TrainConfig, to_toml
-from dflash.train.data import StoreLoader, empty_batch, unfinished_parts
+from dflash.train.data import StoreLoader, empty_batch, unfinished_parts, weights_text
 from dflash.train.errors import TrainError
 from dflash.train.noise import noise_std_at
 from dflash.train.options import option_name
 from dflash.train.parallel import (
     barrier,
     full_states,
+    gather_objects,
     global_norm,
     load_optimizer_state,
     parallel_mode,
@@ -57,7 +59,9 @@ from dflash.train.rundir import (
     check_new_run_dir,
     check_resume_config,
     find_resume_point,
+    local_paths_absolute,
     set_aside,
+    set_aside_leftovers,
 )
 from dflash.train.step import block_loss, make_blocks, noised_context, weight_sum
 
@@ -114,17 +118,22 @@ def drafter_config(cfg: TrainConfig, store: Store) -> DrafterConfig:
 def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
                   m: ModelConfig) -> DrafterConfig:
     """The drafter for a target config.json: `m`'s fields where set, else a published
-    target's released drafter attention, else the target's own heads, all layers full."""
+    target's released drafter attention, else the target's own heads, all layers full.
+    Left unset, the released sliding layers stop one short of the drafter's layer count, so
+    its last layer stays full (the released 5-layer drafter: 4 sliding + 1 full)."""
     text = target.get("text_config") or target
     base = published_attention(target) or AttentionShape(
         text["num_attention_heads"], text["num_key_value_heads"],
         text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
         sliding_layers=0, sliding_window=2048)
+    base = replace(base, sliding_layers=min(base.sliding_layers, m.num_hidden_layers - 1))
     shape = replace(base, **{f.name: getattr(m, f.name) for f in fields(AttentionShape)
                              if getattr(m, f.name) is not None})
-    if not 0 <= shape.sliding_layers <= m.num_hidden_layers:
-        raise TrainError(f"model.sliding_layers {shape.sliding_layers} is not within the "
-                         f"drafter's {m.num_hidden_layers} layers")
+    if shape.sliding_layers > m.num_hidden_layers:
+        layers = m.num_hidden_layers
+        raise TrainError(f"model.sliding_layers {shape.sliding_layers} is more than the "
+                         f"drafter's {layers} layers (--layers {layers}); pass --set "
+                         f"model.sliding_layers=N with N <= {layers}, or raise --layers")
     overrides = dict(
         num_hidden_layers=m.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
@@ -152,6 +161,8 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     """Run (or resume) training as configured; returns where the final checkpoint is."""
     if not cfg.stores:
         raise TrainError("no store given: pass --store PATH")
+    # recorded absolute in config.toml: a resume from another cwd names the same stores
+    cfg = replace(cfg, stores=local_paths_absolute(cfg.stores))
     rank, world = _distributed()
     device = resolve_device(cfg.run.device, TrainError, rank)
     precision = cfg.run.precision
@@ -165,6 +176,10 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     point = _resume_point(run_dir, cfg, rank, world, echo) if resume else None
     if point is None:
         check_new_run_dir(run_dir)
+        moved = set_aside_leftovers(run_dir) if rank == 0 else None
+        if moved:
+            echo(f"note: {run_dir} holds a run that stopped before its first checkpoint; "
+                 f"moved its {', '.join(moved[0])} to {moved[1]} and starting a new run")
     barrier(world)
 
     # Data: a deterministic plan over complete parts; this rank reads only its share. On CUDA
@@ -185,24 +200,28 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         total_steps = min(total_steps, cfg.optim.max_steps)
     if total_steps == 0:
         raise TrainError(f"{option_name('loader.store_weights')} "
-                         f"{cfg.loader.store_weights} draws no sample in epoch 0: nothing to "
-                         "train on; raise the weights")
+                         f"{weights_text(cfg.loader.store_weights or [])} draws no sample in "
+                         "epoch 0: nothing to train on; raise the weights")
     if point is not None:
         done = TrainState(**point.trainer["state"])
         if done.step >= total_steps or done.epoch >= cfg.optim.epochs:
             return TrainResult(done.step, float("nan"), point.path, run_dir,
                                already_complete=True)
 
-    # Drafter: built for the store's target, borrowing its frozen embed_tokens / lm_head.
+    # Drafter: built for the store's target, borrowing its frozen embed_tokens / lm_head. A
+    # resume trains the checkpoint's own drafter, as its config.json describes it: defaults
+    # that resolve differently today (rundir.config_changes) must not build another one.
     rows = store.target_rows()
-    dcfg = drafter_config(cfg, store)
-    if cfg.model.init_from:
+    if point is not None:
+        check_provenance(point.provenance, store.meta, store.url, str(point.path))
+        model = point.drafter
+    elif cfg.model.init_from:
         model = load_drafter(cfg.model.init_from)
         init_meta = read_provenance(cfg.model.init_from)
         if init_meta is not None:
             check_provenance(init_meta, store.meta, store.url, cfg.model.init_from)
     else:
-        model = DFlashDrafter(dcfg)
+        model = DFlashDrafter(drafter_config(cfg, store))
     dcfg = model.config
     if rank == 0:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -227,15 +246,6 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
             raise StoreError(f"{e}; pass {SKIP_HINT} to skip the damaged samples") from e
         layer_rms = torch.tensor(stats.rms, device=device)
 
-    if point is not None:
-        found = point.path
-        check_provenance(read_provenance(found), store.meta, store.url, str(found))
-        try:
-            model.load_state_dict(point.drafter_state)
-        except RuntimeError as e:
-            raise TrainError(f"{found}: its drafter weights do not fit the drafter this config "
-                             f"builds ({_first_line(e)})") from e
-
     # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
     mode = parallel_mode(world, cfg.run.fsdp)
     forward_model = wrap(model, mode, device)
@@ -246,13 +256,18 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         optimizer, _lr_lambda(total_steps, warmup, cfg.optim.min_lr_ratio))
     state = TrainState()
     if point is not None:
+        resumed_from = point.path
         state, optimizer_state = restore_trainer(point.trainer, scheduler)
         try:
             load_optimizer_state(model, optimizer, optimizer_state)
         except (RuntimeError, ValueError, KeyError) as e:
-            raise TrainError(f"{point.path}: its optimizer state does not fit this drafter "
+            raise TrainError(f"{resumed_from}: its optimizer state does not fit this drafter "
                              f"({_first_line(e)})") from e
-        echo(f"resumed from {point.path} (step {state.step}, epoch {state.epoch})")
+        # The optimizer holds its state now: the checkpoint as read (trainer.pt with a second
+        # copy of the Adam moments) must not stay alive for the whole run.
+        point = optimizer_state = None
+        if rank == 0:
+            echo(f"resumed from {resumed_from} (step {state.step}, epoch {state.epoch})")
 
     config_toml = to_toml(cfg)
     if rank == 0:
@@ -368,10 +383,18 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
 
 def _resume_point(run_dir: Path, cfg: TrainConfig, rank: int, world: int,
                   echo) -> ResumePoint:
-    """The checkpoint a resume continues from, its config checked against cfg; damaged newer
-    ones are named and (rank 0, once every rank has chosen) renamed out of rotation."""
-    point = find_resume_point(run_dir)
-    check_resume_config(point.path, cfg)
+    """The checkpoint a resume continues from, the same on every rank, its config checked
+    against cfg; damaged newer ones are named and (rank 0, once every rank has chosen)
+    renamed out of rotation."""
+    try:
+        point, failure = find_resume_point(run_dir), None
+    except Exception as e:  # told to the other ranks first, so that none waits forever
+        point, failure = None, e
+    choice = point.path.name if point is not None else f"none ({type(failure).__name__})"
+    check_same_choice(gather_objects(choice, world), run_dir)
+    if failure is not None:
+        raise failure
+    check_resume_config(point, cfg)
     barrier(world)
     for path, reason in point.damaged:
         aside = set_aside(path) if rank == 0 else path
@@ -379,6 +402,16 @@ def _resume_point(run_dir: Path, cfg: TrainConfig, rank: int, world: int,
             echo(f"note: {reason}; resuming from the previous complete checkpoint "
                  f"{point.path.name} instead (the damaged one is kept as {aside})")
     return point
+
+
+def check_same_choice(choices: list[str], run_dir: Path) -> None:
+    """Refuse a resume whose ranks chose different checkpoints (one rank read a file as
+    damaged that another read whole): they would continue from different steps."""
+    if len(set(choices)) > 1:
+        named = ", ".join(f"rank {r}: {c}" for r, c in enumerate(choices))
+        raise TrainError(f"--resume: the ranks chose different checkpoints under "
+                         f"{run_dir / CHECKPOINTS} ({named}); check that every rank sees the "
+                         "same files, then resume again")
 
 
 def _announce_unfinished(loader: StoreLoader, echo) -> None:

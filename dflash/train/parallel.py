@@ -64,3 +64,12 @@ def global_norm(grad_norm: torch.Tensor) -> float:
 def barrier(world: int) -> None:
     if world > 1:
         dist.barrier()
+
+
+def gather_objects(obj, world: int) -> list:
+    """`obj` of every rank, in rank order (a collective); [obj] in a single process."""
+    if world <= 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out

@@ -3,15 +3,18 @@
 Owns three refusals: a new run in a directory that already holds one (the two would share
 checkpoint rotation by step number, one log and one config.toml), a resume whose settings
 differ from the run's in anything that shapes the trained weights, and a checkpoint that
-cannot be read. Never deletes anything: the one write is moving a damaged checkpoint out of
-rotation (renamed, kept for inspection) when a resume falls back to the one before it.
+cannot be read. Never deletes anything: the writes are moving a damaged checkpoint out of
+rotation (renamed, kept for inspection) when a resume falls back to the one before it, and
+moving the leftovers of a run that stopped before its first checkpoint into `aborted-N/`.
 """
 
-import tomllib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.store_schema import StoreMeta
 from dflash.train.checkpoint import CHECKPOINTS, CONFIG, complete_checkpoints, read_checkpoint
 from dflash.train.config import TrainConfig, config_from_dict
 from dflash.train.errors import TrainError
@@ -27,6 +30,7 @@ it for the latest."""
 
 RUN_MANAGEMENT_FIELDS = frozenset({
     "run.out_dir",  # the directory may have been moved; it is the one being resumed
+    "run.device",  # where the run executes (auto vs cpu); precision stays compared
     "run.progress",
     "run.log_every",
     "run.checkpoint_every",
@@ -41,7 +45,12 @@ RUN_MANAGEMENT_FIELDS = frozenset({
     "loss.chunk_rows",  # lm_head chunking of the same loss
 })
 """The fields a `--resume` may change: how a run is watched, kept, read or memory-budgeted,
-never which weights it computes. Every other field must equal the checkpoint's config.toml."""
+never which weights it computes. Every other field must equal the checkpoint's config.toml,
+except a `model.*` field left at None (its default), which takes whatever the checkpoint has."""
+
+ABORTED_PREFIX = "aborted-"
+"""A run that stopped before its first checkpoint leaves files a new run moves to
+`aborted-N/` (never deleted) before it starts in the same directory."""
 
 
 @dataclass
@@ -49,9 +58,14 @@ class ResumePoint:
     """The newest checkpoint that reads whole, and what was read from it."""
 
     path: Path
-    drafter_state: dict
+    drafter: DFlashDrafter
+    """The checkpoint's drafter, built from its own config.json: the one the run trains."""
     trainer: dict
     """trainer.pt: optimizer, scheduler, state, torch_rng."""
+    provenance: StoreMeta
+    """The store provenance the run was trained on."""
+    config: TrainConfig
+    """The run's settings (the checkpoint's config.toml)."""
     damaged: list[tuple[Path, str]]
     """Newer complete checkpoints that could not be read, newest first, with the reason."""
 
@@ -62,33 +76,52 @@ def refuse_file(run_dir: Path) -> None:
 
 
 def check_new_run_dir(run_dir: Path) -> None:
-    """Refuse to start a new run where one already lives (nothing is touched)."""
+    """Refuse to start a new run where one with a complete checkpoint lives (nothing is
+    touched); leftovers of a run without one are moved aside by set_aside_leftovers."""
     refuse_file(run_dir)
     found = complete_checkpoints(run_dir)
     if found:
         raise TrainError(f"{run_dir} already holds a run ({found[-1].relative_to(run_dir)}); "
                          "pass --resume to continue it or choose another --out")
+
+
+def set_aside_leftovers(run_dir: Path) -> tuple[list[str], Path] | None:
+    """Move what a run that stopped before its first complete checkpoint left (log, config,
+    skipped list, tb/, torn saves) into a fresh `aborted-N/`; returns (moved, where), or None
+    when there is nothing. Call only after check_new_run_dir, on one rank."""
     leftovers = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if leftovers:
-        raise TrainError(f"{run_dir} already holds a run ({', '.join(leftovers)}) with no "
-                         "complete checkpoint to resume; choose another --out, or remove "
-                         "those to start over there")
+    if not leftovers:
+        return None
+    n = 1
+    while (aside := run_dir / f"{ABORTED_PREFIX}{n}").exists():
+        n += 1
+    aside.mkdir()
+    for name in leftovers:
+        (run_dir / name).rename(aside / name)
+    return leftovers, aside
 
 
 def find_resume_point(run_dir: Path) -> ResumePoint:
-    """The newest complete checkpoint whose weights and trainer state read back whole."""
+    """The newest complete checkpoint whose files all read back whole (checksums, weights,
+    trainer state, provenance, config)."""
     refuse_file(run_dir)
     found = complete_checkpoints(run_dir)
     if not found:
-        raise TrainError(f"--resume: no complete checkpoint under {run_dir / CHECKPOINTS}")
+        raise TrainError(f"--resume: no complete checkpoint under {run_dir / CHECKPOINTS}; "
+                         "run without --resume to start a new run there (what an earlier "
+                         f"attempt left is moved to {ABORTED_PREFIX}N/)")
     damaged = []
     for path in reversed(found):
         try:
-            drafter_state, trainer = read_checkpoint(path)
+            read = read_checkpoint(path)
         except TrainError as e:
             damaged.append((path, str(e)))
             continue
-        return ResumePoint(path, drafter_state, trainer, damaged)
+        try:
+            config = config_from_dict(read.config)
+        except TrainError as e:
+            raise TrainError(f"{path / CONFIG}: cannot read the run's saved config: {e}") from e
+        return ResumePoint(path, read.drafter, read.trainer, read.provenance, config, damaged)
     raise TrainError(f"--resume: no checkpoint under {run_dir / CHECKPOINTS} reads whole; "
                      f"the newest: {damaged[0][1]}")
 
@@ -103,29 +136,52 @@ def set_aside(path: Path) -> Path:
     return aside
 
 
-def saved_config(checkpoint: Path) -> TrainConfig:
-    """The config a checkpoint was trained with (its config.toml)."""
-    file = checkpoint / CONFIG
-    try:
-        return config_from_dict(tomllib.loads(file.read_text()))
-    except (OSError, tomllib.TOMLDecodeError, TrainError) as e:
-        raise TrainError(f"{file}: cannot read the run's saved config: {e}") from e
+def local_paths_absolute(stores: list[str]) -> list[str]:
+    """Store locations as a run records and compares them: a local path made absolute (the
+    same store whatever the cwd), a URL (`s3://...`) unchanged."""
+    return [s if "://" in s else os.path.abspath(s) for s in stores]
 
 
-def config_changes(saved: TrainConfig, new: TrainConfig) -> list[str]:
-    """'field: old -> new' for every field outside RUN_MANAGEMENT_FIELDS that differs."""
+def drafter_settings(drafter: DrafterConfig) -> dict[str, Any]:
+    """The `model.*` values a checkpoint's drafter actually has (None where it has none)."""
+    sliding = drafter.layer_types.count("sliding_attention")
+    return {
+        "model.num_hidden_layers": drafter.num_hidden_layers,
+        "model.num_attention_heads": drafter.num_attention_heads,
+        "model.num_key_value_heads": drafter.num_key_value_heads,
+        "model.head_dim": drafter.head_dim,
+        "model.intermediate_size": drafter.intermediate_size,
+        "model.sliding_layers": sliding,
+        "model.sliding_window": drafter.sliding_window if sliding else None,
+        "model.mask_token_id": drafter.mask_token_id,
+    }
+
+
+def config_changes(saved: TrainConfig, new: TrainConfig,
+                   drafter: DrafterConfig | None = None) -> list[str]:
+    """'field: old -> new' for every field outside RUN_MANAGEMENT_FIELDS that differs.
+
+    A `model.*` field that `new` leaves at None means "whatever the run has" and is not
+    compared; one it sets is compared with the checkpoint's `drafter` where given (the
+    shape it really has, whatever defaults resolved it at the time), else with `saved`."""
     a, b = _flat(saved.to_dict()), _flat(new.to_dict())
+    if drafter is not None:
+        a |= {k: v for k, v in drafter_settings(drafter).items() if v is not None}
+    for side in (a, b):
+        side["stores"] = local_paths_absolute(side.get("stores") or [])
     return [f"{option_name(k)}: {_show(a.get(k))} -> {_show(b.get(k))}"
             for k in sorted(a.keys() | b.keys())
-            if k not in RUN_MANAGEMENT_FIELDS and _norm(a.get(k)) != _norm(b.get(k))]
+            if k not in RUN_MANAGEMENT_FIELDS
+            and not (k.startswith("model.") and b.get(k) is None)
+            and _norm(a.get(k)) != _norm(b.get(k))]
 
 
-def check_resume_config(checkpoint: Path, new: TrainConfig) -> None:
+def check_resume_config(point: ResumePoint, new: TrainConfig) -> None:
     """Refuse a resume whose settings would train other weights than the run's."""
-    changes = config_changes(saved_config(checkpoint), new)
+    changes = config_changes(point.config, new, point.drafter.config)
     if changes:
         raise TrainError(
-            f"--resume: these settings differ from the run's ({checkpoint / CONFIG}), which a "
+            f"--resume: these settings differ from the run's ({point.path / CONFIG}), which a "
             "resume cannot change (old -> new):\n  " + "\n  ".join(changes)
             + "\nrepeat the run's settings, or start a new run with another --out")
 

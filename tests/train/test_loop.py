@@ -247,9 +247,30 @@ def test_another_target_lends_its_own_heads_and_all_layers_are_full():
     assert shape_drafter(target, 5, [0, 1], ModelConfig()).layer_types == ["full_attention"] * 5
 
 
-def test_more_sliding_layers_than_layers_is_refused():
-    with pytest.raises(TrainError, match="sliding_layers 6 is not within the drafter's 5 layers"):
+def test_more_sliding_layers_than_layers_is_refused_naming_the_fix():
+    with pytest.raises(TrainError) as e:
         shape_drafter(QWEN3_6_27B_TARGET, 248070, [1], ModelConfig(sliding_layers=6))
+    message = str(e.value)
+    assert "model.sliding_layers 6 is more than the drafter's 5 layers (--layers 5)" in message
+    assert "--set model.sliding_layers=N with N <= 5" in message
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize(("layers", "expected"), [
+    (1, [F]), (2, [S, F]), (3, [S, S, F]), (4, [S, S, S, F]), (5, [S, S, S, S, F]),
+    (7, [S, S, S, S, F, F, F]),
+])
+def test_a_27b_drafter_of_any_depth_keeps_its_last_layer_full(layers, expected):
+    cfg = shape_drafter(QWEN3_6_27B_TARGET, 248070, [1, 16, 31, 46, 61],
+                        ModelConfig(num_hidden_layers=layers))
+    assert cfg.layer_types == expected
+    assert cfg.sliding_window == (2048 if S in expected else None)
+    # an explicit count is taken as given, all sliding included
+    explicit = shape_drafter(QWEN3_6_27B_TARGET, 248070, [1, 16, 31, 46, 61],
+                             ModelConfig(num_hidden_layers=layers, sliding_layers=layers))
+    assert explicit.layer_types == [S] * layers
 
 
 def test_nothing_to_train_on_is_refused_up_front_naming_the_option(synthetic_store, tmp_path):
@@ -359,3 +380,36 @@ def test_the_structural_check_runs_once_per_start(synthetic_store, tmp_path, mon
     assert cfg.noise.kind != "none" and not cfg.noise.absolute  # the statistics are needed
     train(cfg)
     assert calls == [synthetic_store]
+
+
+def test_a_store_whose_loss_masks_are_all_damaged_is_refused_as_damaged(synthetic_store,
+                                                                        tmp_path):
+    import shutil
+
+    store = Path(shutil.copytree(synthetic_store, tmp_path / "hs.zarr"))
+    chunks = [p for p in (store / "parts").glob("*/loss_mask/c/**/*") if p.is_file()]
+    assert chunks
+    for chunk in chunks:
+        _flip_middle(chunk)
+    with pytest.raises(StoreError) as e:
+        StoreLoader([str(store)], LoaderConfig(prefetch_batches=0)).has_trainable_block()
+    assert "checksum" in str(e.value) and "pass --skip-corrupt" in str(e.value)
+    assert "sample" in str(e.value)  # named down to the sample
+    # skipping it leaves nothing to train on, which is then the truth
+    skipping = StoreLoader([str(store)], LoaderConfig(prefetch_batches=0, skip_corrupt=True))
+    assert skipping.has_trainable_block() is False
+
+
+def test_weights_drawing_no_sample_are_named_as_typed(synthetic_store, tmp_path):
+    with pytest.raises(TrainError) as e:
+        train(_cfg(synthetic_store, tmp_path / "r", **{"loader.store_weights": "0.001"}))
+    assert "--weights (loader.store_weights) 0.001 draws no sample" in str(e.value)
+
+
+def test_max_steps_ends_the_learning_rate_schedule_at_its_last_step(synthetic_store, tmp_path):
+    ratio = 0.25
+    train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 4, "optim.epochs": 50,
+                                                    "optim.min_lr_ratio": ratio}))
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "r" / "log.jsonl").open()]
+    assert len(lrs) == 4
+    assert lrs[-1] == pytest.approx(3e-3 * ratio)  # decayed fully within max_steps

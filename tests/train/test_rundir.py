@@ -1,7 +1,11 @@
 """A run directory holds one run: a new run refuses it, a resume continues exactly that run."""
 
 import dataclasses
+import errno
+import gc
+import json
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -10,11 +14,20 @@ from click.testing import CliRunner
 
 from dflash.cli import main
 from dflash.drafter import load_drafter
-from dflash.train.checkpoint import TRAINER_STATE, checkpoint_dir, complete_checkpoints
+from dflash.drafter.checkpoint import CHECKSUMS_NAME
+from dflash.train.checkpoint import (
+    PROVENANCE,
+    TRAINER_STATE,
+    checkpoint_dir,
+    complete_checkpoints,
+    read_checkpoint,
+)
 from dflash.train.config import TrainConfig, load_config
 from dflash.train.errors import TrainError
-from dflash.train.loop import train
-from dflash.train.rundir import RUN_MANAGEMENT_FIELDS, config_changes
+from dflash.train.loop import check_same_choice, train
+from dflash.train.parallel import gather_objects
+from dflash.train.rundir import RUN_MANAGEMENT_FIELDS, config_changes, find_resume_point
+from dflash.train.step import make_blocks
 
 STEPS = 4
 
@@ -55,13 +68,24 @@ def test_a_new_run_refuses_a_directory_holding_a_run_and_touches_nothing(synthet
     assert _snapshot(run_copy) == before
 
 
-def test_a_run_killed_before_its_first_checkpoint_is_not_mixed_into(synthetic_store, tmp_path):
+def test_a_run_killed_before_its_first_checkpoint_is_moved_aside_and_a_new_one_starts(
+        synthetic_store, tmp_path):
     out = tmp_path / "run"
-    out.mkdir()
+    (out / "checkpoints" / ".tmp-step_00000002-99").mkdir(parents=True)  # a torn save
     (out / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (out / "config.toml").write_text("# the killed run's\n")
+    resumed = CliRunner().invoke(main, _args(synthetic_store, out, "--resume"))
+    assert resumed.exit_code == 1 and "run without --resume to start a new run" in resumed.output
     result = CliRunner().invoke(main, _args(synthetic_store, out))
-    assert result.exit_code == 1 and "log.jsonl" in result.output
-    assert sorted(p.name for p in out.iterdir()) == ["log.jsonl"]
+    assert result.exit_code == 0, result.output
+    aside = out / "aborted-1"
+    assert f"moved its checkpoints, log.jsonl, config.toml to {aside}" in result.output
+    assert (aside / "log.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+    assert (aside / "config.toml").read_text() == "# the killed run's\n"
+    assert (aside / "checkpoints" / ".tmp-step_00000002-99").is_dir()
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").open()]
+    assert steps == list(range(1, STEPS + 1))  # the new run's log alone
+    assert len(complete_checkpoints(out)) == STEPS // 2
 
 
 def test_out_that_is_a_file_is_refused_cleanly(synthetic_store, tmp_path):
@@ -129,16 +153,19 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(synthetic_store, run
     assert _snapshot(run_copy) == before
 
 
-def test_a_checkpoint_that_does_not_fit_the_drafter_is_a_train_error(synthetic_store, run_copy):
-    # an unfinished run whose config.toml was edited to a shape its weights do not have
+def test_an_explicit_model_setting_is_checked_against_the_checkpoints_own_drafter(
+        synthetic_store, run_copy):
+    # a checkpoint from before checksums whose config.toml was edited to a shape its drafter
+    # does not have: the drafter's own config.json is what a resume would train
     shutil.rmtree(checkpoint_dir(run_copy, STEPS))
     (middle,) = complete_checkpoints(run_copy)
+    (middle / CHECKSUMS_NAME).unlink()
     toml = middle / "config.toml"
     toml.write_text(toml.read_text().replace("num_hidden_layers = 1", "num_hidden_layers = 2"))
     result = CliRunner().invoke(main, _args(synthetic_store, run_copy, "--resume", "--layers",
                                             "2"))
     assert result.exit_code == 1
-    assert f"{middle}: its drafter weights do not fit" in result.output
+    assert "--layers (model.num_hidden_layers): 1 -> 2" in result.output
     assert "Traceback" not in result.output
 
 
@@ -170,3 +197,136 @@ def test_resume_with_every_checkpoint_damaged_names_the_newest(synthetic_store, 
                                  "run.checkpoint_every": 2, "run.keep_checkpoints": 10,
                                  "loader.prefetch_batches": 0, "run.progress": False}),
               resume=True)
+
+
+OLD_MODEL_SECTION = "[model]\nnum_hidden_layers = 1\nsliding_layers = 0\nsliding_window = 2048\n"
+"""[model] as the version before `None: the released drafter's` defaults wrote it: explicit
+sliding fields, heads left to the target (today's defaults could resolve them otherwise)."""
+
+
+def _as_previous_version(checkpoint: Path) -> None:
+    """Rewrite a checkpoint as the previous version left it: no checksum records, and a
+    config.toml whose [model] section has the old form."""
+    (checkpoint / CHECKSUMS_NAME).unlink(missing_ok=True)
+    (checkpoint / "drafter" / CHECKSUMS_NAME).unlink(missing_ok=True)
+    toml = checkpoint / "config.toml"
+    text = toml.read_text()
+    start = text.index("[model]")
+    end = text.index("\n[", start + 1) + 1
+    toml.write_text(text[:start] + OLD_MODEL_SECTION + text[end:])
+
+
+def test_a_run_saved_by_the_previous_version_resumes_its_own_drafter(synthetic_store, tmp_path):
+    # The run's drafter has heads today's defaults would not build (2 of 16, not the
+    # target's 4 of 8), and its saved config records only the old [model] fields.
+    shape = ["--set", "model.num_attention_heads=2", "--set", "model.head_dim=16"]
+    whole = tmp_path / "whole"
+    assert CliRunner().invoke(main, _args(synthetic_store, whole, *shape)).exit_code == 0
+    expected = load_drafter(checkpoint_dir(whole, STEPS)).state_dict()
+    run = Path(shutil.copytree(whole, tmp_path / "run"))
+    shutil.rmtree(checkpoint_dir(run, STEPS))
+    _as_previous_version(checkpoint_dir(run, STEPS - 2))
+    result = CliRunner().invoke(main, _args(synthetic_store, run, "--resume"))
+    assert result.exit_code == 0, result.output
+    resumed = load_drafter(checkpoint_dir(run, STEPS))
+    assert (resumed.config.num_attention_heads, resumed.config.head_dim) == (2, 16)
+    for k in expected:
+        assert torch.equal(resumed.state_dict()[k], expected[k]), k
+
+
+def test_the_same_store_by_another_path_or_cwd_and_another_device_resume(synthetic_store,
+                                                                        tmp_path, monkeypatch):
+    store = Path(synthetic_store)
+    monkeypatch.chdir(store.parent)
+    run = tmp_path / "run"
+    assert CliRunner().invoke(main, _args("./" + store.name, run)).exit_code == 0
+    saved = load_config(str(run / "config.toml"), {})
+    assert saved.stores == [str(store)]  # recorded absolute
+    shutil.rmtree(checkpoint_dir(run, STEPS))  # as if stopped after step 2
+    monkeypatch.chdir(tmp_path)  # where ./hs.zarr is another (missing) store
+    result = CliRunner().invoke(main, _args(str(store), run, "--resume", "--device", "cpu"))
+    assert result.exit_code == 0, result.output
+    assert f"trained {STEPS} steps" in result.output
+    # an old run's relative path is read from the cwd of the resume, like its --store
+    old = dataclasses.replace(saved, stores=[store.name])
+    monkeypatch.chdir(store.parent)
+    assert config_changes(old, saved) == []
+    other = dataclasses.replace(saved, stores=[str(tmp_path / "other.zarr")])
+    assert config_changes(old, other) == [f"stores: {store} -> {tmp_path / 'other.zarr'}"]
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2
+    data[i:i + 8] = bytes(b ^ 0x5A for b in data[i:i + 8])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("name", "damage"), [
+    (TRAINER_STATE, _flip), (PROVENANCE, _cut), ("config.toml", _cut)])
+def test_resume_steps_back_over_any_damaged_checkpoint_file(synthetic_store, finished_run,
+                                                           tmp_path, name, damage):
+    expected = load_drafter(checkpoint_dir(finished_run, STEPS)).state_dict()
+    run = Path(shutil.copytree(finished_run, tmp_path / "run"))
+    damaged = checkpoint_dir(run, STEPS) / name
+    damage(damaged)
+    result = CliRunner().invoke(main, _args(synthetic_store, run, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert f"{damaged} is damaged" in result.output
+    assert f"previous complete checkpoint step_{STEPS - 2:08d}" in result.output
+    got = load_drafter(checkpoint_dir(run, STEPS)).state_dict()
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
+@pytest.mark.parametrize("error", [MemoryError(), OSError(errno.EIO, "Input/output error"),
+                                   RuntimeError("DefaultCPUAllocator: can't allocate memory")])
+def test_trouble_of_this_process_is_not_taken_for_a_damaged_checkpoint(run_copy, monkeypatch,
+                                                                       error):
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(torch, "load", fail)
+    with pytest.raises(type(error)):
+        find_resume_point(run_copy)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(EOFError()))
+    with pytest.raises(TrainError, match="trainer.pt is damaged"):
+        read_checkpoint(checkpoint_dir(run_copy, STEPS))
+
+
+def test_ranks_that_chose_different_checkpoints_are_refused(tmp_path):
+    assert gather_objects("step_00000004", 1) == ["step_00000004"]  # one process: no collective
+    check_same_choice(["step_00000004"] * 3, tmp_path)
+    with pytest.raises(TrainError, match="rank 0: step_00000004, rank 1: step_00000002"):
+        check_same_choice(["step_00000004", "step_00000002"], tmp_path)
+
+
+def test_a_resumed_run_lets_go_of_the_checkpoint_it_read(synthetic_store, run_copy,
+                                                         monkeypatch):
+    import dflash.train.loop as loop
+
+    shutil.rmtree(checkpoint_dir(run_copy, STEPS))  # two steps left to train
+    refs = []
+
+    def find(run_dir):
+        point = find_resume_point(run_dir)
+        refs.extend([weakref.ref(point), weakref.ref(point.trainer["torch_rng"])])
+        return point
+
+    alive_while_training = []
+
+    def blocks(*args, **kwargs):
+        gc.collect()
+        alive_while_training.append([r() is not None for r in refs])
+        return make_blocks(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "find_resume_point", find)
+    monkeypatch.setattr(loop, "make_blocks", blocks)
+    result = CliRunner().invoke(main, _args(synthetic_store, run_copy, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert len(refs) == 2 and len(alive_while_training) == 2
+    assert alive_while_training == [[False, False]] * 2
