@@ -19,7 +19,7 @@ import pickle
 import shutil
 import signal
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,10 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0
     tokens_seen: int = 0
+    plan: list = field(default_factory=list)
+    """[store, part, samples] of every part the batches are planned over (StoreLoader
+    .plan_inputs): a resume over other parts would replay another plan. Empty in
+    checkpoints written before it was recorded."""
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:

@@ -26,8 +26,9 @@ from dflash.train.options import option_name, require
 class ModelConfig:
     """Shape of the drafter; width, vocabulary and layer ids always come from the store."""
 
-    num_hidden_layers: int = 5
-    """Drafter decoder layers."""
+    num_hidden_layers: int | None = None
+    """Drafter decoder layers; None: 5 as the released drafters (a resumed or init_from
+    drafter: its own)."""
     num_attention_heads: int | None = None
     """Query heads; None: the released drafter's for a published target (Qwen3.5/3.6-27B:
     32), else the target's."""
@@ -48,8 +49,8 @@ class ModelConfig:
     """Start from this drafter directory or checkpoint instead of random weights."""
 
     def __post_init__(self) -> None:
-        require(self.num_hidden_layers >= 1, "model.num_hidden_layers", ">= 1",
-                self.num_hidden_layers)
+        require(self.num_hidden_layers is None or self.num_hidden_layers >= 1,
+                "model.num_hidden_layers", ">= 1", self.num_hidden_layers)
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim",
                      "intermediate_size", "sliding_window"):
             value = getattr(self, name)

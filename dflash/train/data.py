@@ -324,6 +324,10 @@ class StoreLoader:
         for batch in plan_epoch(self.parts, self.cfg, epoch):
             yield batch[self.rank :: self.world]
 
+    def plan_inputs(self) -> list[list[int]]:
+        """[store, part, samples] of every part planned over: what fixes the batches."""
+        return [[i, p.index, p.num_samples] for i, p in self.parts]
+
     def batches_per_epoch(self, epoch: int = 0) -> int:
         return sum(1 for _ in plan_epoch(self.parts, self.cfg, epoch))
 

@@ -58,13 +58,17 @@ from dflash.train.rundir import (
     ResumePoint,
     check_new_run_dir,
     check_resume_config,
+    check_same_plan,
     find_resume_point,
     local_paths_absolute,
     set_aside,
     set_aside_leftovers,
+    shape_conflicts,
 )
 from dflash.train.step import block_loss, make_blocks, noised_context, weight_sum
 
+DRAFTER_LAYERS = 5
+"""Decoder layers of a drafter when the config leaves them unset (the released drafters')."""
 TARGET_CONFIG_FILES = "target"  # store files group holding the target's config.json
 
 
@@ -122,23 +126,23 @@ def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
     Left unset, the released sliding layers stop one short of the drafter's layer count, so
     its last layer stays full (the released 5-layer drafter: 4 sliding + 1 full)."""
     text = target.get("text_config") or target
+    layers = m.num_hidden_layers or DRAFTER_LAYERS
     base = published_attention(target) or AttentionShape(
         text["num_attention_heads"], text["num_key_value_heads"],
         text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
         sliding_layers=0, sliding_window=2048)
-    base = replace(base, sliding_layers=min(base.sliding_layers, m.num_hidden_layers - 1))
+    base = replace(base, sliding_layers=min(base.sliding_layers, layers - 1))
     shape = replace(base, **{f.name: getattr(m, f.name) for f in fields(AttentionShape)
                              if getattr(m, f.name) is not None})
-    if shape.sliding_layers > m.num_hidden_layers:
-        layers = m.num_hidden_layers
+    if shape.sliding_layers > layers:
         raise TrainError(f"model.sliding_layers {shape.sliding_layers} is more than the "
                          f"drafter's {layers} layers (--layers {layers}); pass --set "
                          f"model.sliding_layers=N with N <= {layers}, or raise --layers")
     overrides = dict(
-        num_hidden_layers=m.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+        num_hidden_layers=layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
         layer_types=(["sliding_attention"] * shape.sliding_layers
-                     + ["full_attention"] * (m.num_hidden_layers - shape.sliding_layers)),
+                     + ["full_attention"] * (layers - shape.sliding_layers)),
         sliding_window=shape.sliding_window if shape.sliding_layers else None,
     )
     if m.intermediate_size is not None:
@@ -165,6 +169,9 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     cfg = replace(cfg, stores=local_paths_absolute(cfg.stores))
     rank, world = _distributed()
     device = resolve_device(cfg.run.device, TrainError, rank)
+    if device.type == "cuda":
+        # NCCL object collectives (the resume agreement) place buffers on the current device
+        torch.cuda.set_device(device)
     precision = cfg.run.precision
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     run_dir = Path(cfg.run.out_dir)
@@ -202,9 +209,11 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         raise TrainError(f"{option_name('loader.store_weights')} "
                          f"{weights_text(cfg.loader.store_weights or [])} draws no sample in "
                          "epoch 0: nothing to train on; raise the weights")
+    plan = loader.plan_inputs()
     if point is not None:
         done = TrainState(**point.trainer["state"])
-        if done.step >= total_steps or done.epoch >= cfg.optim.epochs:
+        check_same_plan(done.plan, plan, point.path)
+        if _finished(done, loader, cfg, total_steps):
             return TrainResult(done.step, float("nan"), point.path, run_dir,
                                already_complete=True)
 
@@ -217,6 +226,10 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
         model = point.drafter
     elif cfg.model.init_from:
         model = load_drafter(cfg.model.init_from)
+        conflicts = shape_conflicts(cfg.model, model.config)
+        if conflicts:
+            raise TrainError(f"model.init_from {cfg.model.init_from} fixes the drafter's shape; "
+                             f"these settings differ from it: {'; '.join(conflicts)}")
         init_meta = read_provenance(cfg.model.init_from)
         if init_meta is not None:
             check_provenance(init_meta, store.meta, store.url, cfg.model.init_from)
@@ -254,10 +267,11 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     warmup = max(1, round(cfg.optim.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(total_steps, warmup, cfg.optim.min_lr_ratio))
-    state = TrainState()
+    state = TrainState(plan=plan)
     if point is not None:
         resumed_from = point.path
         state, optimizer_state = restore_trainer(point.trainer, scheduler)
+        state.plan = plan  # checked equal above; recorded again by checkpoints before it was
         try:
             load_optimizer_state(model, optimizer, optimizer_state)
         except (RuntimeError, ValueError, KeyError) as e:
@@ -379,6 +393,14 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
              f"listed in {run_dir / SKIPPED_FILE}")
     return TrainResult(state.step, last_loss, checkpoint or latest_checkpoint(run_dir), run_dir,
                        skipped.count)
+
+
+def _finished(done: TrainState, loader: StoreLoader, cfg: TrainConfig, total_steps: int) -> bool:
+    """Whether a checkpoint's position is the end of the run (its last epoch's last batch
+    may have been saved before the epoch counter moved on)."""
+    last = cfg.optim.epochs - 1
+    return (done.step >= total_steps or done.epoch > last
+            or (done.epoch == last and done.batch_in_epoch >= loader.batches_per_epoch(last)))
 
 
 def _resume_point(run_dir: Path, cfg: TrainConfig, rank: int, world: int,

@@ -16,7 +16,7 @@ from typing import Any
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.store_schema import StoreMeta
 from dflash.train.checkpoint import CHECKPOINTS, CONFIG, complete_checkpoints, read_checkpoint
-from dflash.train.config import TrainConfig, config_from_dict
+from dflash.train.config import ModelConfig, TrainConfig, config_from_dict
 from dflash.train.errors import TrainError
 from dflash.train.options import option_name
 
@@ -155,6 +155,36 @@ def drafter_settings(drafter: DrafterConfig) -> dict[str, Any]:
         "model.sliding_window": drafter.sliding_window if sliding else None,
         "model.mask_token_id": drafter.mask_token_id,
     }
+
+
+def check_same_plan(saved: list, now: list, checkpoint: Path) -> None:
+    """Refuse a resume whose stores now offer other parts (or other sample counts) than the
+    run planned over: its batches and schedule would silently be another run's."""
+    if not saved or [list(x) for x in saved] == [list(x) for x in now]:
+        return
+    before, after = {tuple(x) for x in saved}, {tuple(x) for x in now}
+    gone = sorted(before - after)
+    new = sorted(after - before)
+
+    def show(items):
+        return ", ".join(f"store {s} part {p} ({n} samples)" for s, p, n in items) or "none"
+
+    raise TrainError(f"--resume: the stores' usable parts changed since {checkpoint} (an "
+                     f"unfinished part completed, or a part became damaged); no longer "
+                     f"there: {show(gone)}; new: {show(new)}. Resume with the stores as they "
+                     "were, or start a new run with another --out")
+
+
+def shape_conflicts(model: ModelConfig, drafter: DrafterConfig) -> list[str]:
+    """'option: set value (the drafter has its value)' for every `model.*` field a config
+    sets that a given drafter (init_from) does not have: the drafter's shape wins, and the
+    run must not record another."""
+    conflicts = []
+    for key, has in drafter_settings(drafter).items():
+        wanted = getattr(model, key.removeprefix("model."))
+        if wanted is not None and has is not None and wanted != has:
+            conflicts.append(f"{option_name(key)} {wanted} (the drafter has {has})")
+    return conflicts
 
 
 def config_changes(saved: TrainConfig, new: TrainConfig,

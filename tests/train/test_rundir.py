@@ -330,3 +330,69 @@ def test_a_resumed_run_lets_go_of_the_checkpoint_it_read(synthetic_store, run_co
     assert result.exit_code == 0, result.output
     assert len(refs) == 2 and len(alive_while_training) == 2
     assert alive_while_training == [[False, False]] * 2
+
+
+def test_a_run_from_an_init_drafter_resumes_with_its_own_command_line(synthetic_store,
+                                                                      finished_run, tmp_path):
+    init = str(checkpoint_dir(finished_run, STEPS))  # a 1-layer drafter
+    out = tmp_path / "from_init"
+    args = ["train", "--store", synthetic_store, "--out", str(out), "--batch-tokens", "256",
+            "--anchors-per-seq", "8", "--max-steps", str(STEPS), "--no-progress",
+            "--set", "run.checkpoint_every=2", "--set", "loader.prefetch_batches=0",
+            "--set", f"model.init_from={init}"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    shutil.rmtree(checkpoint_dir(out, STEPS))
+    result = CliRunner().invoke(main, [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert load_drafter(checkpoint_dir(out, STEPS)).config.num_hidden_layers == 1
+
+
+def test_settings_that_contradict_the_init_drafter_are_refused(synthetic_store, finished_run,
+                                                               tmp_path):
+    init = str(checkpoint_dir(finished_run, STEPS))
+    out = tmp_path / "contradicts"
+    result = CliRunner().invoke(main, ["train", "--store", synthetic_store, "--out", str(out),
+                                       "--layers", "3", "--no-progress", "--set",
+                                       f"model.init_from={init}"])
+    assert result.exit_code == 1
+    assert "--layers (model.num_hidden_layers) 3 (the drafter has 1)" in result.output
+    assert not (out / "config.toml").exists()
+
+
+def test_a_resume_over_parts_that_changed_is_refused(tmp_path):
+    from tests.train.conftest import build_store
+
+    store = str(tmp_path / "hs.zarr")
+    build_store(store, rows=24, parts=3, unfinished=1)  # the last part unfinished
+    out = tmp_path / "run"
+    assert CliRunner().invoke(main, _args(store, out)).exit_code == 0
+    shutil.rmtree(checkpoint_dir(out, STEPS))
+    from dflash.store_schema import open_store
+
+    open_store(store, mode="r+").part_writer(2, 16, 24).finish()  # extraction ended meanwhile
+    result = CliRunner().invoke(main, _args(store, out, "--resume"))
+    assert result.exit_code == 1
+    assert "usable parts changed" in result.output and "new: store 0 part 2" in result.output
+
+
+def test_a_run_whose_last_step_was_a_periodic_checkpoint_is_complete(synthetic_store, tmp_path):
+    out = tmp_path / "run"
+    # epochs of 11 and 10 batches: the schedule's 2 x 11 steps overshoot the 21 taken
+    args = ["train", "--store", synthetic_store, "--out", str(out), "--layers", "1",
+            "--batch-tokens", "128", "--anchors-per-seq", "8", "--epochs", "2", "--no-progress",
+            "--set", "loader.prefetch_batches=0"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    last = complete_checkpoints(out)[-1]
+    steps = int(last.name.removeprefix("step_"))
+    assert steps == 21
+    # the same run, checkpointing every `steps` steps: its last save is the periodic one
+    shutil.rmtree(out)
+    assert CliRunner().invoke(main, [*args, "--set", f"run.checkpoint_every={steps}"]
+                              ).exit_code == 0
+    before = _snapshot(out)
+    again = CliRunner().invoke(main, [*args, "--set", f"run.checkpoint_every={steps}",
+                                      "--resume"])
+    assert again.exit_code == 0, again.output
+    assert "already complete" in again.output
+    assert _snapshot(out) == before
