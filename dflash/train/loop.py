@@ -61,6 +61,7 @@ from dflash.train.rundir import (
     check_same_plan,
     find_resume_point,
     local_paths_absolute,
+    run_lock,
     set_aside,
     set_aside_leftovers,
     shape_conflicts,
@@ -165,6 +166,12 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
     """Run (or resume) training as configured; returns where the final checkpoint is."""
     if not cfg.stores:
         raise TrainError("no store given: pass --store PATH")
+    rank = int(os.environ.get("RANK", "0"))
+    with run_lock(Path(cfg.run.out_dir), rank):
+        return _train(cfg, resume, echo)
+
+
+def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     # recorded absolute in config.toml: a resume from another cwd names the same stores
     cfg = replace(cfg, stores=local_paths_absolute(cfg.stores))
     rank, world = _distributed()

@@ -8,7 +8,10 @@ rotation (renamed, kept for inspection) when a resume falls back to the one befo
 moving the leftovers of a run that stopped before its first checkpoint into `aborted-N/`.
 """
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,46 @@ class ResumePoint:
     """The run's settings (the checkpoint's config.toml)."""
     damaged: list[tuple[Path, str]]
     """Newer complete checkpoints that could not be read, newest first, with the reason."""
+
+
+LOCK_FILE = ".lock"
+"""Held (flock) by rank 0 of the run using the directory; the kernel drops it when that
+process dies, so a crashed run never leaves a stale lock."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, rank: int) -> Iterator[None]:
+    """One live run per directory: a second `train` on it (new or --resume) is refused
+    while the first runs, instead of both writing checkpoints into one rotation."""
+    if rank != 0:
+        yield
+        return
+    refuse_file(run_dir)
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 -- held for the whole run
+    except OSError as e:
+        raise TrainError(f"--out {run_dir}: cannot create the run directory: {e}") from e
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise TrainError(f"{run_dir} is in use by a running `dflash train` ({holder}); "
+                             "wait for it or choose another --out") from e
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing drops the flock
+        if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+            # refused before writing anything: leave no directory behind
+            (run_dir / LOCK_FILE).unlink()
+            run_dir.rmdir()
 
 
 def refuse_file(run_dir: Path) -> None:

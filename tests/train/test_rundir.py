@@ -396,3 +396,16 @@ def test_a_run_whose_last_step_was_a_periodic_checkpoint_is_complete(synthetic_s
     assert again.exit_code == 0, again.output
     assert "already complete" in again.output
     assert _snapshot(out) == before
+
+
+def test_a_second_train_on_a_directory_in_use_is_refused(synthetic_store, tmp_path):
+    from dflash.train.rundir import run_lock
+
+    out = tmp_path / "run"
+    with run_lock(out, rank=0):  # a run in progress in this directory
+        busy = CliRunner().invoke(main, _args(synthetic_store, out))
+        assert busy.exit_code == 1
+        assert f"{out} is in use by a running `dflash train` (pid " in busy.output
+        assert not (out / "config.toml").exists()
+    free = CliRunner().invoke(main, _args(synthetic_store, out))  # the lock died with it
+    assert free.exit_code == 0, free.output
