@@ -65,5 +65,4 @@ def check_store(store: Store, skip: bool) -> DamagePolicy:
         refuse_unless_skipping(damage, skip)
     except StoreError as e:
         raise EvalError(str(e)) from e
-    return DamagePolicy(known=damage, skip=skip,
-                        unfinished=[p.index for p in parts if not p.complete])
+    return DamagePolicy(known=damage, skip=skip, unfinished=store.unfinished_parts())

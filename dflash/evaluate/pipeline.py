@@ -342,14 +342,10 @@ def _check_plot_format(plot: Path) -> None:
 def _why_empty(damage: DamagePolicy, url: str) -> str:
     reasons = []
     if damage.unfinished:
-        reasons.append(f"parts {damage.unfinished} are unfinished")
+        reasons.append(f"parts {damage.unfinished} are unfinished; finish extraction first")
     damaged = sorted({d.part for d in damage.known if d.sample is None and d.part is not None})
     if damaged:
-        reasons.append(f"parts {damaged} are damaged")
-    if damaged:
-        reasons.append(f"run `dflash store validate {url}` for the damage")
-    if damage.unfinished:
-        reasons.append("finish extraction first")
+        reasons.append(f"parts {damaged} are damaged; run `dflash store validate {url}`")
     return "; ".join(reasons) if reasons else "it holds no committed sample"
 
 

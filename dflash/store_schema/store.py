@@ -297,6 +297,14 @@ class Store:
                 bad.append(i)
         return bad
 
+    def unfinished_parts(self) -> list[int]:
+        """Planned parts extraction has not completed (not started, being written, or stopped
+        mid-way): train and eval leave them out. Unreadable part metadata is damage instead."""
+        complete = {p.index for p in self.parts() if p.complete}
+        unreadable = set(self.unreadable_parts())
+        planned = range(max([self.meta.num_parts, *(i + 1 for i in self.part_indices())]))
+        return [i for i in planned if i not in complete and i not in unreadable]
+
     @property
     def complete(self) -> bool:
         parts = self.parts()

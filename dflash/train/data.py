@@ -399,15 +399,6 @@ class StoreLoader:
                     yield mask
 
 
-def unfinished_parts(store: Store) -> list[int]:
-    """Planned parts of a store that are not complete: not started, or still being written
-    (or stopped mid-way). Unreadable part metadata is damage, reported elsewhere."""
-    complete = {p.index for p in store.parts() if p.complete}
-    unreadable = set(store.unreadable_parts())
-    planned = range(max([store.meta.num_parts, *(i + 1 for i in store.part_indices())]))
-    return [i for i in planned if i not in complete and i not in unreadable]
-
-
 class _EpochDataset(torch.utils.data.IterableDataset):
     """One epoch's batches for DataLoader workers; pickles as URLs and settings only."""
 

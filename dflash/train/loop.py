@@ -41,7 +41,7 @@ from dflash.train.checkpoint import (
     save_checkpoint,
 )
 from dflash.train.config import ModelConfig, TrainConfig, to_toml
-from dflash.train.data import StoreLoader, empty_batch, unfinished_parts, weights_text
+from dflash.train.data import StoreLoader, empty_batch, weights_text
 from dflash.train.errors import TrainError
 from dflash.train.noise import noise_std_at
 from dflash.train.options import option_name
@@ -446,7 +446,7 @@ def check_same_choice(choices: list[str], run_dir: Path) -> None:
 def _announce_unfinished(loader: StoreLoader, echo) -> None:
     """One line naming the parts left out because extraction has not finished them."""
     named = [f"{s.url} part(s) {', '.join(map(str, parts))}" for s in loader.stores
-             if (parts := unfinished_parts(s))]
+             if (parts := s.unfinished_parts())]
     if named:
         echo(f"leaving out unfinished parts (extraction still running or stopped; training "
              f"on complete parts only): {'; '.join(named)}")

@@ -112,3 +112,9 @@ def test_info_calls_a_store_with_a_torn_token_array_or_target_row_damaged(tmp_pa
     assert "DAMAGED" in text.splitlines()[0]
     assert any(line.startswith("DAMAGED") and "target/lm_head" in line
                for line in text.splitlines())
+
+
+def test_unfinished_parts_are_the_started_and_the_not_started_ones(tmp_path, gen):
+    url = _store(tmp_path, gen)  # part 0 complete, part 1 unfinished, part 2 not started
+    assert open_store(url).unfinished_parts() == [1, 2]
+    assert open_store(_store(tmp_path / "all", gen, finish_parts=(0, 1))).unfinished_parts() == [2]
