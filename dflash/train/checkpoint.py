@@ -28,6 +28,7 @@ import torch
 from dflash.drafter import DRAFTER_SUBDIR, DFlashDrafter, DrafterError, load_drafter, save_drafter
 from dflash.drafter.checkpoint import CHECKSUMS_NAME, file_sha256, write_checksums
 from dflash.store_schema import StoreError, StoreMeta
+from dflash.store_schema.errors import one_line
 from dflash.train.errors import TrainError
 
 COMPLETE = "COMPLETE"
@@ -196,7 +197,7 @@ def read_checkpoint(path: str | Path) -> CheckpointContents:
         if _out_of_memory(e):
             raise
         raise TrainError(f"{file} is damaged and cannot be read "
-                         f"({type(e).__name__}: {_first_line(e)})") from e
+                         f"({type(e).__name__}: {one_line(e)})") from e
     return CheckpointContents(path, drafter, blob, provenance, config)
 
 
@@ -220,10 +221,6 @@ def _out_of_memory(e: Exception) -> bool:
     text = str(e).lower()
     return isinstance(e, RuntimeError) and ("out of memory" in text
                                             or "can't allocate memory" in text)
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
 
 
 def _fsync_tree(root: Path) -> None:

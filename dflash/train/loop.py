@@ -28,6 +28,7 @@ from dflash.drafter import (
 )
 from dflash.evaluate.metrics import AcceptanceStats
 from dflash.store_schema import Store, StoreError
+from dflash.store_schema.errors import one_line
 from dflash.store_schema.integrity import SKIP_HINT
 from dflash.store_schema.stats import store_stats
 from dflash.train.checkpoint import (
@@ -283,7 +284,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
             load_optimizer_state(model, optimizer, optimizer_state)
         except (RuntimeError, ValueError, KeyError) as e:
             raise TrainError(f"{resumed_from}: its optimizer state does not fit this drafter "
-                             f"({_first_line(e)})") from e
+                             f"({one_line(e)})") from e
         # The optimizer holds its state now: the checkpoint as read (trainer.pt with a second
         # copy of the Adam moments) must not stay alive for the whole run.
         point = optimizer_state = None
@@ -461,10 +462,6 @@ def _nothing_to_train(cfg: TrainConfig) -> str:
                 f"{cfg.loader.max_length} tokens; raise it")
     return (f"nothing to train on in {where}: no sample has a trainable block (two "
             "consecutive loss-mask tokens after the first)")
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
 
 
 class _SkipLedger:
