@@ -15,7 +15,7 @@ import numpy as np
 from report import Row
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
-from dflash.store_schema.subset import copy_store
+from dflash_train.store_schema.subset import copy_store
 
 CODECS = {
     "none": lambda dtype: [Crc32cCodec()],
@@ -31,13 +31,13 @@ def context_codec(name: str):
     if make is None:
         yield
         return
-    with mock.patch("dflash.store_schema.part.context_compressors", make):
+    with mock.patch("dflash_train.store_schema.part.context_compressors", make):
         yield
 
 
 def context_bytes_per_token(url: str) -> tuple[float, float]:
     """(stored context bytes / token, raw context bytes / token) of a local store."""
-    from dflash.store_schema import open_store
+    from dflash_train.store_schema import open_store
 
     store = open_store(url)
     root = Path(url)
@@ -51,8 +51,8 @@ def context_bytes_per_token(url: str) -> tuple[float, float]:
 
 def real_compression(url: str) -> list[Row]:
     """Compression of the default codec on a real store, whole store and context alone."""
-    from dflash.store_schema import open_store
-    from dflash.store_schema.info import summarize
+    from dflash_train.store_schema import open_store
+    from dflash_train.store_schema.info import summarize
 
     s = summarize(open_store(url))
     stored, raw = context_bytes_per_token(url)
@@ -63,7 +63,7 @@ def real_compression(url: str) -> list[Row]:
 
 def real_sizes_in_memory(url: str) -> list[Row]:
     """Each codec on the real context bits in memory (no zarr), like store_io's synthetic."""
-    from dflash.store_schema import open_store
+    from dflash_train.store_schema import open_store
 
     store = open_store(url)
     bits = np.concatenate([p.array("context")[:] for p in store.parts()])

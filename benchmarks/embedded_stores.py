@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.assets.embedded import prompt_file, target_dir
-from dflash.extract.config import ExtractConfig
+from dflash_train.assets.embedded import prompt_file, target_dir
+from dflash_train.extract.config import ExtractConfig
 
 SHARD_TOKENS = 1024
 """Shard length of the benchmark stores (the CLI default)."""
@@ -48,7 +48,7 @@ def extract_config(data: str, out: str, s: EmbeddedSettings, *, regenerate: bool
 
 def extract(data: str, out: str, s: EmbeddedSettings, *, regenerate: bool) -> float:
     """run_extract into `out`; returns its wall time in seconds."""
-    from dflash.extract.pipeline import run_extract
+    from dflash_train.extract.pipeline import run_extract
 
     start = time.perf_counter()
     run_extract(extract_config(data, out, s, regenerate=regenerate), echo=lambda *_: None)
@@ -79,10 +79,10 @@ def build(root: Path, s: EmbeddedSettings) -> EmbeddedStores:
 
 
 def fit_drafter(store: str, run_dir: Path, steps: int) -> str:
-    """A 1-layer drafter trained `steps` steps on `store` by `dflash.train` (varied taus)."""
-    from dflash.train.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
-    from dflash.train.data import LoaderConfig
-    from dflash.train.loop import train
+    """A 1-layer drafter trained `steps` steps on `store` by `dflash_train.train` (varied taus)."""
+    from dflash_train.train.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
+    from dflash_train.train.data import LoaderConfig
+    from dflash_train.train.loop import train
 
     cfg = TrainConfig(
         stores=[store], loader=LoaderConfig(batch_tokens=4096),

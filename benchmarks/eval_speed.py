@@ -37,13 +37,13 @@ def naive_blocks(target, drafter, samples, sequences, top_k: int, limit: int) ->
 
 def bench(store_url: str, checkpoint: str, naive_limit: int = 64) -> tuple[list[Row], dict]:
     """Rows of item 5 and the offline summary (item 6 compares it across codecs)."""
-    from dflash.assets.embedded import target_dir
-    from dflash.evaluate.online import StopRule, evaluate_online, load_online_target
-    from dflash.evaluate.pipeline import load_drafters
-    from dflash.evaluate.replay import EvalSettings, evaluate_offline, read_samples
-    from dflash.evaluate.tokenizer import store_tokenizer
-    from dflash.extract.regenerate import eos_token_ids
-    from dflash.store_schema import open_store
+    from dflash_train.assets.embedded import target_dir
+    from dflash_train.evaluate.online import StopRule, evaluate_online, load_online_target
+    from dflash_train.evaluate.pipeline import load_drafters
+    from dflash_train.evaluate.replay import EvalSettings, evaluate_offline, read_samples
+    from dflash_train.evaluate.tokenizer import store_tokenizer
+    from dflash_train.extract.regenerate import eos_token_ids
+    from dflash_train.store_schema import open_store
 
     store = open_store(store_url)
     _, drafters = load_drafters(store, [checkpoint], device=torch.device("cpu"),
@@ -88,9 +88,9 @@ def bench(store_url: str, checkpoint: str, naive_limit: int = 64) -> tuple[list[
 
 def offline_summary(store_url: str, checkpoint: str) -> dict:
     """The offline replay metrics of one checkpoint on a store (all samples, defaults)."""
-    from dflash.evaluate.pipeline import load_drafters
-    from dflash.evaluate.replay import EvalSettings, evaluate_offline, read_samples
-    from dflash.store_schema import open_store
+    from dflash_train.evaluate.pipeline import load_drafters
+    from dflash_train.evaluate.replay import EvalSettings, evaluate_offline, read_samples
+    from dflash_train.store_schema import open_store
 
     store = open_store(store_url)
     _, drafters = load_drafters(store, [checkpoint], device=torch.device("cpu"),

@@ -116,10 +116,10 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
     from store_io import _meta
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash.extract.capture import forward_states
-    from dflash.extract.verifier import verifier_topk
-    from dflash.extract.writer import FLUSH_SHARDS, BackgroundWriter
-    from dflash.store_schema import Sample, create_store
+    from dflash_train.extract.capture import forward_states
+    from dflash_train.extract.verifier import verifier_topk
+    from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
+    from dflash_train.store_schema import Sample, create_store
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -196,8 +196,8 @@ def bench_train(s: Shapes, device: torch.device, budget_s: float) -> list[tuple[
     """The training step at full shape on the backend `dflash train` picks here (flex on CUDA),
     then flex vs dense at `compare_anchors` blocks, where dense's [N, heads, K*B, T+K*B]
     scores fit (at full shape they alone would be ~100 GB over the layers)."""
-    from dflash.drafter import DFlashDrafter, DrafterConfig, build_block_ids
-    from dflash.train.loss import block_ce_loss
+    from dflash_train.drafter import DFlashDrafter, DrafterConfig, build_block_ids
+    from dflash_train.train.loss import block_ce_loss
 
     cfg = DrafterConfig.qwen3_6_27b()
     if s.hidden != cfg.hidden_size:  # smoke: the same architecture, tiny
@@ -293,7 +293,7 @@ def main() -> None:
     faulthandler.register(signal.SIGTERM, chain=True)
     if args.cpu_smoke:
         device, shapes = torch.device("cpu"), CPU_SMOKE
-        from dflash.extract.loading import guard_kernels
+        from dflash_train.extract.loading import guard_kernels
 
         guard_kernels("cpu")
     elif torch.cuda.is_available():

@@ -19,7 +19,7 @@ GOAL = 1.1
 
 def write_repeated_store(url: str, count: int, layers: int, hidden: int) -> int:
     """A one-part store of `count` copies of one 1024-token sample; returns its tokens."""
-    from dflash.store_schema import create_store
+    from dflash_train.store_schema import create_store
 
     one = samples(synthetic_hidden(SAMPLE_TOKENS, layers, hidden))[0]
     store = create_store(url, _meta(layers, hidden, count * SAMPLE_TOKENS))

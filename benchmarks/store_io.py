@@ -26,8 +26,8 @@ import torch
 from report import Row, format_table
 from safetensors.torch import load_file, save_file
 
-from dflash.extract.writer import FLUSH_SHARDS
-from dflash.store_schema import (
+from dflash_train.extract.writer import FLUSH_SHARDS
+from dflash_train.store_schema import (
     CreatedWith,
     Sample,
     SourceInfo,
@@ -36,9 +36,9 @@ from dflash.store_schema import (
     TokenizerInfo,
     create_store,
 )
-from dflash.store_schema.info import summarize
-from dflash.store_schema.store import open_store
-from dflash.train.data import LoaderConfig, StoreLoader
+from dflash_train.store_schema.info import summarize
+from dflash_train.store_schema.store import open_store
+from dflash_train.train.data import LoaderConfig, StoreLoader
 
 SAMPLE_TOKENS = 1024
 TOP_K = 16

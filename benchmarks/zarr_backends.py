@@ -70,7 +70,7 @@ def write_context(where: Path, like: Path, data: np.ndarray, engine: str) -> Non
     """The context array `data` [T, n, H] into a new array shaped and coded like `like`."""
     import zarr
 
-    from dflash.store_schema.shards import ShardCodec
+    from dflash_train.store_schema.shards import ShardCodec
 
     src = zarr.open_array(str(like), mode="r")
     arr = zarr.create_array(str(where), shape=data.shape, dtype=src.dtype, chunks=src.chunks,
@@ -86,7 +86,7 @@ def write_context(where: Path, like: Path, data: np.ndarray, engine: str) -> Non
 
 def spans(url: str) -> list[tuple[Path, int, int]]:
     """(context array directory, first token, stop) of every sample, in a fixed random order."""
-    from dflash.store_schema import open_store
+    from dflash_train.store_schema import open_store
 
     out = []
     for part in open_store(url).parts():
@@ -112,7 +112,7 @@ def read_zarr(order, digest=None) -> int:
 def read_dflash(order, digest=None) -> int:
     import zarr
 
-    from dflash.store_schema.shards import ShardCodec
+    from dflash_train.store_schema.shards import ShardCodec
 
     coders: dict = {}
     total = 0

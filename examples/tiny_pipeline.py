@@ -15,14 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.assets.tiny import build_tokenizer, make_chats, save_qwen3_5, write_jsonl
+from dflash_train.assets.tiny import build_tokenizer, make_chats, save_qwen3_5, write_jsonl
 
 
 def run(*args: str) -> None:
     cmd = ["dflash", *args]
     print(f"\n$ {shlex.join(cmd)}", flush=True)
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "dflash", *args])
+    result = subprocess.run([sys.executable, "-m", "dflash_train", *args])
     if result.returncode != 0:
         sys.exit(f"step failed (exit {result.returncode}): {shlex.join(cmd)}")
     print(f"  ({time.perf_counter() - start:.1f} s)", flush=True)

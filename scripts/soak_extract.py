@@ -27,8 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dflash.extract.writer import KILL_AFTER_ENV  # noqa: E402
-from dflash.store_schema import validate  # noqa: E402
+from dflash_train.extract.writer import KILL_AFTER_ENV  # noqa: E402
+from dflash_train.store_schema import validate  # noqa: E402
 from tests.reliability.extract_faults import KILL_AT_WRITE, TORN_COMMIT  # noqa: E402
 from tests.reliability.extract_support import (  # noqa: E402
     NUM_ROWS,

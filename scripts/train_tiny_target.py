@@ -1,7 +1,7 @@
 """Train the tiny target that ships with dflash, on the standard library's own source code.
 
-    python scripts/train_tiny_target.py            # writes dflash/assets/stdlib_target/
-                                                   # and dflash/assets/prompts/*.jsonl
+    python scripts/train_tiny_target.py            # writes dflash_train/assets/stdlib_target/
+                                                   # and dflash_train/assets/prompts/*.jsonl
 
 Everything is built from what every Python install has, so anyone can re-run it: the stdlib
 .py files (tests, codec tables and duplicates left out) are split by file into train and
@@ -52,13 +52,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from dflash.extract.loading import GPU_ONLY_PACKAGES  # noqa: E402
+from dflash_train.extract.loading import GPU_ONLY_PACKAGES  # noqa: E402
 
 # trained and measured on the torch linear-attention path, the one a CPU user runs
 for _package in GPU_ONLY_PACKAGES:
     sys.modules.setdefault(_package, None)
 
-from dflash.assets.stdlib_corpus import (  # noqa: E402
+from dflash_train.assets.stdlib_corpus import (  # noqa: E402
     SourceFile,
     continuation_example,
     list_sources,
@@ -66,7 +66,7 @@ from dflash.assets.stdlib_corpus import (  # noqa: E402
     split_of,
     stdlib_root,
 )
-from dflash.assets.tiny import CHAT_TEMPLATE  # noqa: E402
+from dflash_train.assets.tiny import CHAT_TEMPLATE  # noqa: E402
 
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 REPO = Path(__file__).resolve().parent.parent
@@ -74,9 +74,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(REPO / "dflash/assets/stdlib_target"),
+    p.add_argument("--out", default=str(REPO / "dflash_train/assets/stdlib_target"),
                    help="Target directory to write (weights, tokenizer, TRAINING.json).")
-    p.add_argument("--prompts-out", default=str(REPO / "dflash/assets/prompts"),
+    p.add_argument("--prompts-out", default=str(REPO / "dflash_train/assets/prompts"),
                    help="Directory of the embedded prompt set (train.jsonl, held_out.jsonl).")
     p.add_argument("--vocab", type=int, default=2048, help="Tokenizer and model vocabulary.")
     p.add_argument("--hidden", type=int, default=192, help="Model width.")
@@ -213,7 +213,7 @@ def unigram_loss(train: torch.Tensor, held_out: torch.Tensor, vocab: int) -> flo
 @torch.no_grad()
 def greedy_loops(model, tok, prompts: list[str], max_new: int = 96) -> dict:
     """Greedy continuations of chat prompts: repeated-4-gram share, eos rate, a sample."""
-    from dflash.extract.regenerate import greedy_continuations
+    from dflash_train.extract.regenerate import greedy_continuations
 
     model.eval()
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

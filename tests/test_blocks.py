@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.blocks import (
+from dflash_train.blocks import (
     BLOCK_SIZE,
     IGNORE_LABEL,
     BlockError,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.devices import resolve_device
+from dflash_train.devices import resolve_device
 
 
 class StageError(Exception):

@@ -10,13 +10,18 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.assets.embedded import prompt_file, target_dir
-from dflash.assets.stdlib_corpus import USER_PREFIX, list_sources, repeated_ngram_share, split_of
-from dflash.cli import main
-from dflash.extract.config import ExtractConfig
-from dflash.extract.pipeline import with_default_data
-from dflash.quickstart import LOOP_FREE_SHARE, QuickstartConfig, run_quickstart
-from dflash.store_schema import open_store
+from dflash_train.assets.embedded import prompt_file, target_dir
+from dflash_train.assets.stdlib_corpus import (
+    USER_PREFIX,
+    list_sources,
+    repeated_ngram_share,
+    split_of,
+)
+from dflash_train.cli import main
+from dflash_train.extract.config import ExtractConfig
+from dflash_train.extract.pipeline import with_default_data
+from dflash_train.quickstart import LOOP_FREE_SHARE, QuickstartConfig, run_quickstart
+from dflash_train.store_schema import open_store
 
 
 def _rows(split: str) -> list[dict]:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.drafter import DFlashDrafter, DrafterConfig, build_block_ids
+from dflash_train.drafter import DFlashDrafter, DrafterConfig, build_block_ids
 
 VOCAB = 100
 HIDDEN = 64

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import dflash.drafter.checkpoint as checkpoint
-from dflash.drafter import (
+import dflash_train.drafter.checkpoint as checkpoint
+from dflash_train.drafter import (
     DRAFTER_SUBDIR,
     DFlashDrafter,
     DrafterConfig,
@@ -18,7 +18,7 @@ from dflash.drafter import (
     read_config,
     save_drafter,
 )
-from dflash.drafter.checkpoint import config_from_dict, config_to_dict
+from dflash_train.drafter.checkpoint import config_from_dict, config_to_dict
 
 from .conftest import random_batch, tiny_drafter
 

@@ -2,8 +2,8 @@
 
 from click.testing import CliRunner
 
-from dflash.drafter import load_drafter, save_drafter
-from dflash.drafter.command import export_command
+from dflash_train.drafter import load_drafter, save_drafter
+from dflash_train.drafter.command import export_command
 
 from .conftest import tiny_drafter
 

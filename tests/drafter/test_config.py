@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from dflash.drafter import DrafterConfig, DrafterError, default_target_layer_ids
+from dflash_train.drafter import DrafterConfig, DrafterError, default_target_layer_ids
 
 from .conftest import tiny_config
 

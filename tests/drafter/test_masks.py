@@ -5,8 +5,8 @@ import itertools
 import pytest
 import torch
 
-from dflash.blocks import block_position_ids
-from dflash.drafter import BlockLayout, dense_mask, flex_block_mask
+from dflash_train.blocks import block_position_ids
+from dflash_train.drafter import BlockLayout, dense_mask, flex_block_mask
 
 B = 4
 RULES = list(itertools.product([False, True], [None, 3, 6]))  # (causal, window)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dflash.drafter.masks as masks
-from dflash.drafter import ContextCache, DrafterError
+import dflash_train.drafter.masks as masks
+from dflash_train.drafter import ContextCache, DrafterError
 
 from .conftest import MASK_ID, VOCAB, random_batch, tiny_drafter
 
@@ -319,7 +319,7 @@ def test_wrong_inputs_name_what_is_wrong(model):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash_train.drafter import DFlashDrafter, DrafterConfig
 
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=32, vocab_size=50, intermediate_size=64,

@@ -1,7 +1,7 @@
 """Tiny stores and drafters for the eval tests, all built in-process.
 
-- `save_eos_target`: the tiny Qwen3 of dflash.assets.tiny with its EOS row of lm_head tied to a
-  common token's (x1.1), so greedy generations end both by EOS and by max_new_tokens.
+- `save_eos_target`: the tiny Qwen3 of dflash_train.assets.tiny with its EOS row of lm_head tied
+  to a common token's (x1.1), so greedy generations end both by EOS and by max_new_tokens.
 - `regen_store`: `extract --regenerate` of that target in float32 on CPU (the store whose
   offline replay must equal live decoding).
 - `trained_drafter_dir`: a 2-layer drafter fitted for a few seconds on that store, so that
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.assets.tiny import VOCAB_SIZE, make_chats, save_qwen3, save_qwen3_5, write_jsonl
-from dflash.blocks import block_labels, eligible_anchors
-from dflash.drafter import DFlashDrafter, DrafterConfig, build_block_ids, save_drafter
-from dflash.store_schema import (
+from dflash_train.assets.tiny import VOCAB_SIZE, make_chats, save_qwen3, save_qwen3_5, write_jsonl
+from dflash_train.blocks import block_labels, eligible_anchors
+from dflash_train.drafter import DFlashDrafter, DrafterConfig, build_block_ids, save_drafter
+from dflash_train.store_schema import (
     CreatedWith,
     Sample,
     SourceInfo,

@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from dflash.drafter import save_drafter
-from dflash.evaluate.command import eval_command
-from dflash.store_schema import open_store
+from dflash_train.drafter import save_drafter
+from dflash_train.evaluate.command import eval_command
+from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import random_drafter, synthetic_meta
 
 
@@ -117,7 +117,7 @@ def test_plot_needs_matplotlib_or_says_how_to_get_it(tmp_path, regen_store,
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert result.exit_code == 1 and "dflash[plot]" in result.output
+        assert result.exit_code == 1 and "dflash-train[plot]" in result.output
         assert not png.exists()
         return
     assert result.exit_code == 0, result.output

@@ -9,9 +9,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import dflash.evaluate.pipeline as pipeline
-from dflash.evaluate.command import eval_command
-from dflash.store_schema import create_store, open_store
+import dflash_train.evaluate.pipeline as pipeline
+from dflash_train.evaluate.command import eval_command
+from dflash_train.store_schema import create_store, open_store
 from tests.evaluate.conftest import synthetic_meta, synthetic_sample
 
 SHARD = 64

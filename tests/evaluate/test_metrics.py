@@ -6,8 +6,8 @@ import statistics
 import pytest
 import torch
 
-from dflash.blocks import IGNORE_LABEL, BlockError
-from dflash.evaluate.metrics import (
+from dflash_train.blocks import IGNORE_LABEL, BlockError
+from dflash_train.evaluate.metrics import (
     AcceptanceStats,
     TauHistogram,
     acceptance_lengths,

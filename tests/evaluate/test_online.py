@@ -5,13 +5,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash.assets.tiny import VOCAB_SIZE
-from dflash.drafter import ContextCache
-from dflash.evaluate.errors import EvalError
-from dflash.evaluate.online import StopRule, evaluate_online, load_online_target, speculative_decode
-from dflash.evaluate.pipeline import EvalConfig, run_eval
-from dflash.evaluate.replay import EvalSample, EvalSettings
-from dflash.store_schema import open_store
+from dflash_train.assets.tiny import VOCAB_SIZE
+from dflash_train.drafter import ContextCache
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.online import (
+    StopRule,
+    evaluate_online,
+    load_online_target,
+    speculative_decode,
+)
+from dflash_train.evaluate.pipeline import EvalConfig, run_eval
+from dflash_train.evaluate.replay import EvalSample, EvalSettings
+from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import EOS_ID, MAX_NEW_TOKENS
 
 # -- the must-show: offline --mode replay tau == --online tau, prompt by prompt -------------

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash.drafter import ContextCache, build_block_ids
-from dflash.evaluate.checkpoints import layer_selection
-from dflash.evaluate.drafting import BlockDrafter
-from dflash.evaluate.replay import (
+from dflash_train.drafter import ContextCache, build_block_ids
+from dflash_train.evaluate.checkpoints import layer_selection
+from dflash_train.evaluate.drafting import BlockDrafter
+from dflash_train.evaluate.replay import (
     Agreement,
     CheckpointResults,
     EvalSample,
@@ -19,8 +19,8 @@ from dflash.evaluate.replay import (
     pick_samples,
     read_samples,
 )
-from dflash.evaluate.report import estimate_warning
-from dflash.store_schema import open_store
+from dflash_train.evaluate.report import estimate_warning
+from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import (
     VOCAB_SIZE,
     random_drafter,

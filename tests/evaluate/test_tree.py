@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from dflash.blocks import IGNORE_LABEL, BlockError
-from dflash.evaluate.metrics import acceptance_lengths
-from dflash.evaluate.tree import (
+from dflash_train.blocks import IGNORE_LABEL, BlockError
+from dflash_train.evaluate.metrics import acceptance_lengths
+from dflash_train.evaluate.tree import (
     accepted_path,
     build_tree,
     tree_accept,

@@ -1,6 +1,6 @@
 """Tiny in-process targets, tokenizer and chat data for the extract tests (reusable elsewhere).
 
-The builders live in dflash.assets.tiny (the example pipeline uses them too); this file adds
+The builders live in dflash_train.assets.tiny (the example pipeline uses them too); this file adds
 the session fixtures and the helpers that run extract the way the tests need.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.assets.tiny import (  # noqa: F401 -- re-exported for the tests
+from dflash_train.assets.tiny import (  # noqa: F401 -- re-exported for the tests
     CHAT_TEMPLATE,
     SPECIALS,
     TOKENIZER_VOCAB,
@@ -43,8 +43,8 @@ def chats_jsonl(tmp_path_factory):
 
 def run_extract_cfg(model: str, data: str, out: str, **overrides):
     """run_extract on CPU in fp32 with small parts and shards, no progress bar."""
-    from dflash.extract.config import ExtractConfig
-    from dflash.extract.pipeline import run_extract
+    from dflash_train.extract.config import ExtractConfig
+    from dflash_train.extract.pipeline import run_extract
 
     settings = dict(device="cpu", dtype="float32", rows_per_part=5, shard_tokens=16,
                     batch_tokens=96, layers="0,1,2", progress=False)
@@ -56,7 +56,7 @@ def run_extract_cfg(model: str, data: str, out: str, **overrides):
 
 def store_samples(url: str) -> list:
     """Every committed sample of a store, part by part, in stored order."""
-    from dflash.store_schema import open_store
+    from dflash_train.store_schema import open_store
 
     return [s for p in open_store(url).parts() for s in p.iter_samples()]
 
@@ -79,7 +79,7 @@ def cli_args(model: str, data: str, out: str) -> list[str]:
 
 
 def cli_command(args: list[str]) -> list[str]:
-    code = "from dflash.extract.command import extract; extract()"
+    code = "from dflash_train.extract.command import extract; extract()"
     return [sys.executable, "-c", code, *args]
 
 

@@ -7,8 +7,8 @@ import torch
 from conftest import run_extract_cfg, save_qwen3, store_samples
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.extract.errors import ExtractError
-from dflash.store_schema import open_store, validate
+from dflash_train.extract.errors import ExtractError
+from dflash_train.store_schema import open_store, validate
 
 
 def _close(stored: torch.Tensor, ref: torch.Tensor) -> None:

@@ -7,9 +7,9 @@ import torch
 from click.testing import CliRunner
 from conftest import make_chats, write_jsonl
 
-from dflash.extract.command import extract
-from dflash.extract.data import open_source
-from dflash.extract.layers import default_target_layer_ids, resolve_layer_ids
+from dflash_train.extract.command import extract
+from dflash_train.extract.data import open_source
+from dflash_train.extract.layers import default_target_layer_ids, resolve_layer_ids
 
 
 def test_dry_run_prints_sizes_and_plan_and_writes_nothing(qwen3_dir, tmp_path, monkeypatch):
@@ -59,7 +59,7 @@ def test_default_layers_of_a_tiny_target_are_ascending_and_usable():
     (True, "cuda:1", torch.bfloat16), (True, "cpu", torch.float32),
 ])
 def test_auto_dtype_follows_where_the_target_will_run(monkeypatch, cuda, device, expected):
-    from dflash.extract.loading import resolve_dtype
+    from dflash_train.extract.loading import resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert resolve_dtype("auto", device) == expected

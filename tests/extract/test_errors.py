@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 from conftest import VOCAB_SIZE, make_chats, run_extract_cfg, store_samples, write_jsonl
 
-from dflash.extract.command import extract
-from dflash.store_schema import validate
+from dflash_train.extract.command import extract
+from dflash_train.store_schema import validate
 
 
 def _run(model, data, out, *extra):

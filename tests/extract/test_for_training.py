@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from conftest import VOCAB_SIZE, run_extract_cfg
 
-from dflash.extract.errors import ExtractError
-from dflash.store_schema import open_store
+from dflash_train.extract.errors import ExtractError
+from dflash_train.store_schema import open_store
 
 
 def test_store_carries_the_target_config_and_mask_token(qwen3_dir, chats_jsonl, tmp_path):
@@ -29,7 +29,7 @@ def test_mask_token_outside_the_vocabulary_is_refused(qwen3_dir, chats_jsonl, tm
 
 
 def test_buffered_samples_do_not_hold_their_batch(qwen3_dir, chats_jsonl, tmp_path, monkeypatch):
-    from dflash.extract.writer import BackgroundWriter
+    from dflash_train.extract.writer import BackgroundWriter
 
     seen = []
     append = BackgroundWriter.append

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO, cli_args, cli_env, store_samples
 
-from dflash.store_schema import open_store
+from dflash_train.store_schema import open_store
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(
 
 # A None entry in sys.modules makes `import fla` fail: transformers falls back to torch.
 TORCH_PATH = ("import sys; sys.modules['fla'] = None; sys.modules['causal_conv1d'] = None; "
-              "from dflash.extract.command import extract; extract()")
-DEFAULT_PATH = "from dflash.extract.command import extract; extract()"
+              "from dflash_train.extract.command import extract; extract()")
+DEFAULT_PATH = "from dflash_train.extract.command import extract; extract()"
 
 
 def _extract(code: str, model: str, data: str, out: str, dtype: str = "bfloat16") -> str:

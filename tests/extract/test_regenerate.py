@@ -7,10 +7,10 @@ import torch
 from conftest import build_tokenizer, make_chats, run_extract_cfg, store_samples, write_jsonl
 from transformers import AutoModelForCausalLM
 
-from dflash.extract.data import to_chat
-from dflash.extract.errors import ExtractError
-from dflash.extract.render import render_prompt
-from dflash.store_schema import open_store, validate
+from dflash_train.extract.data import to_chat
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.render import render_prompt
+from dflash_train.store_schema import open_store, validate
 
 NEW = 6
 

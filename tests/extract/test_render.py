@@ -3,9 +3,9 @@
 import pytest
 from conftest import build_tokenizer, make_chats
 
-from dflash.extract.data import to_chat
-from dflash.extract.errors import ExtractError
-from dflash.extract.render import render_chat, render_prompt
+from dflash_train.extract.data import to_chat
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.render import render_chat, render_prompt
 
 
 def _expected(tokenizer, chat):

@@ -3,8 +3,8 @@
 import pytest
 from conftest import assert_same_samples, cli_args, run_cli, run_extract_cfg, store_samples
 
-from dflash.extract.writer import KILL_AFTER_ENV
-from dflash.store_schema import StoreError, open_store, validate
+from dflash_train.extract.writer import KILL_AFTER_ENV
+from dflash_train.store_schema import StoreError, open_store, validate
 
 
 def _complete(out: str) -> bool:

@@ -12,7 +12,7 @@ from conftest import (
     store_samples,
 )
 
-from dflash.store_schema import open_store, validate
+from dflash_train.store_schema import open_store, validate
 
 
 def test_two_workers_into_one_store_equal_one_process(qwen3_5_dir, chats_jsonl, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from dflash.store_schema.layout import part_path
+from dflash_train.store_schema.layout import part_path
 from tests.train.conftest import build_store
 
 SHARD_TOKENS = 64  # build_store's shard size: context shard i holds tokens [64 i, 64 i + 64)

@@ -102,7 +102,7 @@ def install(env: dict) -> WriteCounter:
 
 def main() -> None:
     install(os.environ)
-    from dflash.extract.command import extract
+    from dflash_train.extract.command import extract
 
     extract(args=sys.argv[1:], prog_name="dflash extract")
 

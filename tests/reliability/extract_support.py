@@ -26,7 +26,7 @@ SETTINGS = dict(device="cpu", dtype="float32", rows_per_part=5, shard_tokens=16,
 
 def build_inputs(root: Path) -> tuple[str, str]:
     """A tiny Qwen3.5 target directory and a jsonl of NUM_ROWS chats under `root`."""
-    from dflash.assets.tiny import make_chats, save_qwen3_5, write_jsonl
+    from dflash_train.assets.tiny import make_chats, save_qwen3_5, write_jsonl
 
     model = root / "qwen3_5"
     model.mkdir(parents=True, exist_ok=True)
@@ -62,8 +62,8 @@ def cli_args(model: str, data: str, out: str, **overrides) -> list[str]:
 
 def run_in_process(model: str, data: str, out: str, **overrides):
     """run_extract with SETTINGS in this process; returns its Summary."""
-    from dflash.extract.config import ExtractConfig
-    from dflash.extract.pipeline import run_extract
+    from dflash_train.extract.config import ExtractConfig
+    from dflash_train.extract.pipeline import run_extract
 
     s = {**SETTINGS, **overrides}
     rank, world = s.pop("rank", 0), s.pop("world_size", 1)
@@ -73,7 +73,7 @@ def run_in_process(model: str, data: str, out: str, **overrides):
 
 def child_env(**env) -> dict:
     """This environment minus any fault variable, plus `env`."""
-    from dflash.extract.writer import KILL_AFTER_ENV
+    from dflash_train.extract.writer import KILL_AFTER_ENV
     from tests.reliability.extract_faults import FAULT_VARS
 
     base = {k: v for k, v in os.environ.items() if k not in (*FAULT_VARS, KILL_AFTER_ENV)}
@@ -91,14 +91,14 @@ def run_cli(args: list[str], timeout: float = 300, **env) -> subprocess.Complete
 
 
 def stored_samples(out: str) -> list:
-    from dflash.store_schema import open_store
+    from dflash_train.store_schema import open_store
 
     return [s for p in open_store(out).parts() for s in p.iter_samples()]
 
 
 def committed_rows(out: str) -> list[int]:
     """Source rows committed so far, part by part; [] when no store (or no part) exists."""
-    from dflash.store_schema import StoreError, open_store
+    from dflash_train.store_schema import StoreError, open_store
 
     if not os.path.exists(out):
         return []
@@ -110,7 +110,7 @@ def committed_rows(out: str) -> list[int]:
 
 
 def is_complete(out: str) -> bool:
-    from dflash.store_schema import StoreError, open_store
+    from dflash_train.store_schema import StoreError, open_store
 
     try:
         return os.path.exists(out) and open_store(out).complete

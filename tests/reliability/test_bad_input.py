@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash.assets.tiny import VOCAB_SIZE, build_tokenizer, save_qwen3
-from dflash.extract.command import extract
-from dflash.store_schema import open_store, validate
+from dflash_train.assets.tiny import VOCAB_SIZE, build_tokenizer, save_qwen3
+from dflash_train.extract.command import extract
+from dflash_train.store_schema import open_store, validate
 from tests.reliability.extract_support import is_complete, stored_samples
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bad_input"

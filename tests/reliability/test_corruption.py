@@ -14,11 +14,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.cli import main
-from dflash.store_schema import check_before_reading, open_store, validate
-from dflash.train.config import load_config
-from dflash.train.data import LoaderConfig, StoreLoader
-from dflash.train.loop import train
+from dflash_train.cli import main
+from dflash_train.store_schema import check_before_reading, open_store, validate
+from dflash_train.train.config import load_config
+from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.loop import train
 from tests.reliability.corrupt_store import (
     ALL_CASES,
     METADATA_CASES,

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from dflash.store_schema import validate
+from dflash_train.store_schema import validate
 from tests.reliability.extract_faults import ERRNO_AT_WRITE
 from tests.reliability.extract_support import (
     NUM_ROWS,

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from dflash.extract.writer import KILL_AFTER_ENV
-from dflash.store_schema import validate
+from dflash_train.extract.writer import KILL_AFTER_ENV
+from dflash_train.store_schema import validate
 from tests.reliability.extract_faults import KILL_AT_WRITE, TORN_COMMIT
 from tests.reliability.extract_support import (
     NUM_ROWS,

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from dflash.store_schema import open_store, validate
+from dflash_train.store_schema import open_store, validate
 from tests.reliability.extract_faults import STALL_AT_COMMIT
 from tests.reliability.extract_support import (
     NUM_ROWS,

@@ -16,18 +16,18 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from dflash.assets.tiny import SPECIALS, make_chats, save_qwen3, write_jsonl
-from dflash.cli import main
-from dflash.extract.claims import (
+from dflash_train.assets.tiny import SPECIALS, make_chats, save_qwen3, write_jsonl
+from dflash_train.cli import main
+from dflash_train.extract.claims import (
     FORCE_ENV,
     ClaimRecord,
     ObjectClaim,
     claims_dir,
     exclusive,
 )
-from dflash.extract.errors import ExtractError
-from dflash.extract.writer import KILL_AFTER_ENV
-from dflash.store_schema import open_store, validate
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.writer import KILL_AFTER_ENV
+from dflash_train.store_schema import open_store, validate
 from tests.reliability.s3_server import S3Endpoint, serve_s3, subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,7 +118,7 @@ def test_extract_train_eval_on_s3_equal_the_same_run_on_a_local_disk(s3, inputs,
 def test_a_sigkilled_extract_into_s3_resumes_to_the_uninterrupted_arrays(s3, inputs,
                                                                           local_store):
     url = s3.url("resume/hs.zarr")
-    code = "from dflash.cli import main; main()"
+    code = "from dflash_train.cli import main; main()"
     killed = subprocess.Popen(
         [sys.executable, "-c", code, *extract_args(inputs, url)], cwd=REPO,
         env=subprocess_env(s3, PYTHONPATH=str(REPO), **{KILL_AFTER_ENV: "3"}),
@@ -192,7 +192,7 @@ def test_released_claims_keep_growing_generations_and_old_ones_are_removed(s3):
 
 def test_a_claim_whose_process_died_on_this_machine_is_taken_over_at_once(s3):
     url = s3.url("claims/dead.zarr")
-    code = ("import os, signal; from dflash.extract.claims import exclusive\n"
+    code = ("import os, signal; from dflash_train.extract.claims import exclusive\n"
             f"with exclusive({url!r}, 'part-00000', wait=False):\n"
             "    os.kill(os.getpid(), signal.SIGKILL)")
     dead = subprocess.run([sys.executable, "-c", code], env=subprocess_env(s3), cwd=REPO,
@@ -228,7 +228,7 @@ def test_forcing_a_live_claim_makes_the_old_holder_fail_at_release(s3, monkeypat
 def test_a_waiting_claimer_gets_the_claim_once_the_holder_releases_it(s3, monkeypatch):
     import time
 
-    from dflash.extract import claims
+    from dflash_train.extract import claims
 
     url = s3.url("claims/wait.zarr")
     holder = ObjectClaim.acquire(url, "create", wait=False, stale_after=3600)

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from dflash.cli import main
-from dflash.drafter import load_drafter
-from dflash.train.checkpoint import (
+from dflash_train.cli import main
+from dflash_train.drafter import load_drafter
+from dflash_train.train.checkpoint import (
     COMPLETE,
     KILL_IN_SAVE_ENV,
     TRAINER_STATE,
@@ -41,7 +41,7 @@ def test_kill_during_checkpoint_save_keeps_the_previous_and_resumes_exactly(tmp_
 
     run = tmp_path / "killed"
     env = {**os.environ, KILL_IN_SAVE_ENV: str(KILL_STEP), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "dflash", "train", "--store", store,
+    proc = subprocess.run([sys.executable, "-m", "dflash_train", "train", "--store", store,
                            "--out", str(run), *ARGS], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.store_schema import (
+from dflash_train.store_schema import (
     CreatedWith,
     Sample,
     SourceInfo,

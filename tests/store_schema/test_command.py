@@ -6,9 +6,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.cli import main
-from dflash.store_schema import create_store, open_store
-from dflash.store_schema.layout import part_path
+from dflash_train.cli import main
+from dflash_train.store_schema import create_store, open_store
+from dflash_train.store_schema.layout import part_path
 from tests.store_schema.conftest import HIDDEN, VOCAB, make_meta, random_sample
 
 

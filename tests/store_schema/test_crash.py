@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.store_schema import open_store, validate
-from dflash.store_schema.layout import SAMPLE_ARRAYS, TOKEN_ARRAYS
+from dflash_train.store_schema import open_store, validate
+from dflash_train.store_schema.layout import SAMPLE_ARRAYS, TOKEN_ARRAYS
 from tests.store_schema.conftest import assert_same_sample
 from tests.store_schema.writer_process import row_sample, write_rows
 

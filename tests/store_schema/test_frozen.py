@@ -5,7 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.store_schema import StoreError, check_before_reading, create_store, open_store, validate
+from dflash_train.store_schema import (
+    StoreError,
+    check_before_reading,
+    create_store,
+    open_store,
+    validate,
+)
 from tests.store_schema.conftest import HIDDEN, VOCAB, flip_bytes, make_meta
 
 CONFIG = b'{"model_type": "qwen3_5", "hidden_size": 16, "note": "' + b"x" * 200 + b'"}'

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.store_schema import StoreError, create_store, open_store, validate
-from dflash.store_schema.layout import _SCAN_BLOCK
+from dflash_train.store_schema import StoreError, create_store, open_store, validate
+from dflash_train.store_schema.layout import _SCAN_BLOCK
 from tests.store_schema.conftest import (
     HIDDEN,
     LAYERS,

@@ -5,8 +5,8 @@ import pytest
 import zarr
 from zarr.codecs import ZstdCodec
 
-from dflash.store_schema.layout import context_compressors
-from dflash.store_schema.shards import ShardCodec, ShardDamage
+from dflash_train.store_schema.layout import context_compressors
+from dflash_train.store_schema.shards import ShardCodec, ShardDamage
 
 SHARD, INNER, LAYERS, HIDDEN = 64, 16, 3, 40
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.cli import main
-from dflash.store_schema import StoreError, create_store, open_store
-from dflash.store_schema.layout import part_path
-from dflash.store_schema.stats import STATS_KEY, compute_stats, store_stats
+from dflash_train.cli import main
+from dflash_train.store_schema import StoreError, create_store, open_store
+from dflash_train.store_schema.layout import part_path
+from dflash_train.store_schema.stats import STATS_KEY, compute_stats, store_stats
 from tests.store_schema.conftest import make_meta, random_sample
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
-from dflash.store_schema import create_store, open_store, validate
-from dflash.store_schema.subset import copy_store
+from dflash_train.store_schema import create_store, open_store, validate
+from dflash_train.store_schema.subset import copy_store
 from tests.store_schema.conftest import VOCAB, assert_same_sample, make_meta, random_sample
 
 

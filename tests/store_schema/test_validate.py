@@ -7,9 +7,15 @@ import numpy as np
 import pytest
 import zarr
 
-from dflash.store_schema import StoreError, check_before_reading, create_store, open_store, validate
-from dflash.store_schema.integrity import refuse_unless_skipping
-from dflash.store_schema.layout import part_path
+from dflash_train.store_schema import (
+    StoreError,
+    check_before_reading,
+    create_store,
+    open_store,
+    validate,
+)
+from dflash_train.store_schema.integrity import refuse_unless_skipping
+from dflash_train.store_schema.layout import part_path
 from tests.store_schema.conftest import flip_bytes, make_meta, random_sample
 
 SHARD = 1024

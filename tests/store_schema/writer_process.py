@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from dflash.store_schema import create_store
+from dflash_train.store_schema import create_store
 from tests.store_schema.conftest import make_meta, random_sample
 
 SHARD = 64

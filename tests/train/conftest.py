@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from dflash.store_schema import (
+from dflash_train.store_schema import (
     CreatedWith,
     Sample,
     SourceInfo,

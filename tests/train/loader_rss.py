@@ -6,7 +6,7 @@ python -m tests.train.loader_rss URL
 import sys
 from pathlib import Path
 
-from dflash.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import LoaderConfig, StoreLoader
 
 
 def peak_rss_kb() -> int:

@@ -4,8 +4,8 @@ import tomllib
 
 import pytest
 
-from dflash.train.config import config_from_dict, load_config, to_toml
-from dflash.train.errors import TrainError
+from dflash_train.train.config import config_from_dict, load_config, to_toml
+from dflash_train.train.errors import TrainError
 
 
 @pytest.mark.parametrize(("key", "value", "named"), [

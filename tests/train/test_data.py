@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from dflash.store_schema import create_store
-from dflash.train.data import LoaderConfig, StoreLoader, pin_mmap_threshold
+from dflash_train.store_schema import create_store
+from dflash_train.train.data import LoaderConfig, StoreLoader, pin_mmap_threshold
 from tests.store_schema.conftest import make_meta, random_sample
 
 
@@ -131,7 +131,7 @@ def test_worker_processes_yield_the_same_batches_in_the_same_order(store_url):
 
 
 def test_read_units_leave_the_cache_once_all_their_samples_are_served(store_url):
-    from dflash.train.data import _UnitReader
+    from dflash_train.train.data import _UnitReader
 
     loader = StoreLoader([store_url], _cfg(unit_cache_tokens=10**9))  # a bound never reached
     reader = _UnitReader({(i, p.index): p for i, p in loader.parts}, loader.cfg)

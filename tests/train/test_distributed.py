@@ -9,9 +9,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.cli import main
-from dflash.drafter import load_drafter
-from dflash.train.checkpoint import latest_checkpoint
+from dflash_train.cli import main
+from dflash_train.drafter import load_drafter
+from dflash_train.train.checkpoint import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding):
     assert one.exit_code == 0, one.output
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "dflash", "train", "--out", str(tmp_path / "two"), *args, *sharding],
+         "-m", "dflash_train", "train", "--out", str(tmp_path / "two"), *args, *sharding],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
 

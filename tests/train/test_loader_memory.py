@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.store_schema import create_store
+from dflash_train.store_schema import create_store
 from tests.store_schema.conftest import make_meta, random_sample
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,9 +5,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from dflash.cli import main
-from dflash.train.errors import TrainError
-from dflash.train.log_summary import read_log, summarize_log
+from dflash_train.cli import main
+from dflash_train.train.errors import TrainError
+from dflash_train.train.log_summary import read_log, summarize_log
 
 
 def _records():

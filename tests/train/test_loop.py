@@ -12,18 +12,18 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.blocks import draft_topk
-from dflash.cli import main
-from dflash.drafter import DrafterConfig, load_drafter
-from dflash.evaluate.metrics import AcceptanceStats
-from dflash.store_schema import StoreError, open_store
-from dflash.train.checkpoint import latest_checkpoint
-from dflash.train.config import ModelConfig, load_config
-from dflash.train.data import LoaderConfig, StoreLoader
-from dflash.train.errors import TrainError
-from dflash.train.loop import shape_drafter, train
-from dflash.train.noise import NoiseConfig
-from dflash.train.step import make_blocks, noised_context
+from dflash_train.blocks import draft_topk
+from dflash_train.cli import main
+from dflash_train.drafter import DrafterConfig, load_drafter
+from dflash_train.evaluate.metrics import AcceptanceStats
+from dflash_train.store_schema import StoreError, open_store
+from dflash_train.train.checkpoint import latest_checkpoint
+from dflash_train.train.config import ModelConfig, load_config
+from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.errors import TrainError
+from dflash_train.train.loop import shape_drafter, train
+from dflash_train.train.noise import NoiseConfig
+from dflash_train.train.step import make_blocks, noised_context
 from tests.train.conftest import MASK, build_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,8 +131,8 @@ def test_killed_run_resumes_to_the_same_weights(synthetic_store, tmp_path):
     assert whole.exit_code == 0, whole.output
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--out", str(run), *args],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_train", "train", "--out", str(run),
+                             *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while latest_checkpoint(run) is None or latest_checkpoint(run).name < "step_00000008":
         assert proc.poll() is None and time.time() < deadline, "run ended before the kill"
@@ -331,7 +331,7 @@ def test_a_tiny_drafter_reports_its_exact_parameter_count(synthetic_store, tmp_p
 
 
 def test_parameter_counts_keep_their_digits():
-    from dflash.train.loop import parameter_count
+    from dflash_train.train.loop import parameter_count
 
     assert parameter_count(12_345) == "12,345"
     assert parameter_count(1_234_567) == "1.23M"
@@ -366,7 +366,7 @@ def test_help_shows_a_default_for_every_setting_option():
 
 def test_the_structural_check_runs_once_per_start(synthetic_store, tmp_path, monkeypatch):
     # it lists every object of the store: on object storage, the costly part of a start
-    import dflash.store_schema.integrity as integrity
+    import dflash_train.store_schema.integrity as integrity
 
     calls = []
     real = integrity.validate

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from dflash.blocks import BLOCK_SIZE, IGNORE_LABEL, BlockError
-from dflash.train.loss import (
+from dflash_train.blocks import BLOCK_SIZE, IGNORE_LABEL, BlockError
+from dflash_train.train.loss import (
     DEFAULT_GAMMA,
     LossConfig,
     block_ce_loss,

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from dflash.blocks import BlockError, block_labels, sample_anchors
-from dflash.train.loss import slot_weights
-from dflash.train.noise import NoiseConfig, add_context_noise, context_layer_rms, noise_std_at
+from dflash_train.blocks import BlockError, block_labels, sample_anchors
+from dflash_train.train.loss import slot_weights
+from dflash_train.train.noise import NoiseConfig, add_context_noise, context_layer_rms, noise_std_at
 
 N_LAYERS, H = 3, 64
 

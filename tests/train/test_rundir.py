@@ -12,22 +12,22 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash.cli import main
-from dflash.drafter import load_drafter
-from dflash.drafter.checkpoint import CHECKSUMS_NAME
-from dflash.train.checkpoint import (
+from dflash_train.cli import main
+from dflash_train.drafter import load_drafter
+from dflash_train.drafter.checkpoint import CHECKSUMS_NAME
+from dflash_train.train.checkpoint import (
     PROVENANCE,
     TRAINER_STATE,
     checkpoint_dir,
     complete_checkpoints,
     read_checkpoint,
 )
-from dflash.train.config import TrainConfig, load_config
-from dflash.train.errors import TrainError
-from dflash.train.loop import check_same_choice, train
-from dflash.train.parallel import gather_objects
-from dflash.train.rundir import RUN_MANAGEMENT_FIELDS, config_changes, find_resume_point
-from dflash.train.step import make_blocks
+from dflash_train.train.config import TrainConfig, load_config
+from dflash_train.train.errors import TrainError
+from dflash_train.train.loop import check_same_choice, train
+from dflash_train.train.parallel import gather_objects
+from dflash_train.train.rundir import RUN_MANAGEMENT_FIELDS, config_changes, find_resume_point
+from dflash_train.train.step import make_blocks
 
 STEPS = 4
 
@@ -307,7 +307,7 @@ def test_ranks_that_chose_different_checkpoints_are_refused(tmp_path):
 
 def test_a_resumed_run_lets_go_of_the_checkpoint_it_read(synthetic_store, run_copy,
                                                          monkeypatch):
-    import dflash.train.loop as loop
+    import dflash_train.train.loop as loop
 
     shutil.rmtree(checkpoint_dir(run_copy, STEPS))  # two steps left to train
     refs = []
@@ -367,7 +367,7 @@ def test_a_resume_over_parts_that_changed_is_refused(tmp_path):
     out = tmp_path / "run"
     assert CliRunner().invoke(main, _args(store, out)).exit_code == 0
     shutil.rmtree(checkpoint_dir(out, STEPS))
-    from dflash.store_schema import open_store
+    from dflash_train.store_schema import open_store
 
     open_store(store, mode="r+").part_writer(2, 16, 24).finish()  # extraction ended meanwhile
     result = CliRunner().invoke(main, _args(store, out, "--resume"))
@@ -399,7 +399,7 @@ def test_a_run_whose_last_step_was_a_periodic_checkpoint_is_complete(synthetic_s
 
 
 def test_a_second_train_on_a_directory_in_use_is_refused(synthetic_store, tmp_path):
-    from dflash.train.rundir import run_lock
+    from dflash_train.train.rundir import run_lock
 
     out = tmp_path / "run"
     with run_lock(out, rank=0):  # a run in progress in this directory

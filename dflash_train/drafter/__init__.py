@@ -1,0 +1,62 @@
+"""The DFlash drafter: model, block masks, and the serving checkpoint format.
+
+- `config.py`: `DrafterConfig` (the architecture, field for field config.json) and
+  `default_target_layer_ids`, the one home of the layer-id formula (REFERENCE.md 2).
+- `masks.py`: block positions a..a+B-1 and who-sees-whom, as a dense SDPA mask and as a
+  flex-attention BlockMask evaluated from one shared predicate.
+- `model.py`: `DFlashDrafter`. `forward(context, context_lengths, block_ids, anchors)` is
+  the one multi-block forward that training and evaluation share; `extend_context` +
+  `draft_block` are the live single-block forward over a context KV cache. The target's
+  embed_tokens / lm_head are borrowed frozen via `attach_target_head`, never saved.
+- `checkpoint.py`: `save_drafter` / `load_drafter` / `export_checkpoint` in the HF
+  directory format vLLM, SGLang and z-lab load (REFERENCE.md 6), written atomically with
+  a sha256 record (checksums.json) that loading verifies; an overwrite replaces only an
+  empty directory or a previous export.
+
+Typical use (the caller applies the lm_head, in chunks if memory is tight):
+
+    model = DFlashDrafter(DrafterConfig.for_target(target_cfg, mask_token_id=248070),
+                          embed_tokens=embed, lm_head=head)
+    ids = build_block_ids(anchor_tokens, model.config.mask_token_id, model.config.block_size)
+    hidden = model(features, lengths, ids, anchors)      # [N, K, B, H]
+    logits = model.logits(hidden[:, :, 1:])              # slot k predicts position a+k
+
+This package never reads the feature store, samples anchors, or computes losses.
+"""
+
+from dflash_train.blocks import build_block_ids
+from dflash_train.drafter.checkpoint import (
+    DRAFTER_SUBDIR,
+    export_checkpoint,
+    load_drafter,
+    read_config,
+    save_drafter,
+)
+from dflash_train.drafter.config import (
+    AttentionShape,
+    DrafterConfig,
+    default_target_layer_ids,
+    published_attention,
+)
+from dflash_train.drafter.errors import DrafterError
+from dflash_train.drafter.masks import BlockLayout, dense_mask, flex_block_mask
+from dflash_train.drafter.model import ContextCache, DFlashDrafter
+
+__all__ = [
+    "DRAFTER_SUBDIR",
+    "AttentionShape",
+    "BlockLayout",
+    "ContextCache",
+    "DFlashDrafter",
+    "DrafterConfig",
+    "DrafterError",
+    "build_block_ids",
+    "default_target_layer_ids",
+    "dense_mask",
+    "export_checkpoint",
+    "flex_block_mask",
+    "load_drafter",
+    "published_attention",
+    "read_config",
+    "save_drafter",
+]

@@ -1,0 +1,434 @@
+"""Drafter directories in the format vLLM / SGLang / z-lab load (REFERENCE.md 6).
+
+A drafter directory is `config.json` (architectures DFlashDraftModel, model_type qwen3,
+Qwen3 fields, layer_types, block_size, dflash_config) plus `model.safetensors` keyed
+`fc.weight`, `hidden_norm.weight`, `layers.N.*`, `norm.weight`: no embed_tokens, no
+lm_head. Our own save format IS this format, so a training checkpoint holds such a
+directory under `drafter/` (next to optimiser state) and export is a validated copy.
+
+Every directory we write also holds `checksums.json` (sha256 of the other files, written
+last): load_drafter verifies it when present, so flipped bytes are refused instead of being
+evaluated, exported or resumed. Serving engines read config.json and *.safetensors only and
+ignore other files; directories without the record (z-lab / HF downloads) load unverified.
+
+Owns reading/writing those files, atomically (temp dir + rename), and the rule of what an
+overwrite may replace. Never trains, never touches optimiser state, never reads the feature
+store, and never deletes a directory that holds anything but a drafter's own files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train.drafter.config import DEFAULT_BLOCK_SIZE, DrafterConfig
+from dflash_train.drafter.errors import DrafterError
+from dflash_train.drafter.model import DFlashDrafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CHECKSUMS_NAME = "checksums.json"
+"""sha256 of every other file a drafter directory was written with."""
+OWN_FILES = (CONFIG_NAME, WEIGHTS_NAME, CHECKSUMS_NAME)
+"""Everything save_drafter / export write: the only files an overwrite may replace."""
+DRAFTER_SUBDIR = "drafter"
+"""Where a training checkpoint keeps its drafter directory."""
+
+ARCHITECTURE = "DFlashDraftModel"
+
+# dflash_config / top-level fields that change the forward in ways this drafter does not
+# implement (DFlash2 selectors, logit scaling, attention sinks, ...): refused by name
+# rather than loaded into a drafter that would silently compute something else.
+_UNSUPPORTED_IF_SET = {
+    "attention_sink_bias": False,
+    "final_logit_softcapping": None,
+    "use_swa": False,
+    "swa_window_size": None,
+    "conv_kernel_size": None,
+    "conv_group_size": None,
+    "selector_rank": None,
+    "selector_top_k": None,
+}
+_UNSUPPORTED_UNLESS = {
+    "output_multiplier": 1.0,
+    "input_embedding_scale": 1.0,
+    "use_aux_hidden_state": True,
+    "is_neox_style": True,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "partial_rotary_factor": 1.0,
+}
+
+
+def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json contents, the fields of the published z-lab DFlash checkpoints."""
+    raw: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": _plain_number(config.rope_theta),
+        "rope_scaling": None,
+        "max_position_embeddings": config.max_position_embeddings,
+        "layer_types": list(config.layer_types),
+        "sliding_window": config.sliding_window,
+        # transformers' Qwen3Config drops sliding_window unless this is set.
+        "use_sliding_window": "sliding_attention" in config.layer_types,
+        "max_window_layers": config.num_hidden_layers,
+        "vocab_size": config.vocab_size,
+        "block_size": config.block_size,
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+            "block_size": config.block_size,
+        },
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    if config.is_causal is not None:
+        raw["is_causal"] = config.is_causal
+    # Unknown for third-party drafters without it: a null here makes SGLang fall back to the
+    # drafter's own layer count and reject the target layer ids, and no value can be derived
+    # exactly (max(target_layer_ids) + 1 is only a lower bound), so the key is left out.
+    if config.num_target_layers is not None:
+        raw["num_target_layers"] = config.num_target_layers
+    return raw
+
+
+def _plain_number(value: float) -> float | int:
+    # Published configs write "rope_theta": 1000000; keep integral values integral.
+    return int(value) if float(value).is_integer() else value
+
+
+def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> DrafterConfig:
+    """Parse our config.json or a third-party DFlash one (z-lab, vLLM conventions)."""
+    architectures = raw.get("architectures") or []
+    if ARCHITECTURE not in architectures:
+        raise DrafterError(f"{source}: architectures {architectures} is not [{ARCHITECTURE!r}]")
+    if raw.get("model_type", "qwen3") != "qwen3":
+        raise DrafterError(f"{source}: model_type {raw['model_type']!r}; only qwen3 drafters")
+    draft = dict(raw.get("dflash_config") or {})
+    _refuse_unsupported(raw, draft, source)
+
+    def pick(name: str, default: Any = None) -> Any:
+        return draft.get(name, raw.get(name, default))
+
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "vocab_size"):
+        if raw.get(name) is None:
+            raise DrafterError(f"{source}: missing field {name!r}")
+    for name in ("target_layer_ids", "mask_token_id"):
+        if pick(name) is None:
+            raise DrafterError(f"{source}: missing dflash_config.{name}")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise DrafterError(f"{source}: rope type {rope.get('rope_type')!r}; only default RoPE")
+    rope_theta = raw.get("rope_theta", rope.get("rope_theta"))
+    if rope_theta is None:
+        raise DrafterError(f"{source}: no rope_theta (top level or rope_parameters)")
+    is_causal = raw.get("is_causal", draft.get("causal"))
+    heads = int(raw["num_attention_heads"])
+    return DrafterConfig(
+        hidden_size=int(raw["hidden_size"]),
+        vocab_size=int(raw["vocab_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        target_layer_ids=list(pick("target_layer_ids")),
+        num_target_layers=raw.get("num_target_layers"),
+        mask_token_id=int(pick("mask_token_id")),
+        num_hidden_layers=int(raw["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+        layer_types=list(raw.get("layer_types") or []),
+        sliding_window=raw.get("sliding_window"),
+        is_causal=None if is_causal is None else bool(is_causal),
+        block_size=int(pick("block_size", DEFAULT_BLOCK_SIZE)),
+    )
+
+
+def _refuse_unsupported(raw: Mapping[str, Any], draft: Mapping[str, Any], source: str) -> None:
+    for scope, fields in (("", raw), ("dflash_config.", draft)):
+        for name, harmless in _UNSUPPORTED_IF_SET.items():
+            if fields.get(name, harmless) not in (harmless, None, False):
+                raise DrafterError(
+                    f"{source}: {scope}{name}={fields[name]!r} is not supported by this drafter"
+                )
+        for name, required in _UNSUPPORTED_UNLESS.items():
+            if name in fields and fields[name] != required:
+                raise DrafterError(
+                    f"{source}: {scope}{name}={fields[name]!r} is not supported (need "
+                    f"{required!r})"
+                )
+    same_as = {"target_hidden_size": "hidden_size", "draft_vocab_size": "vocab_size",
+               "v_head_dim": "head_dim"}
+    for name, base in same_as.items():
+        if raw.get(name) not in (None, raw.get(base)):
+            raise DrafterError(f"{source}: {name}={raw[name]} differs from {base}; unsupported")
+
+
+def save_drafter(
+    model: DFlashDrafter,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write `model` as a serving-format drafter directory, atomically.
+
+    dtype: cast the weights (e.g. torch.bfloat16 for serving); None keeps them as they are.
+    state_dict: the full weights when the model's own are sharded (FSDP); default its own.
+    """
+    weights = model.state_dict() if state_dict is None else state_dict
+    state = {
+        name: (t if dtype is None else t.to(dtype)).detach().to("cpu").contiguous()
+        for name, t in weights.items()
+    }
+    stored = state["fc.weight"].dtype
+    raw = config_to_dict(model.config, stored)
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG_NAME).write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        write_checksums(tmp, [CONFIG_NAME, WEIGHTS_NAME])
+
+    return _write_dir_atomically(Path(out_dir), write, overwrite)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: Path, names: list[str]) -> None:
+    """Record the sha256 of `names` in `directory`/checksums.json, last and atomically."""
+    record = {"algorithm": "sha256",
+              "files": {name: file_sha256(directory / name) for name in names}}
+    tmp = directory / f".{CHECKSUMS_NAME}.tmp"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, directory / CHECKSUMS_NAME)
+
+
+def verify_checksums(directory: str | os.PathLike) -> bool:
+    """Check the files against checksums.json; False when there is no record (third-party
+    directories), DrafterError naming the file when one differs or is missing."""
+    directory = Path(directory)
+    record_path = directory / CHECKSUMS_NAME
+    if not record_path.is_file():
+        return False
+    try:
+        record = json.loads(record_path.read_text())
+        files = record["files"]
+        if record.get("algorithm") != "sha256" or not isinstance(files, dict):
+            raise ValueError("expected {'algorithm': 'sha256', 'files': {name: hex}}")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise DrafterError(f"{record_path}: unreadable checksum record ({err})") from err
+    for name, want in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise DrafterError(f"{path}: listed in {CHECKSUMS_NAME} but missing")
+        got = file_sha256(path)
+        if got != want:
+            raise DrafterError(
+                f"{path}: sha256 {got[:16]}... does not match {CHECKSUMS_NAME} "
+                f"({str(want)[:16]}...): the file is corrupt or was changed after saving "
+                f"(delete {CHECKSUMS_NAME} only if you changed it on purpose)")
+    return True
+
+
+def load_drafter(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> DFlashDrafter:
+    """Load a drafter directory (ours, z-lab's or any DFlashDraftModel one).
+
+    `path` may also be a training checkpoint holding the drafter under `drafter/`.
+    The weights keep their stored dtype unless `dtype` is given. The target's embed_tokens
+    and lm_head are not in the directory: attach them with `attach_target_head`.
+    """
+    directory = resolve_drafter_dir(path)
+    verify_checksums(directory)
+    config = read_config(directory)
+    state = _read_weights(directory)
+    with torch.device("meta"):
+        model = DFlashDrafter(config)
+    _check_keys(model, state, directory)
+    model.load_state_dict(state, assign=True)
+    return model.to(device=device, dtype=dtype)
+
+
+def read_config(directory: str | os.PathLike) -> DrafterConfig:
+    """The DrafterConfig of a drafter directory, without loading weights."""
+    path = Path(directory) / CONFIG_NAME
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise DrafterError(f"{path}: not found; not a drafter directory") from err
+    except json.JSONDecodeError as err:
+        raise DrafterError(f"{path}: invalid JSON ({err})") from err
+    return config_from_dict(raw, str(path))
+
+
+def resolve_drafter_dir(path: str | os.PathLike) -> Path:
+    """The drafter directory itself, or the `drafter/` inside a training checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise DrafterError(f"{path}: does not exist")
+    if not path.is_dir():
+        raise DrafterError(f"{path}: is a file, not a drafter directory or checkpoint")
+    if (path / CONFIG_NAME).is_file():
+        return path
+    if (path / DRAFTER_SUBDIR / CONFIG_NAME).is_file():
+        return path / DRAFTER_SUBDIR
+    raise DrafterError(
+        f"{path}: no {CONFIG_NAME} here or in {DRAFTER_SUBDIR}/; not a drafter or checkpoint"
+    )
+
+
+def export_checkpoint(
+    src_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = torch.bfloat16,
+    overwrite: bool = False,
+) -> Path:
+    """`dflash export`: a training checkpoint (or drafter dir) -> a serving directory.
+
+    Loads and validates the drafter (config fields, weight keys and shapes), casts it to
+    `dtype` (bf16 like the published drafters; None keeps the stored dtype) and writes it
+    atomically. Returns the written directory.
+    """
+    source = resolve_drafter_dir(src_dir)
+    if Path(out_dir).resolve() in (source.resolve(), Path(src_dir).resolve()):
+        raise DrafterError(f"{out_dir}: is the checkpoint being exported; pick another "
+                           "output directory")
+    check_output_dir(out_dir, overwrite)
+    model = load_drafter(source)
+    return save_drafter(model, out_dir, dtype=dtype, overwrite=overwrite)
+
+
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool,
+                     flag: str = "overwrite=True") -> None:
+    """Refuse `out_dir` unless it is new, or `overwrite` and it is empty or holds only a
+    previous drafter's own files (OWN_FILES, config.json naming DFlashDraftModel).
+
+    flag: how the caller's user asks for an overwrite (`--overwrite` on the command line).
+    """
+    out = Path(out_dir)
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise DrafterError(f"{out}: already exists (pass {flag} to replace a previous export)")
+    if out.is_symlink() or not out.is_dir():
+        raise DrafterError(f"{out}: is not a directory; refusing to replace it")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    foreign = [n for n in entries if n not in OWN_FILES or not (out / n).is_file()]
+    config = out / CONFIG_NAME
+    if not foreign and config.is_file():
+        try:
+            architectures = json.loads(config.read_text()).get("architectures") or []
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+            architectures = []
+        if ARCHITECTURE in architectures:
+            return
+    shown = ", ".join(entries[:6]) + (f", ... ({len(entries)} entries)"
+                                      if len(entries) > 6 else "")
+    raise DrafterError(f"{out}: holds {shown}, not only a previous DFlash export; refusing to "
+                       "replace it (remove it yourself or pick another directory)")
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return _load_safetensors(single)
+    index = directory / WEIGHTS_INDEX_NAME
+    if not index.is_file():
+        raise DrafterError(f"{directory}: neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
+    weight_map = json.loads(index.read_text()).get("weight_map", {})
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        state.update(_load_safetensors(directory / shard))
+    return state
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for truncated files
+        raise DrafterError(f"{path}: cannot read safetensors ({err})") from err
+
+
+def _check_keys(model: DFlashDrafter, state: Mapping[str, torch.Tensor], where: Path) -> None:
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        own_head = [k for k in unexpected if k.split(".")[0] in ("embed_tokens", "lm_head")]
+        hint = " (this drafter ships its own embed_tokens/lm_head; dflash borrows the "\
+            "target's)" if own_head else ""
+        raise DrafterError(f"{where}: unexpected weights {unexpected[:8]}{hint}")
+    if missing:
+        raise DrafterError(f"{where}: missing weights {missing[:8]}")
+    wrong = [(k, tuple(state[k].shape), s) for k, s in expected.items()
+             if tuple(state[k].shape) != s]
+    if wrong:
+        name, got, want = wrong[0]
+        raise DrafterError(f"{where}: weight {name} has shape {got}, config implies {want}")
+
+
+def _write_dir_atomically(
+    out_dir: Path, write: Callable[[Path], None], overwrite: bool
+) -> Path:
+    """Write into a sibling temp dir, then rename it into place: a crash never leaves a
+    half-written drafter at `out_dir`. Only a directory check_output_dir accepts is
+    replaced."""
+    check_output_dir(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        for file in tmp.iterdir():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+        old = None
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{tmp.name}"
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,360 @@
+"""The DFlash drafter network: the multi-block forward for train/eval, the live forward.
+
+Body (REFERENCE.md 1): `ctx = hidden_norm(fc(concat of n target-layer features))`, then
+Qwen3-style decoder layers at the target width whose keys/values are
+`concat(k/v_proj(ctx), k/v_proj(block))` in EVERY layer (KV injection; the context is not
+transformed by the layers and is never a query), then a final RMSNorm. Parameter names are
+the published checkpoint's (`fc`, `hidden_norm`, `layers.N.*`, `norm`).
+
+The target's `embed_tokens` and `lm_head` are borrowed, frozen: attached as non-persistent
+buffers, so they are never in the state_dict, never trained, never saved.
+
+This module never reads files or builds datasets; it never decides which tokens are
+anchors or what the labels are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import checkpoint
+
+from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.errors import DrafterError
+from dflash_train.drafter.masks import BlockLayout, dense_mask, flex_block_mask
+
+AttentionBackend = Literal["auto", "flex", "dense"]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_compiled_flex: Callable | None = None
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [..., S, head_dim] for integer positions [..., S] (HF / neox layout)."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, S, d] by cos/sin [N or 1, S, d]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Block queries over injected context keys plus the block's own keys."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], heads, self.head_dim)
+
+    def keys_values(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated, normed keys and values [N, kv_heads, S, d] of hidden states x [N, S, H]."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
+        return apply_rope(k, *rope), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: Attend,
+    ) -> torch.Tensor:
+        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
+        q = apply_rope(q, *rope)
+        k, v = self.keys_values(x, rope)
+        k = torch.cat([context_kv[0], k], dim=2)
+        v = torch.cat([context_kv[1], v], dim=2)
+        out = attend(q, k, v)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    """Qwen3 SwiGLU feed-forward."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer; the context enters the attention un-normed by this
+    layer's input_layernorm (it was normed once by hidden_norm)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: Attend,
+        context_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """context: the context's cached (keys, values); or, with context_rope, the projected
+        context [N, S, H] whose keys/values this layer computes here, inside its own call,
+        where FSDP has gathered its weights."""
+        if context_rope is not None:
+            context = self.self_attn.keys_values(context, context_rope)
+        x = x + self.self_attn(self.input_layernorm(x), context, rope, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ContextCache:
+    """Per-layer context keys/values of the live forward, positions 0 .. length-1."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    """Per layer [N, kv_heads, length, head_dim], already normed and rotated."""
+    values: list[torch.Tensor] = field(default_factory=list)
+    """Per layer [N, kv_heads, length, head_dim]."""
+    length: int = 0
+    """Context positions held; the next block's anchor is at this position."""
+
+    def crop(self, length: int) -> None:
+        """Forget context positions >= length (e.g. after a rollback)."""
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+        self.length = min(self.length, length)
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter. Borrowed target rows via `attach_target_head`."""
+
+    def __init__(
+        self,
+        config: DrafterConfig,
+        embed_tokens: torch.Tensor | None = None,
+        lm_head: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        config.validate()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(config.num_context_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.register_buffer("target_embed_tokens", None, persistent=False)
+        self.register_buffer("target_lm_head", None, persistent=False)
+        self.gradient_checkpointing = False
+        """Recompute each layer in backward instead of keeping its activations (training)."""
+        self.reset_parameters()
+        if embed_tokens is not None or lm_head is not None:
+            self.attach_target_head(embed_tokens, lm_head)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF-style init: linears ~ N(0, std), norms at 1."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def attach_target_head(
+        self, embed_tokens: torch.Tensor | None, lm_head: torch.Tensor | None
+    ) -> None:
+        """Borrow the target's frozen [vocab, hidden] embedding and lm_head rows.
+
+        Pass the same tensor twice for a target with tied embeddings.
+        """
+        want = (self.config.vocab_size, self.config.hidden_size)
+        for name, weight in (("embed_tokens", embed_tokens), ("lm_head", lm_head)):
+            if weight is None:
+                raise DrafterError(f"attach_target_head: {name} is missing")
+            if tuple(weight.shape) != want:
+                raise DrafterError(
+                    f"target {name} has shape {tuple(weight.shape)}, the drafter needs {want}"
+                )
+        self.target_embed_tokens = embed_tokens.detach()
+        self.target_lm_head = lm_head.detach()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.target_embed_tokens is None:
+            raise DrafterError("no target embed_tokens attached; call attach_target_head first")
+        return F.embedding(ids, self.target_embed_tokens).to(self.fc.weight.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Apply the borrowed lm_head (callers may chunk `hidden` to bound memory)."""
+        if self.target_lm_head is None:
+            raise DrafterError("no target lm_head attached; call attach_target_head first")
+        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
+
+    def project_context(self, context: torch.Tensor) -> torch.Tensor:
+        """ctx = hidden_norm(fc(features)); features [N, T, n, H] or [N, T, n*H]."""
+        if context.dim() == 4:
+            context = context.flatten(2)
+        want = self.fc.in_features
+        if context.dim() != 3 or context.shape[-1] != want:
+            raise DrafterError(
+                f"context features have shape {tuple(context.shape)}; expected [N, T, "
+                f"{self.config.num_context_features}, {self.config.hidden_size}] or [N, T, {want}]"
+            )
+        return self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def forward(
+        self,
+        context: torch.Tensor,
+        context_lengths: torch.Tensor,
+        block_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        attention: AttentionBackend = "auto",
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [N, K, B, H], of K blocks per sequence.
+
+        context: [N, T, n, H] target features (padded to T); context_lengths: [N] valid
+        positions; block_ids: [N, K, B] = [anchor token, MASK...] per block; anchors: [N, K]
+        positions of the anchor tokens. Block k sees context < anchors[:, k] and itself
+        (masks.py). Padding blocks may use any anchor and are simply ignored by the caller.
+        attention: "flex" (flex_attention, compiled on CUDA; on CPU eager and forward
+        only), "dense" (SDPA with a bool mask), "auto" = flex on CUDA, dense elsewhere.
+        Compiled flex recompiles per distinct (T, K): pad batches to a few fixed shapes.
+        """
+        n, k, b = block_ids.shape
+        if b != self.config.block_size:
+            raise DrafterError(f"blocks have {b} tokens; this drafter's block_size is "
+                               f"{self.config.block_size}")
+        if anchors.shape != (n, k):
+            raise DrafterError(f"anchors shape {tuple(anchors.shape)} != blocks {(n, k)}")
+        ctx = self.project_context(context)
+        layout = BlockLayout.build(anchors, context_lengths, ctx.shape[1], b)
+        dtype = ctx.dtype
+        block_rope = self._rope(layout.query_positions(), dtype)
+        ctx_rope = self._rope(torch.arange(ctx.shape[1], device=ctx.device)[None], dtype)
+        use_flex = attention == "flex" or (attention == "auto" and ctx.device.type == "cuda")
+        attends: dict[tuple[bool, int | None], Attend] = {}
+        x = self._embed(block_ids).flatten(1, 2)
+        for i, layer in enumerate(self.layers):
+            rule = (self.config.layer_is_causal(i), self.config.layer_window(i))
+            if rule not in attends:
+                attends[rule] = _flex_attend(layout, *rule) if use_flex else _dense_attend(
+                    dense_mask(layout, *rule))
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, block_rope, attends[rule], ctx_rope,
+                               use_reentrant=False)
+            else:
+                x = layer(x, ctx, block_rope, attends[rule], context_rope=ctx_rope)
+        return self.norm(x).view(n, k, b, -1)
+
+    def forward_logits(self, *args, **kwargs) -> torch.Tensor:
+        """`forward` then the borrowed lm_head: [N, K, B, vocab]."""
+        return self.logits(self(*args, **kwargs))
+
+    @torch.no_grad()
+    def extend_context(self, cache: ContextCache, features: torch.Tensor) -> None:
+        """Live decoding: append target features of the next committed positions
+        ([N, t, n, H]) to the cache, at positions cache.length .. cache.length+t-1."""
+        ctx = self.project_context(features)
+        positions = torch.arange(cache.length, cache.length + ctx.shape[1], device=ctx.device)
+        rope = self._rope(positions[None], ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(ctx, rope)
+            if cache.length:
+                k = torch.cat([cache.keys[i], k], dim=2)
+                v = torch.cat([cache.values[i], v], dim=2)
+                cache.keys[i], cache.values[i] = k, v
+            else:
+                cache.keys.append(k)
+                cache.values.append(v)
+        cache.length += ctx.shape[1]
+
+    @torch.no_grad()
+    def draft_block(self, cache: ContextCache, block_ids: torch.Tensor) -> torch.Tensor:
+        """Live decoding: hidden states [N, B, H] of one block anchored at cache.length."""
+        n, b = block_ids.shape
+        if not cache.length:
+            raise DrafterError("draft_block needs at least one context position in the cache")
+        device = block_ids.device
+        anchors = torch.full((n, 1), cache.length, device=device, dtype=torch.long)
+        lengths = torch.full((n,), cache.length, device=device, dtype=torch.long)
+        layout = BlockLayout.build(anchors, lengths, cache.length, b)
+        rope = self._rope(layout.query_positions(), self.fc.weight.dtype)
+        x = self._embed(block_ids)
+        for i, layer in enumerate(self.layers):
+            rule = (self.config.layer_is_causal(i), self.config.layer_window(i))
+            attend = _dense_attend(dense_mask(layout, *rule))
+            x = layer(x, (cache.keys[i], cache.values[i]), rope, attend)
+        return self.norm(x)
+
+
+def _dense_attend(mask: torch.Tensor) -> Attend:
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return attend
+
+
+def _flex_attend(layout: BlockLayout, causal: bool, window: int | None) -> Attend:
+    block_mask = flex_block_mask(layout, causal, window)
+    run = flex_attention
+    if layout.anchors.device.type == "cuda":
+        # Eager flex materialises the full score matrix; only the compiled kernel is fused.
+        global _compiled_flex
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        run = _compiled_flex
+
+    def attend(q, k, v):
+        return run(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    return attend

@@ -1,0 +1,101 @@
+"""The `dflash eval` click command: options -> EvalConfig -> run_eval -> table and files.
+
+Owns option parsing and turning EvalError (and the store's, blocks' and drafter's errors)
+into one line on stderr and exit status 1 (never a traceback for a user mistake). The lead
+registers `eval_command` in dflash_train/cli.py.
+"""
+
+import json
+
+import click
+
+from dflash_train.blocks import BlockError
+from dflash_train.drafter import DrafterError
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.replay import EvalSettings
+from dflash_train.store_schema import StoreError
+
+_DEFAULTS = EvalSettings()
+
+
+def _int_list(ctx, param, value: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers") from e
+    if any(x < 1 for x in items):
+        raise click.BadParameter(f"{value!r}: every value must be >= 1")
+    return items
+
+
+@click.command("eval", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("checkpoints", nargs=-1, required=True)
+@click.option("--store", required=True,
+              help="Held-out feature store (path or fsspec URL); no target model is loaded.")
+@click.option("--mode", type=click.Choice(["replay", "all"]), default=_DEFAULTS.mode,
+              show_default=True,
+              help="replay: the anchors live decoding visits (first response token, then "
+                   "a + tau); all: every eligible anchor.")
+@click.option("--tree-budget", "tree_budgets", default="16,32,64", show_default=True,
+              callback=_int_list, help="DDTree node budgets for tree acceptance (comma list).")
+@click.option("--recall-at", default="1,2,4,8", show_default=True, callback=_int_list,
+              help="k of the per-slot top-k recall (comma list).")
+@click.option("--limit", type=click.IntRange(1), default=None,
+              help="Evaluate this many samples, drawn uniformly with --seed. Default: all.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the --limit draw.")
+@click.option("--batch-tokens", default=_DEFAULTS.batch_tokens, show_default=True,
+              type=click.IntRange(1), help="Sequences per batch: count x longest <= this.")
+@click.option("--blocks-per-forward", default=_DEFAULTS.blocks_per_forward,
+              show_default=True, type=click.IntRange(1),
+              help="Blocks per sequence per drafter forward (--mode all).")
+@click.option("--device", default="auto", show_default=True,
+              help="Torch device: auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
+@click.option("--dtype", default="auto", show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Drafter compute dtype; auto = bf16 on CUDA, fp32 on CPU.")
+@click.option("--out", default=None,
+              help="Directory for report.json, blocks.parquet (per-block rows) and "
+                   "acceptance.png (when matplotlib is installed).")
+@click.option("--plot", default=None, help="Write the per-slot acceptance PNG here "
+                                           "(needs matplotlib: pip install 'dflash-train[plot]').")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the JSON report on stdout instead of the table.")
+@click.option("--show", default=0, show_default=True, type=click.IntRange(0),
+              help="Print N decoded blocks (context tail, target, each draft).")
+@click.option("--online", is_flag=True,
+              help="Also run live greedy speculative decoding with the target (--model) on "
+                   "the same prompts: the ground truth offline replay must match.")
+@click.option("--model", default=None,
+              help="Target checkpoint for --online; refused without --online (offline replay "
+                   "never loads the target).")
+@click.option("--max-new-tokens", default=None, type=click.IntRange(1),
+              help="--online generation length (refused without --online). Default: the "
+                   "store's --regenerate setting.")
+@click.option("--skip-corrupt", is_flag=True,
+              help="Skip damaged samples of the store (missing shard, failed checksum, torn "
+                   "part metadata) and list them in the report, instead of refusing it.")
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+def eval_command(checkpoints, store, mode, tree_budgets, recall_at, batch_tokens,
+                 blocks_per_forward, as_json, **options) -> None:
+    """Compare drafter checkpoints offline by acceptance streak on a held-out store.
+
+    CHECKPOINTS: training checkpoint dirs, exported drafters or third-party DFlash drafters
+    (HF format). Every checkpoint drafts the same blocks; one table compares them.
+    """
+    from dflash_train.evaluate.pipeline import EvalConfig, run_eval
+
+    settings = EvalSettings(mode=mode, tree_budgets=tree_budgets, recall_at=recall_at,
+                            batch_tokens=batch_tokens, blocks_per_forward=blocks_per_forward)
+    cfg = EvalConfig(store=store, checkpoints=list(checkpoints), settings=settings, **options)
+    try:
+        outcome = run_eval(cfg, echo=lambda line: click.echo(line, err=True))
+    except (EvalError, StoreError, BlockError, DrafterError) as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(outcome.report, indent=2))
+    else:
+        click.echo(outcome.text)
+    for path in outcome.written:
+        click.echo(f"wrote {path}", err=as_json)
+    for note in outcome.notes:
+        click.echo(note, err=True)

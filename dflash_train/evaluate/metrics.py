@@ -1,0 +1,190 @@
+"""Offline acceptance metrics of drafted blocks against stored verifier labels (REFERENCE.md 5).
+
+streak = number of leading slots 1..B-1 whose draft equals the label. A slot whose label is
+invalid (past the sequence end or outside the assistant text) ends the streak as a mismatch
+would: nothing beyond it can be verified offline. tau = streak + 1 (the bonus token).
+
+Accumulators count integers only, so a store of any size evaluates streaming and results
+from several ranks merge exactly. This module never runs a model and never reads the store.
+"""
+
+import math
+
+import torch
+
+from dflash_train.blocks import BLOCK_SIZE, BlockError
+
+Z_95 = 1.959963984540054
+"""Two-sided 95 % normal quantile, for the confidence interval of the mean tau."""
+
+
+def streak_lengths(draft: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Leading accepted slots per block [N] (slot 0 ignored; an invalid label stops it)."""
+    if not draft.shape == labels.shape == valid.shape or draft.dim() != 2:
+        raise BlockError(
+            f"draft {tuple(draft.shape)}, labels {tuple(labels.shape)} and valid "
+            f"{tuple(valid.shape)} must all be [N, B]"
+        )
+    ok = (draft.long() == labels.long()) & valid.bool()  # [N, B]
+    return ok[:, 1:].long().cumprod(dim=1).sum(dim=1)
+
+
+def acceptance_lengths(
+    draft: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """tau per block [N] = streak + 1, in 1..B."""
+    return streak_lengths(draft, labels, valid) + 1
+
+
+def agreement_counts(
+    input_ids: torch.Tensor, verifier_top1: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[int, int]:
+    """(matches, total) of stored next token == verifier argmax, over assistant tokens.
+
+    Position t counts when token t+1 is an assistant token; the ratio is the store's
+    agreement rate, which says how far offline replay can be trusted as live decoding.
+    """
+    if not input_ids.shape == verifier_top1.shape == loss_mask.shape or input_ids.dim() != 1:
+        raise BlockError(
+            f"input_ids {tuple(input_ids.shape)}, verifier_top1 {tuple(verifier_top1.shape)} "
+            f"and loss_mask {tuple(loss_mask.shape)} must all be [L] for one sample"
+        )
+    counted = loss_mask[1:].bool()
+    same = (input_ids[1:].long() == verifier_top1[:-1].long()) & counted
+    return int(same.sum()), int(counted.sum())
+
+
+class TauHistogram:
+    """Streaming histogram of acceptance lengths tau in 1..max_tau, with mean and 95 % CI."""
+
+    def __init__(self, max_tau: int = BLOCK_SIZE):
+        self.max_tau = max_tau
+        self.counts = torch.zeros(max_tau + 1, dtype=torch.long)  # index = tau; [0] unused
+
+    def update(self, taus: torch.Tensor) -> None:
+        """Add a batch of taus [N]."""
+        taus = taus.detach().long().flatten().cpu()
+        if taus.numel() and (int(taus.min()) < 1 or int(taus.max()) > self.max_tau):
+            raise BlockError(
+                f"tau must lie in 1..{self.max_tau}, got {int(taus.min())}..{int(taus.max())}"
+            )
+        self.counts += torch.bincount(taus, minlength=self.max_tau + 1)
+
+    def merge(self, other: "TauHistogram") -> None:
+        """Add another histogram's counts (e.g. from another rank)."""
+        if other.max_tau != self.max_tau:
+            raise BlockError(f"cannot merge max_tau {other.max_tau} into {self.max_tau}")
+        self.counts += other.counts
+
+    def summary(self) -> dict:
+        """n, mean_tau, tau_ci95 [lo, hi], tau_hist (counts for tau = 1..max_tau)."""
+        n = int(self.counts.sum())
+        values = torch.arange(self.max_tau + 1, dtype=torch.float64)
+        if n == 0:
+            mean, ci = None, None
+        else:
+            mean = float((values * self.counts).sum()) / n
+            ci = _normal_ci(values, self.counts, mean, n)
+        return {
+            "n": n,
+            "mean_tau": mean,
+            "tau_ci95": ci,
+            "tau_hist": self.counts[1:].tolist(),
+        }
+
+
+class AcceptanceStats:
+    """Streaming per-slot acceptance of linear (one-path) drafts against verifier labels."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE, recall_at: tuple[int, ...] = (1, 2, 4, 8)):
+        if any(r < 1 for r in recall_at):
+            raise BlockError(f"recall_at values must be >= 1, got {recall_at}")
+        self.block_size = block_size
+        self.recall_at = tuple(sorted(set(recall_at)))
+        self.taus = TauHistogram(block_size)
+        zeros = torch.zeros(block_size, dtype=torch.long)
+        self.slot_valid = zeros.clone()  # valid labels per slot
+        self.slot_correct = zeros.clone()  # top-1 == label, regardless of earlier slots
+        self.slot_reached = zeros.clone()  # slots < k all accepted and slot k has a label
+        self.slot_accepted = zeros.clone()  # slots <= k all accepted
+        self.slot_recall = torch.zeros(len(self.recall_at), block_size, dtype=torch.long)
+
+    def update(
+        self, draft_topk_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Add blocks: draft ids [N, B, K] (rank 0 = the draft) or [N, B]; returns tau [N]."""
+        if draft_topk_ids.dim() == 2:
+            draft_topk_ids = draft_topk_ids.unsqueeze(-1)
+        if draft_topk_ids.dim() != 3 or draft_topk_ids.shape[1] != self.block_size:
+            raise BlockError(
+                f"draft ids must be [N, {self.block_size}, K], got {tuple(draft_topk_ids.shape)}"
+            )
+        k_have = draft_topk_ids.shape[-1]
+        if self.recall_at and self.recall_at[-1] > k_have:
+            raise BlockError(
+                f"top-k recall at {self.recall_at} needs draft top-{self.recall_at[-1]} ids, "
+                f"got top-{k_have}; pass more ids or a smaller recall_at"
+            )
+        ids = draft_topk_ids.detach().long().cpu()
+        labels = labels.detach().long().cpu()
+        valid = valid.detach().bool().cpu()
+        streak = streak_lengths(ids[..., 0], labels, valid)  # [N]
+        slots = torch.arange(self.block_size)
+        hit = (ids == labels.unsqueeze(-1)) & valid.unsqueeze(-1)  # [N, B, K]
+
+        self.taus.update(streak + 1)
+        self.slot_valid += valid.sum(0)
+        self.slot_correct += hit[..., 0].sum(0)
+        reached = (streak[:, None] >= slots - 1) & valid  # [N, B]
+        reached[:, 0] = False
+        self.slot_reached += reached.sum(0)
+        accepted = (streak[:, None] >= slots) & valid
+        accepted[:, 0] = False
+        self.slot_accepted += accepted.sum(0)
+        for i, r in enumerate(self.recall_at):
+            self.slot_recall[i] += hit[..., :r].any(-1).sum(0)
+        return streak + 1
+
+    def merge(self, other: "AcceptanceStats") -> None:
+        """Add another accumulator's counts (same block size and recall_at)."""
+        if (other.block_size, other.recall_at) != (self.block_size, self.recall_at):
+            raise BlockError("cannot merge AcceptanceStats with a different block_size/recall_at")
+        self.taus.merge(other.taus)
+        for name in ("slot_valid", "slot_correct", "slot_reached", "slot_accepted", "slot_recall"):
+            getattr(self, name).add_(getattr(other, name))
+
+    def summary(self) -> dict:
+        """Plain dict: tau stats, streak histogram and per-slot lists for slots 1..B-1."""
+        taus = self.taus.summary()
+        mean_tau = taus["mean_tau"]
+        return {
+            "n_blocks": taus["n"],
+            "mean_tau": mean_tau,
+            "mean_streak": None if mean_tau is None else mean_tau - 1.0,
+            "tau_ci95": taus["tau_ci95"],
+            "ci_method": "normal approximation, 95 %, blocks treated as independent",
+            "streak_hist": taus["tau_hist"],  # index s = streak s (tau s+1)
+            "slot_valid": self.slot_valid[1:].tolist(),
+            "cond_accept": _ratios(self.slot_accepted[1:], self.slot_reached[1:]),
+            "slot_accuracy": _ratios(self.slot_correct[1:], self.slot_valid[1:]),
+            "topk_recall": {
+                str(r): _ratios(self.slot_recall[i, 1:], self.slot_valid[1:])
+                for i, r in enumerate(self.recall_at)
+            },
+        }
+
+
+def _ratios(num: torch.Tensor, den: torch.Tensor) -> list[float | None]:
+    """Elementwise num / den as floats, None where the denominator is 0."""
+    return [None if d == 0 else n / d for n, d in zip(num.tolist(), den.tolist(), strict=True)]
+
+
+def _normal_ci(
+    values: torch.Tensor, counts: torch.Tensor, mean: float, n: int
+) -> list[float] | None:
+    """mean +- z * s / sqrt(n) from a histogram; None with fewer than 2 samples."""
+    if n < 2:
+        return None
+    var = float(((values - mean) ** 2 * counts).sum()) / (n - 1)
+    half = Z_95 * math.sqrt(var / n)
+    return [mean - half, mean + half]

@@ -1,0 +1,357 @@
+"""Offline replay: draft blocks against the store's target states and score them.
+
+For each batch of stored sequences, every checkpoint drafts the same blocks:
+- `--mode all`: one block at every eligible anchor (dflash_train.blocks.eligible_anchors);
+- `--mode replay`: the anchors live greedy decoding would visit (dflash_train.blocks.replay_anchors:
+  first response token, then a + tau). Sequential within a sequence, batched across the
+  sequences of a batch step by step.
+A block's labels are the stored verifier argmax at a+k-1 (dflash_train.blocks.block_labels); its
+draft is the drafter's per-slot top-k. Metrics accumulate in `CheckpointResults`.
+
+Offline tau equals live greedy speculative decoding only when the store holds the target's
+own greedy continuation (extract --regenerate); the store's agreement rate says how far it
+does. This module never loads the target model and never writes files.
+"""
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from dflash_train.blocks import block_labels, eligible_anchors, replay_anchors
+from dflash_train.evaluate.damage import DamagePolicy
+from dflash_train.evaluate.drafting import BlockDrafter, select_rows
+from dflash_train.evaluate.metrics import AcceptanceStats, TauHistogram, agreement_counts
+from dflash_train.evaluate.tree import tree_acceptance_lengths
+from dflash_train.store_schema import Part, Sample, Store, read_guarded
+
+Mode = Literal["replay", "all"]
+
+
+@dataclass
+class EvalSettings:
+    """How blocks are chosen, scored and batched."""
+
+    mode: Mode = "replay"
+    """replay: the anchors live decoding visits; all: every eligible anchor."""
+    tree_budgets: tuple[int, ...] = (16, 32, 64)
+    """DDTree node budgets at which tree acceptance is reported (REFERENCE.md 5)."""
+    recall_at: tuple[int, ...] = (1, 2, 4, 8)
+    """k of the per-slot top-k recall."""
+    batch_tokens: int = 16384
+    """Sequences per batch: count x longest <= this (at least one sequence)."""
+    blocks_per_forward: int = 16
+    """Blocks per sequence in one drafter forward (--mode all); bounds attention memory."""
+
+    def top_k(self, vocab_size: int) -> int:
+        """Draft ids kept per slot: enough for the largest budget and recall (<= vocab)."""
+        return min(max((*self.tree_budgets, *self.recall_at, 1)), vocab_size)
+
+
+@dataclass
+class EvalSample:
+    """One stored sequence, as replay needs it."""
+
+    part: int
+    index: int
+    """Sample index within its part."""
+    source_row: int
+    input_ids: torch.Tensor
+    """long [L]."""
+    loss_mask: torch.Tensor
+    """bool [L]."""
+    context: torch.Tensor
+    """[L, n, H] in the store's hidden dtype."""
+    top1: torch.Tensor
+    """long [L]: the verifier's argmax next token at each position."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.part, self.index)
+
+    @classmethod
+    def from_sample(cls, part: int, index: int, s: Sample) -> "EvalSample":
+        return cls(part, index, s.source_row, s.input_ids.long(), s.loss_mask.bool(),
+                   s.context, s.topk_ids[:, 0].long())
+
+
+def sample_keys(store: Store, damage: DamagePolicy | None = None) -> list[tuple[int, int]]:
+    """(part, index) of every committed sample outside damaged and unfinished parts, in
+    store order."""
+    damage = damage or DamagePolicy()
+    return [(p.index, i) for p in store.parts() if not damage.part_is_left_out(p.index)
+            for i in range(p.num_samples)]
+
+
+def pick_samples(store: Store, limit: int | None, seed: int,
+                 damage: DamagePolicy | None = None) -> list[tuple[int, int]] | None:
+    """None (every sample) or `limit` samples uniform without replacement, in store order."""
+    if limit is None:
+        return None
+    keys = sample_keys(store, damage)
+    if limit >= len(keys):
+        return None
+    chosen = np.random.default_rng(seed).choice(len(keys), size=limit, replace=False)
+    return [keys[i] for i in sorted(chosen.tolist())]
+
+
+def read_samples(store: Store, keys: list[tuple[int, int]] | None = None,
+                 damage: DamagePolicy | None = None) -> Iterator[EvalSample]:
+    """The chosen samples (all when keys is None), streamed in store order. A damaged sample
+    is handed to `damage` (refused, or skipped and listed) instead of being yielded."""
+    damage = damage or DamagePolicy()
+    if keys is None:
+        for part in store.parts():
+            if not damage.part_is_left_out(part.index):
+                yield from _read_part(part, damage)
+        return
+    parts = {}
+    for p, i in keys:
+        if p not in parts:
+            parts[p] = store.part(p)
+        sample = _read_one(parts[p], i, damage)
+        if sample is not None:
+            yield sample
+
+
+def _read_one(part: Part, i: int, damage: DamagePolicy) -> EvalSample | None:
+    found = damage.known_damage(part.index, i)
+    if found is None:
+        sample, found = read_guarded(part.store.url, part.index, i, lambda: part.sample(i))
+    if found is not None:
+        damage.handle(found)
+        return None
+    return EvalSample.from_sample(part.index, i, sample)
+
+
+def _read_part(part: Part, damage: DamagePolicy) -> Iterator[EvalSample]:
+    """A part's samples, read about a shard of tokens at a time; a span that fails is read
+    again sample by sample, so only the damaged samples are named."""
+    offsets = part.offsets()
+    i = 0
+    while i < part.num_samples:
+        j = i + 1
+        while j < part.num_samples and offsets[j] - offsets[i] < part.store.shard_tokens:
+            j += 1
+        try:
+            span = list(part.iter_samples(i, j))
+        except Exception:  # a checksum or decode failure somewhere in the span
+            span = None
+        for k in range(i, j):
+            if span is None or damage.known_damage(part.index, k) is not None:
+                sample = _read_one(part, k, damage)
+                if sample is not None:
+                    yield sample
+            else:
+                yield EvalSample.from_sample(part.index, k, span[k - i])
+        i = j
+
+
+def batch_samples(samples: Iterable[EvalSample], batch_tokens: int
+                  ) -> Iterator[list[EvalSample]]:
+    """Consecutive samples grouped so that count x longest <= batch_tokens."""
+    batch: list[EvalSample] = []
+    longest = 0
+    for s in samples:
+        n = len(s.input_ids)
+        if batch and (len(batch) + 1) * max(longest, n) > batch_tokens:
+            yield batch
+            batch, longest = [], 0
+        batch.append(s)
+        longest = max(longest, n)
+    if batch:
+        yield batch
+
+
+def padded_context(samples: list[EvalSample]) -> torch.Tensor:
+    """Contexts [N, T, n, H] right-padded with zeros to the longest sample."""
+    width = max(len(s.input_ids) for s in samples)
+    first = samples[0].context
+    out = first.new_zeros((len(samples), width, *first.shape[1:]))
+    for b, s in enumerate(samples):
+        out[b, : len(s.input_ids)] = s.context
+    return out
+
+
+@dataclass
+class CheckpointResults:
+    """Everything measured for one checkpoint: metrics, per-block rows, replay sequences."""
+
+    name: str
+    block_size: int
+    settings: EvalSettings
+    stats: AcceptanceStats = field(init=False)
+    tree: dict[int, TauHistogram] = field(init=False)
+    rows: dict[str, list] = field(init=False)
+    """Per block, in the order drafted: part, sample, source_row, anchor, tau,
+    tree_tau_<budget>. `table()` orders them canonically."""
+    sequences: dict[tuple[int, int], list[tuple[int, int]]] = field(init=False)
+    """Per sample key: the (anchor, tau) of its blocks in the order they were drafted."""
+
+    def __post_init__(self) -> None:
+        self.stats = AcceptanceStats(self.block_size, self.settings.recall_at)
+        self.tree = {b: TauHistogram(self.block_size) for b in self.settings.tree_budgets}
+        names = ["part", "sample", "source_row", "anchor", "tau"]
+        names += [f"tree_tau_{b}" for b in self.settings.tree_budgets]
+        self.rows = {n: [] for n in names}
+        self.sequences = {}
+
+    def add(self, blocks: list[tuple[EvalSample, int]], logp: torch.Tensor,
+            ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> list[int]:
+        """Score blocks (sample, anchor) with draft top-k [M, B, k] and labels [M, B]."""
+        taus = self.stats.update(ids, labels, valid).tolist()
+        tree = tree_acceptance_lengths(logp, ids, labels, valid, self.settings.tree_budgets)
+        for b, hist in self.tree.items():
+            hist.update(tree[b])
+        for m, (s, anchor) in enumerate(blocks):
+            for name, value in (("part", s.part), ("sample", s.index),
+                                ("source_row", s.source_row), ("anchor", anchor),
+                                ("tau", taus[m])):
+                self.rows[name].append(value)
+            for b in self.settings.tree_budgets:
+                self.rows[f"tree_tau_{b}"].append(int(tree[b][m]))
+            self.sequences.setdefault(s.key, []).append((anchor, taus[m]))
+        return taus
+
+    def table(self) -> dict[str, list]:
+        """The per-block rows ordered by (part, sample, anchor), whatever the batching."""
+        keys = list(zip(self.rows["part"], self.rows["sample"], self.rows["anchor"],
+                        strict=True))
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        return {name: [values[i] for i in order] for name, values in self.rows.items()}
+
+    def summary(self) -> dict:
+        """JSON-ready metrics: AcceptanceStats.summary() plus tree acceptance per budget."""
+        out = self.stats.summary()
+        out["block_size"] = self.block_size
+        out["tree"] = {}
+        for b, hist in self.tree.items():
+            s = hist.summary()
+            out["tree"][str(b)] = {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"],
+                                   "tau_hist": s["tau_hist"]}
+        return out
+
+
+@dataclass
+class Agreement:
+    """The store's agreement rate: P(stored next token == verifier argmax), assistant tokens."""
+
+    matches: int = 0
+    total: int = 0
+
+    def add(self, s: EvalSample) -> None:
+        m, t = agreement_counts(s.input_ids, s.top1, s.loss_mask)
+        self.matches += m
+        self.total += t
+
+    @property
+    def rate(self) -> float | None:
+        return self.matches / self.total if self.total else None
+
+
+def labels_for(blocks: list[tuple[EvalSample, int]], block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored verifier labels [M, B] and validity of blocks (sample, anchor)."""
+    labels, valid = [], []
+    start = 0
+    while start < len(blocks):  # one block_labels call per run of blocks of one sample
+        sample = blocks[start][0]
+        stop = start
+        while stop < len(blocks) and blocks[stop][0] is sample:
+            stop += 1
+        anchors = torch.tensor([a for _, a in blocks[start:stop]])
+        lab, ok = block_labels(sample.top1[:, None], sample.loss_mask, anchors, block_size)
+        labels.append(lab)
+        valid.append(ok)
+        start = stop
+    return torch.cat(labels), torch.cat(valid)
+
+
+def draft_at(drafter: BlockDrafter, samples: list[EvalSample], anchors: list[torch.Tensor],
+             top_k: int, blocks_per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample, the draft top-k (logprobs, ids) [K_i, B, k] at its anchors [K_i]."""
+    cache = drafter.context_cache(padded_context(samples))
+    outs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in samples]
+    longest = max((a.numel() for a in anchors), default=0)
+    for start in range(0, longest, blocks_per_forward):
+        rows = [r for r, a in enumerate(anchors) if a.numel() > start]
+        chunk = [anchors[r][start : start + blocks_per_forward] for r in rows]
+        width = max(c.numel() for c in chunk)
+        # Short rows repeat their last anchor; those blocks are computed and dropped.
+        pos = torch.stack([torch.cat([c, c[-1:].expand(width - c.numel())]) for c in chunk])
+        tokens = torch.stack([samples[r].input_ids[p] for r, p in zip(rows, pos, strict=True)])
+        logp, ids = drafter.draft(select_rows(cache, torch.tensor(rows)), pos, tokens, top_k)
+        for j, (r, c) in enumerate(zip(rows, chunk, strict=True)):
+            outs[r].append((logp[j, : c.numel()], ids[j, : c.numel()]))
+    empty = (torch.zeros(0, drafter.block_size, top_k), torch.zeros(0, drafter.block_size,
+                                                                     top_k, dtype=torch.long))
+    return [(torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])) if out else empty
+            for out in outs]
+
+
+def evaluate_all(drafter: BlockDrafter, samples: list[EvalSample], results: CheckpointResults,
+                 settings: EvalSettings, top_k: int) -> None:
+    """--mode all: one block at every eligible anchor of every sample."""
+    anchors = [eligible_anchors(s.loss_mask) for s in samples]
+    drafts = draft_at(drafter, samples, anchors, top_k, settings.blocks_per_forward)
+    blocks = [(s, int(a)) for s, an in zip(samples, anchors, strict=True) for a in an.tolist()]
+    if not blocks:
+        return
+    labels, valid = labels_for(blocks, drafter.block_size)
+    logp = torch.cat([d[0] for d in drafts])
+    ids = torch.cat([d[1] for d in drafts])
+    results.add(blocks, logp, ids, labels, valid)
+
+
+def evaluate_replay(drafter: BlockDrafter, samples: list[EvalSample],
+                    results: CheckpointResults, top_k: int) -> None:
+    """--mode replay: the anchors live decoding visits, one step of every sequence at a time."""
+    cache = drafter.context_cache(padded_context(samples))
+    taus = [1] * len(samples)
+    walks = [replay_anchors(s.loss_mask, lambda _a, r=r: taus[r]) for r, s in
+             enumerate(samples)]
+    active = list(range(len(samples)))
+    while active:
+        step = []
+        for r in active:
+            anchor = next(walks[r], None)  # reads taus[r] of the previous step first
+            if anchor is not None:
+                step.append((r, anchor))
+        active = [r for r, _ in step]
+        if not step:
+            break
+        rows = torch.tensor(active)
+        pos = torch.tensor([[a] for _, a in step])
+        tokens = torch.stack([samples[r].input_ids[a : a + 1] for r, a in step])
+        logp, ids = drafter.draft(select_rows(cache, rows), pos, tokens, top_k)
+        blocks = [(samples[r], a) for r, a in step]
+        labels, valid = labels_for(blocks, drafter.block_size)
+        step_taus = results.add(blocks, logp[:, 0], ids[:, 0], labels, valid)
+        for (r, _), tau in zip(step, step_taus, strict=True):
+            taus[r] = tau
+
+
+def evaluate_offline(
+    drafters: dict[str, BlockDrafter],
+    samples: Iterable[EvalSample],
+    settings: EvalSettings,
+    on_batch: Callable[[list[EvalSample]], None] | None = None,
+) -> tuple[dict[str, CheckpointResults], Agreement]:
+    """Replay every checkpoint on the same samples; results per checkpoint name."""
+    results = {name: CheckpointResults(name, d.block_size, settings)
+               for name, d in drafters.items()}
+    agreement = Agreement()
+    for batch in batch_samples(samples, settings.batch_tokens):
+        for s in batch:
+            agreement.add(s)
+        for name, drafter in drafters.items():
+            top_k = settings.top_k(drafter.config.vocab_size)
+            if settings.mode == "all":
+                evaluate_all(drafter, batch, results[name], settings, top_k)
+            else:
+                evaluate_replay(drafter, batch, results[name], top_k)
+        if on_batch is not None:
+            on_batch(batch)
+    return results, agreement

@@ -1,0 +1,286 @@
+"""What `dflash eval` shows and writes: the side-by-side table, JSON, per-block parquet rows,
+the per-slot acceptance plot, and decoded example blocks.
+
+Everything here is a pure function of results already computed (dflash_train.evaluate.replay and
+.online); this module never runs a model and never reads the store.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.replay import Agreement, CheckpointResults, EvalSettings
+from dflash_train.store_schema import StoreMeta
+
+PLOT_EXTRA = "pip install 'dflash-train[plot]'  (matplotlib)"
+"""How to get the optional plotting dependency."""
+
+
+def estimate_warning(meta: StoreMeta, agreement: Agreement) -> str | None:
+    """Why offline tau is only an estimate of live tau here, or None when it is exact."""
+    rate = agreement.rate
+    shown = "n/a" if rate is None else f"{100 * rate:.2f}%"
+    if not meta.source.regenerated:
+        return (f"the store's responses are not the target's own greedy output (agreement "
+                f"{shown}): offline tau is only an estimate of live tau; extract with "
+                f"--regenerate for exact numbers")
+    if rate is not None and agreement.matches < agreement.total:
+        return (f"the store was regenerated but agrees with its verifier on only {shown} of "
+                f"tokens: offline tau is only an estimate of live tau")
+    return None
+
+
+def build_report(
+    *,
+    store_url: str,
+    meta: StoreMeta,
+    settings: EvalSettings,
+    samples: int,
+    limit: int | None,
+    seed: int,
+    checkpoints: list[dict],
+    offline: dict[str, CheckpointResults],
+    agreement: Agreement,
+    online: dict[str, CheckpointResults] | None = None,
+    online_check: dict | None = None,
+    skipped: dict | None = None,
+) -> dict:
+    """The JSON report. `checkpoints`: [{"name", "path", "trained_on"}] in command order."""
+    entries = []
+    for c in checkpoints:
+        entry = dict(c)
+        entry["offline"] = offline[c["name"]].summary()
+        entry["online"] = online[c["name"]].summary() if online else None
+        entries.append(entry)
+    return {
+        "store": store_url,
+        "target": meta.target.name_or_path,
+        "context_layer_ids": list(meta.context_layer_ids),
+        "regenerated": meta.source.regenerated,
+        "mode": settings.mode,
+        "samples": samples,
+        "limit": limit,
+        "seed": seed,
+        "tree_budgets": list(settings.tree_budgets),
+        "recall_at": list(settings.recall_at),
+        "agreement": {"matches": agreement.matches, "total": agreement.total,
+                      "rate": agreement.rate},
+        "warning": estimate_warning(meta, agreement),
+        "checkpoints": entries,
+        "online_check": online_check,
+        "skipped": skipped or {"samples": 0, "parts": 0, "skipped": []},
+    }
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+
+
+def block_rows(offline: dict[str, CheckpointResults],
+               online: dict[str, CheckpointResults] | None = None) -> dict[str, list]:
+    """All per-block rows in one column dict, with `checkpoint` and `run` columns."""
+    columns: dict[str, list] = {"checkpoint": [], "run": []}
+    for run, results in (("offline", offline), ("online", online or {})):
+        for name, r in results.items():
+            table = r.table()
+            n = len(table["tau"])
+            columns["checkpoint"] += [name] * n
+            columns["run"] += [run] * n
+            for key, values in table.items():
+                columns.setdefault(key, []).extend(values)
+    return columns
+
+
+def write_parquet(columns: dict[str, list], path: str | Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), str(path))
+
+
+# -- terminal table ---------------------------------------------------------------------
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _columns(report: dict) -> list[tuple[str, dict]]:
+    cols = []
+    for c in report["checkpoints"]:
+        cols.append((c["name"], c["offline"]))
+        if c["online"] is not None:
+            cols.append((f"{c['name']} (online)", c["online"]))
+    return cols
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        cells = zip(row, widths, strict=True)
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(cells))
+
+    return [line(header), *map(line, rows)]
+
+
+def format_table(report: dict) -> str:
+    """The side-by-side text table: summary, tree acceptance, per-slot rates, histogram."""
+    cols = _columns(report)
+    names = [n for n, _ in cols]
+    ag = report["agreement"]
+    out = [
+        f"dflash eval: {report['store']}  mode={report['mode']}  samples={report['samples']}"
+        + (f" (limit {report['limit']}, seed {report['seed']})" if report["limit"] else ""),
+        f"store agreement (stored next token == verifier argmax): "
+        f"{_fmt(None if ag['rate'] is None else 100 * ag['rate'], 2)}% "
+        f"({ag['matches']}/{ag['total']})",
+    ]
+    if report["warning"]:
+        out.append(f"WARNING: {report['warning']}")
+    skipped = report.get("skipped") or {}
+    if skipped.get("skipped"):
+        where = ", ".join(f"part {d['part']}" + ("" if d["sample"] is None else
+                                                 f" sample {d['sample']}")
+                          for d in skipped["skipped"][:10])
+        more = ", ..." if len(skipped["skipped"]) > 10 else ""
+        out.append(f"SKIPPED as damaged (--skip-corrupt): {skipped['samples']} sample(s), "
+                   f"{skipped['parts']} part(s): {where}{more}")
+    if report["mode"] == "all":
+        out.append("note: --mode all scores every eligible anchor; live decoding visits only "
+                   "the --mode replay anchors")
+    out.append("")
+    rows = [["blocks", *[str(m["n_blocks"]) for _, m in cols]],
+            ["mean tau", *[_fmt(m["mean_tau"]) for _, m in cols]],
+            ["tau 95% CI", *[("-" if m["tau_ci95"] is None else
+                              f"{m['tau_ci95'][0]:.3f}..{m['tau_ci95'][1]:.3f}")
+                             for _, m in cols]],
+            ["mean streak", *[_fmt(m["mean_streak"]) for _, m in cols]]]
+    for b in report["tree_budgets"]:
+        rows.append([f"tree tau @{b}", *[_fmt(m["tree"][str(b)]["mean_tau"]) for _, m in cols]])
+    out += _grid(["", *names], rows)
+
+    recall = [k for k in report["recall_at"] if k > 1]
+    shown_recall = str(max(recall)) if recall else None
+    out += ["", "per slot: P(accept | earlier accepted) / marginal accuracy"
+            + (f" / top-{shown_recall} recall" if shown_recall else "")]
+    slots = max(m["block_size"] for _, m in cols) - 1
+    rows = []
+    for k in range(slots):
+        row = [str(k + 1)]
+        for _, m in cols:
+            if k >= m["block_size"] - 1:
+                row.append("")
+                continue
+            cell = f"{_fmt(m['cond_accept'][k])} {_fmt(m['slot_accuracy'][k])}"
+            if shown_recall:
+                cell += f" {_fmt(m['topk_recall'][shown_recall][k])}"
+            row.append(cell)
+        rows.append(row)
+    out += _grid(["slot", *names], rows)
+
+    out += ["", "streak histogram (blocks)"]
+    rows = []
+    for s in range(slots + 1):
+        rows.append([str(s), *[str(m["streak_hist"][s]) if s < len(m["streak_hist"]) else ""
+                               for _, m in cols]])
+    out += _grid(["streak", *names], rows)
+
+    check = report.get("online_check")
+    if check:
+        out += ["", f"online check over {check['prompts']} prompts: generated text equals the "
+                f"stored text for {check['same_text']}"]
+        for name, same in check["same_taus"].items():
+            out.append(f"  {name}: offline replay taus equal online taus for {same} prompts")
+    return "\n".join(out)
+
+
+# -- plot -------------------------------------------------------------------------------
+
+
+def require_matplotlib() -> None:
+    """EvalError with the install hint when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise EvalError(f"the plot needs matplotlib: {PLOT_EXTRA}") from e
+
+
+def plot_acceptance(report: dict, path: str | Path) -> None:
+    """PNG: per-slot conditional acceptance (solid) and marginal accuracy (dotted) per
+    checkpoint, online runs dashed."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for i, c in enumerate(report["checkpoints"]):
+        color = f"C{i % 10}"
+        for run, style in (("offline", "-"), ("online", "--")):
+            m = c[run]
+            if m is None:
+                continue
+            slots = list(range(1, m["block_size"]))
+            cond = [math.nan if v is None else v for v in m["cond_accept"]]
+            label = f"{c['name']} (tau {_fmt(m['mean_tau'], 2)})" + \
+                (" online" if run == "online" else "")
+            ax.plot(slots, cond, style, color=color, marker="o", markersize=3, label=label)
+            if run == "offline":
+                acc = [math.nan if v is None else v for v in m["slot_accuracy"]]
+                ax.plot(slots, acc, ":", color=color, alpha=0.7)
+    ax.set_xlabel("slot k (draft position in the block)")
+    ax.set_ylabel("P(slot k accepted | slots < k accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"per-slot acceptance, mode {report['mode']} (dotted: marginal accuracy)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+    plt.close(fig)
+
+
+# -- decoded example blocks -------------------------------------------------------------
+
+
+@dataclass
+class ShownBlock:
+    """One block to print: its text around the anchor and every checkpoint's draft."""
+
+    where: str
+    """e.g. "part 0 sample 3 (source row 17), anchor 42"."""
+    context: list[int]
+    """Tokens up to and including the anchor token (a tail of them)."""
+    target: list[int]
+    """The target's tokens for slots 1.. (verifier argmax at a+k-1), valid slots only."""
+    drafts: dict[str, list[int]]
+    """Per checkpoint: its draft (top-1) for slots 1..B-1."""
+
+
+def _decoder(tokenizer):
+    if tokenizer is None:
+        return lambda ids: " ".join(str(i) for i in ids)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def format_shown(blocks: list[ShownBlock], tokenizer) -> str:
+    """Decoded blocks: context tail, target continuation, each draft split at its first
+    mismatch with `‖`, so garbled drafts are seen, not inferred."""
+    decode = _decoder(tokenizer)
+    out = []
+    for b in blocks:
+        out.append(f"--- {b.where}")
+        out.append(f"  context : …{decode(b.context)!r}")
+        out.append(f"  target  : {decode(b.target)!r}")
+        width = max(len(n) for n in b.drafts)
+        for name, draft in b.drafts.items():
+            streak = 0
+            while streak < min(len(draft), len(b.target)) and draft[streak] == b.target[streak]:
+                streak += 1
+            out.append(f"  {name.ljust(width)} : {decode(draft[:streak])!r} ‖ "
+                       f"{decode(draft[streak:])!r}  (streak {streak})")
+    return "\n".join(out)

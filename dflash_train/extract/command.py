@@ -1,0 +1,90 @@
+"""The `dflash extract` click command: options -> ExtractConfig -> run_extract -> summary.
+
+Owns option parsing, RANK / WORLD_SIZE, and turning ExtractError / StoreError into one line
+on stderr and exit status 1 (never a traceback for a user mistake).
+"""
+
+import os
+
+import click
+
+from dflash_train.extract.config import ExtractConfig
+from dflash_train.extract.errors import ExtractError
+from dflash_train.store_schema import StoreError
+
+_DEFAULTS = ExtractConfig(model="", data=[], out="")
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """RANK / WORLD_SIZE as torchrun (or any launcher) sets them; 0 / 1 when absent."""
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ExtractError(f"RANK / WORLD_SIZE must be integers ({e})") from e
+
+
+@click.command("extract", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", required=True, help="Target checkpoint directory (HF format).")
+@click.option("--data", "data", multiple=True,
+              help="Input .jsonl or .parquet of chats ('messages') or 'prompt'/'response' "
+                   "pairs ('messages' wins in a row holding both); repeat for several files. "
+                   "Default: the embedded coding prompts (train split), which implies "
+                   "--regenerate.")
+@click.option("--out", required=True, help="Store to create or resume (path or fsspec URL).")
+@click.option("--layers", default=None,
+              help="Comma-separated target layer ids, ascending (id k = HF hidden_states[k+1]; "
+                   "the last layer is refused). Default: the DFlash formula for 5 features.")
+@click.option("--top-k", default=_DEFAULTS.top_k, show_default=True, type=click.IntRange(1),
+              help="Verifier top-k logits stored per token.")
+@click.option("--max-length", default=_DEFAULTS.max_length, show_default=True,
+              type=click.IntRange(2),
+              help="Longest sample in tokens. A row whose prompt alone is this long is "
+                   "skipped and named in the summary.")
+@click.option("--overlong", default=_DEFAULTS.overlong, show_default=True,
+              type=click.Choice(["truncate", "skip"]),
+              help="Truncate samples longer than --max-length, or skip them.")
+@click.option("--batch-tokens", default=_DEFAULTS.batch_tokens, show_default=True,
+              type=click.IntRange(1), help="Padded tokens per forward batch.")
+@click.option("--rows-per-part", default=_DEFAULTS.rows_per_part, show_default=True,
+              type=click.IntRange(1), help="Source rows per part (unit of resume and sharding).")
+@click.option("--shard-tokens", default=_DEFAULTS.shard_tokens, show_default=True,
+              type=click.IntRange(8), help="Tokens per stored shard (unit of crash-safe commit).")
+@click.option("--device", default=_DEFAULTS.device, show_default=True,
+              help="cuda (each torchrun rank takes its own card), cuda:N, cpu (tiny models) "
+                   "or auto.")
+@click.option("--dtype", default=_DEFAULTS.dtype, show_default=True,
+              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              help="Compute and storage dtype; auto = bf16 on CUDA, fp32 on CPU.")
+@click.option("--load-as", default=_DEFAULTS.load_as, show_default=True,
+              type=click.Choice(["causal-lm", "multimodal"]),
+              help="Load the checkpoint as CausalLM or as its multimodal wrapper.")
+@click.option("--revision", default=None, help="Model revision, recorded in provenance.")
+@click.option("--enable-thinking/--no-enable-thinking", default=False, show_default=True,
+              help="Chat template thinking mode; must match serving.")
+@click.option("--regenerate", is_flag=True,
+              help="Replace each last assistant turn by the target's greedy continuation.")
+@click.option("--max-new-tokens", default=_DEFAULTS.max_new_tokens, show_default=True,
+              type=click.IntRange(1), help="Tokens generated per prompt with --regenerate.")
+@click.option("--mask-token-id", type=click.IntRange(0), default=None,
+              help="Mask token id recorded for training; default: the tokenizer's mask token, "
+                   "else the published id for the model type (Qwen3.5/3.6: 248070).")
+@click.option("--dry-run", is_flag=True,
+              help="Print bytes/token, total size and the parts plan; load no model.")
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+def extract(**options) -> None:
+    """Run the target once over a dataset and fill a feature store.
+
+    Re-running the same command resumes; under torchrun every rank fills its own parts.
+    """
+    from dflash_train.extract.pipeline import run_extract
+
+    options["data"] = list(options["data"])
+    cfg = ExtractConfig(**options)
+    try:
+        rank, world = _rank_and_world()
+        summary = run_extract(cfg, rank=rank, world_size=world, echo=click.echo)
+    except (ExtractError, StoreError) as e:
+        raise click.ClickException(str(e)) from e
+    if not cfg.dry_run:
+        for line in summary.lines():
+            click.echo(line)

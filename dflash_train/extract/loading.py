@@ -1,0 +1,192 @@
+"""Load the target model through transformers and expose the parts extract needs.
+
+Owns: config/tokenizer/model loading, finding the decoder stack whether the checkpoint loads
+as a CausalLM (`model.model.layers`) or the multimodal wrapper
+(`model.model.language_model.layers`), the guard that keeps CPU runs out of GPU-only
+kernels (fla, causal_conv1d), and the target's provenance. Never writes the store.
+"""
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from dflash_train.extract.errors import ExtractError
+from dflash_train.store_schema import TargetInfo, TokenizerInfo
+
+LoadAs = Literal["causal-lm", "multimodal"]
+GPU_ONLY_PACKAGES = ("fla", "causal_conv1d")
+"""Packages transformers routes linear attention into when importable; they need CUDA."""
+
+
+@dataclass
+class Target:
+    """A loaded target and handles on the modules extract uses."""
+
+    model: nn.Module
+    """The whole model as loaded (used for generation)."""
+    decoder: nn.Module
+    """The text decoder: embed_tokens, layers, norm; its output is post-final-norm."""
+    lm_head: nn.Module
+    info: TargetInfo
+    kernels: str
+    """Which kernels ran, for provenance, e.g. "attention=sdpa linear_attention=torch"."""
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+
+def text_config(config):
+    """The text part of a config (multimodal configs nest it as text_config)."""
+    return getattr(config, "text_config", None) or config
+
+
+def load_config(name_or_path: str):
+    """The checkpoint's config; ExtractError naming the path if it cannot be read."""
+    from transformers import AutoConfig
+
+    if not Path(name_or_path).exists() and not _looks_like_hub_id(name_or_path):
+        raise ExtractError(f"--model {name_or_path}: no such directory")
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except Exception as e:  # hub / json / unknown model_type all raise different types
+        raise ExtractError(f"--model {name_or_path}: cannot read its config ({e})") from e
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def target_info(name_or_path: str, config, revision: str | None = None) -> TargetInfo:
+    """The target's provenance. The config hash covers the architecture only, not where the
+    files were read from; a local path is recorded absolute, so resuming from another working
+    directory or with a relative spelling is the same target."""
+    text = text_config(config)
+    blob = json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str).encode()
+    if Path(name_or_path).exists():
+        name_or_path = str(Path(name_or_path).resolve())
+    return TargetInfo(
+        name_or_path=name_or_path, revision=revision, model_type=config.model_type,
+        num_hidden_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size, config_sha256=hashlib.sha256(blob).hexdigest(),
+    )
+
+
+def _architecture(config: dict) -> dict:
+    """A config dict without the keys that say where and by which version it was read."""
+    return {k: _architecture(v) if isinstance(v, dict) else v for k, v in config.items()
+            if k not in ("_name_or_path", "transformers_version")}
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as e:  # missing files / bad json raise different types
+        raise ExtractError(f"--model {name_or_path}: cannot load its tokenizer ({e})") from e
+    if not getattr(tokenizer, "is_fast", False):
+        raise ExtractError(f"--model {name_or_path}: extract needs a fast tokenizer (offsets)")
+    if not tokenizer.chat_template:
+        raise ExtractError(f"--model {name_or_path}: the tokenizer has no chat template")
+    return tokenizer
+
+
+def tokenizer_files(tokenizer, tmp_dir: str) -> dict[str, bytes]:
+    """The tokenizer as saved files (what is copied into the store)."""
+    tokenizer.save_pretrained(tmp_dir)
+    return {p.name: p.read_bytes() for p in sorted(Path(tmp_dir).iterdir()) if p.is_file()}
+
+
+def tokenizer_info(files: dict[str, bytes], tokenizer, enable_thinking: bool) -> TokenizerInfo:
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        if name == "tokenizer_config.json":
+            continue  # holds paths and versions that change between saves, not the vocab
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    template = tokenizer.chat_template
+    return TokenizerInfo(
+        sha256=digest.hexdigest(),
+        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
+        enable_thinking=enable_thinking,
+    )
+
+
+def guard_kernels(device: str) -> None:
+    """On CPU, make fla / causal_conv1d unimportable before transformers routes into them."""
+    if device != "cpu":
+        return
+    modeling = "transformers.models.qwen3_5.modeling_qwen3_5"
+    loaded = [p for p in GPU_ONLY_PACKAGES if isinstance(sys.modules.get(p), type(sys))]
+    if loaded and modeling in sys.modules:
+        raise ExtractError(
+            f"{', '.join(loaded)} was imported before extract ran on CPU; transformers would "
+            "route linear attention into GPU-only kernels. Run in a fresh process."
+        )
+    for package in GPU_ONLY_PACKAGES:
+        sys.modules.setdefault(package, None)  # a None entry makes `import package` fail
+
+
+def kernels_used(model: nn.Module, device: str) -> str:
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    linear = "fla" if isinstance(sys.modules.get("fla"), type(sys)) else "torch"
+    if device == "cpu" and linear != "torch":
+        raise ExtractError("fla kernels are loaded on a CPU run; refusing to continue")
+    return f"attention={attention} linear_attention={linear}"
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """auto: bf16 where the target will run on CUDA (`--device auto` included), else fp32."""
+    if dtype == "auto":
+        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        return torch.bfloat16 if cuda else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+
+
+def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: LoadAs,
+                revision: str | None = None, progress: bool = True) -> Target:
+    """Load the target for inference and find its decoder and lm_head."""
+    guard_kernels(device)
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = load_config(name_or_path)
+    if load_as == "multimodal" and getattr(config, "text_config", None) is None:
+        raise ExtractError(f"--model {name_or_path}: {config.model_type} has no multimodal "
+                           "wrapper; use --load-as causal-lm")
+    cls = AutoModelForCausalLM if load_as == "causal-lm" else AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = cls.from_pretrained(name_or_path, dtype=dtype, revision=revision)
+    except Exception as e:  # missing weights, unknown architecture, out of memory, ...
+        raise ExtractError(f"--model {name_or_path}: cannot load as {load_as} ({e})") from e
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    model.to(device).eval().requires_grad_(False)
+    inner = model.model
+    decoder = getattr(inner, "language_model", None) or inner
+    if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
+        raise ExtractError(f"--model {name_or_path}: no decoder layers at model.model.layers "
+                           "or model.model.language_model.layers")
+    return Target(
+        model=model, decoder=decoder, lm_head=model.get_output_embeddings(),
+        info=target_info(name_or_path, config, revision), kernels=kernels_used(model, device),
+    )

@@ -1,0 +1,413 @@
+"""`dflash extract` end to end: plan, scan, load, create or resume the store, fill my parts.
+
+Owns the order of things and the resume / sharding rules:
+- every part is a fixed slice of rows; rank r of W takes parts r, r + W, ...;
+- a complete part is skipped; an incomplete one resumes at PartWriter.next_row, with the
+  batches it would have had in an uninterrupted run (committed samples give the lengths of
+  the rows already done), so the arrays come out bit-identical;
+- input errors surface in a scan before the store is created or the model loaded.
+Never knows zarr paths: the store is reached only through dflash_train.store_schema.
+"""
+
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+import dflash_train
+from dflash_train.devices import resolve_device
+from dflash_train.drafter.config import default_mask_token_id
+from dflash_train.extract.capture import forward_states
+from dflash_train.extract.claims import exclusive as _exclusive
+from dflash_train.extract.config import ExtractConfig
+from dflash_train.extract.data import ChatSource, open_source
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.layers import resolve_layer_ids
+from dflash_train.extract.loading import (
+    Target,
+    load_config,
+    load_target,
+    load_tokenizer,
+    resolve_dtype,
+    target_info,
+    tokenizer_files,
+    tokenizer_info,
+)
+from dflash_train.extract.plan import (
+    PartPlan,
+    bytes_per_token,
+    parts_of_rank,
+    plan_batches,
+    plan_parts,
+)
+from dflash_train.extract.prepare import (
+    Counts,
+    Item,
+    apply_length_policy,
+    prompt_fits,
+    regenerate_items,
+    render_rows,
+)
+from dflash_train.extract.verifier import verifier_topk
+from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
+from dflash_train.store_schema import (
+    CreatedWith,
+    Sample,
+    SourceInfo,
+    Store,
+    StoreError,
+    StoreMeta,
+    create_store,
+    open_store,
+)
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass
+class Summary:
+    """What a run did, for the closing report."""
+
+    out: str
+    parts_done: list[int] = field(default_factory=list)
+    parts_already_complete: list[int] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+    counts: Counts = field(default_factory=Counts)
+    bytes_per_token: int = 0
+    store_complete: bool = False
+    skipped: list[str] = field(default_factory=list)
+    """Where each row skipped by the length policy came from (file:line (row))."""
+
+    def lines(self) -> list[str]:
+        c = self.counts
+        return [
+            f"extracted {self.samples} samples, {self.tokens} tokens into {self.out} "
+            f"(~{self.tokens * self.bytes_per_token / 2**20:.1f} MiB before compression)",
+            f"parts written: {self.parts_done or 'none'}; already complete: "
+            f"{self.parts_already_complete or 'none'}",
+            f"truncated: {c.truncated}; skipped overlong: {c.skipped_overlong}; "
+            f"skipped with no assistant token within max-length: {c.skipped_no_assistant}"
+            + (f"; skipped rows: {_listed(self.skipped)}" if self.skipped else ""),
+            "store complete" if self.store_complete else "store not complete yet "
+            "(other ranks still running, or re-run the same command to resume)",
+        ]
+
+
+def _listed(where: list[str], limit: int = 5) -> str:
+    if not where:
+        return ""
+    more = f" and {len(where) - limit} more" if len(where) > limit else ""
+    return f"{'; '.join(where[:limit])}{more}"
+
+
+def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
+                echo=print) -> Summary:
+    """Run extract for this rank; returns what it did."""
+    if not 0 <= rank < world_size:
+        raise ExtractError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    cfg = with_default_data(cfg, echo)
+    source = open_source(cfg.data)
+    config = load_config(cfg.model)
+    info = target_info(cfg.model, config, cfg.revision)
+    layer_ids = resolve_layer_ids(cfg.layers, info.num_hidden_layers)
+    if cfg.top_k > info.vocab_size:
+        raise ExtractError(f"--top-k {cfg.top_k} exceeds the target vocabulary "
+                           f"({info.vocab_size} tokens)")
+    tokenizer = load_tokenizer(cfg.model)
+    parts = plan_parts(source.num_rows, cfg.rows_per_part)
+    mine = parts if cfg.dry_run else parts_of_rank(parts, rank, world_size)
+    dtype = resolve_dtype(cfg.dtype, cfg.device)
+    bpt = bytes_per_token(len(layer_ids), info.hidden_size, dtype.itemsize, cfg.top_k)
+    scanned = _scan(source, tokenizer, mine, cfg)
+    if not scanned and len(mine) == len(parts):
+        _refuse_all_skipped(source, cfg)
+    if cfg.dry_run:
+        _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, dtype.itemsize,
+                    world_size)
+        return Summary(cfg.out, bytes_per_token=bpt)
+
+    device = resolve_device(cfg.device, ExtractError, rank)
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_files = tokenizer_files(tokenizer, tmp)
+    meta = StoreMeta(
+        target=info, tokenizer=tokenizer_info(tok_files, tokenizer, cfg.enable_thinking),
+        source=SourceInfo(paths=source.paths, sha256=source.sha256, max_length=cfg.max_length,
+                          regenerated=cfg.regenerate, num_rows=source.num_rows),
+        created_with=CreatedWith(dflash=dflash_train.__version__, torch=torch.__version__,
+                                 transformers=transformers.__version__, device=device.type,
+                                 kernels="not loaded yet"),
+        context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=_DTYPE_NAMES[dtype],
+        num_parts=len(parts),
+        extra={"mask_token_id": _mask_token_id(cfg, info, tokenizer),
+               "rows_per_part": cfg.rows_per_part, "overlong": cfg.overlong,
+               "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None, **cfg.extra},
+    )
+    _refuse_different_store(cfg.out, meta)
+
+    target = load_target(cfg.model, device=str(device), dtype=dtype, load_as=cfg.load_as,
+                         revision=cfg.revision, progress=cfg.progress)
+    meta.created_with.kernels = target.kernels
+    try:
+        return _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids, mine,
+                           scanned, bpt, rank, world_size)
+    except OSError as e:
+        raise ExtractError(_write_failure(cfg.out, e)) from e
+
+
+def _write_failure(out: str, e: OSError) -> str:
+    """One line for a store write the OS refused (disk full, permission denied, ...)."""
+    cause = e.strerror or str(e) or type(e).__name__
+    at = f" at {e.filename}" if e.filename else ""
+    return (f"--out {out}: cannot write the store ({cause}{at}); every committed shard is "
+            "intact: fix the cause and re-run the same command to resume")
+
+
+def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
+                tok_files: dict[str, bytes], source: ChatSource, tokenizer, layer_ids: list[int],
+                mine: list[PartPlan], scanned: list[Item], bpt: int, rank: int,
+                world_size: int) -> Summary:
+    """Create or reopen the store, copy the frozen rows, extract my parts."""
+    with _exclusive(cfg.out, "create", wait=True):
+        store = create_store(cfg.out, meta, shard_tokens=cfg.shard_tokens)
+    if rank == 0:
+        _write_frozen_rows(store, target, tok_files)
+
+    summary = Summary(cfg.out, bytes_per_token=bpt)
+    total = sum(len(i.input_ids) for i in scanned) + (
+        cfg.max_new_tokens * len(scanned) if cfg.regenerate else 0)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, disable=not cfg.progress,
+               desc=f"extract rank {rank}/{world_size}")
+    writer = BackgroundWriter()
+    try:
+        for part in mine:
+            with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
+                _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
+                              writer, bar, summary)
+                writer.wait()  # the claim must outlive the part's last write
+    finally:
+        bar.close()
+        writer.close()
+    summary.store_complete = _complete(cfg.out)
+    return summary
+
+
+def with_default_data(cfg: ExtractConfig, echo=print) -> ExtractConfig:
+    """No --data: the embedded prompt set's train split, whose responses must be regenerated
+    (they are the original code, not anything the target said)."""
+    if cfg.data:
+        return cfg
+    from dflash_train.assets.embedded import prompt_file
+
+    try:
+        path = str(prompt_file("train"))
+    except FileNotFoundError as e:
+        raise ExtractError(f"no --data given and {e}") from e
+    echo(f"no --data: using the embedded coding prompts {path} (implies --regenerate)")
+    return replace(cfg, data=[path], regenerate=True)
+
+
+def _scan(source: ChatSource, tokenizer, parts: list[PartPlan], cfg: ExtractConfig
+          ) -> list[Item]:
+    """Render every row of `parts` once, so template errors stop the run before any write."""
+    items: list[Item] = []
+    for part in parts:
+        for item in render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg):
+            policy = prompt_fits if cfg.regenerate else apply_length_policy
+            kept = policy(item, cfg, Counts())
+            if kept is not None:
+                items.append(kept)
+    return items
+
+
+def _refuse_all_skipped(source: ChatSource, cfg: ExtractConfig) -> None:
+    """Every row fell to the length policy: a store of nothing is a mistake, not a result."""
+    what = "prompt" if cfg.regenerate else "sample"
+    raise ExtractError(
+        f"{', '.join(source.paths)}: all {source.num_rows} rows were skipped, no {what} "
+        f"leaves an assistant token within --max-length {cfg.max_length} (first: "
+        f"{source.where(0)}); raise --max-length")
+
+
+def _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, hidden_bytes, world_size
+                ) -> None:
+    tokens = sum(len(i.input_ids) for i in scanned)
+    note = " (prompts only; up to max-new-tokens more each)" if cfg.regenerate else ""
+    if cfg.regenerate:
+        tokens += cfg.max_new_tokens * len(scanned)
+    frozen = (2 * info.vocab_size + 1) * info.hidden_size * hidden_bytes
+    echo(f"target: {info.name_or_path} ({info.model_type}, {info.num_hidden_layers} layers, "
+         f"hidden {info.hidden_size}, vocab {info.vocab_size})")
+    echo(f"context layers: {layer_ids}; top-k: {cfg.top_k}")
+    echo(f"bytes/token: {bpt}")
+    echo(f"samples: {len(scanned)}; tokens: {tokens}{note}")
+    echo(f"total: {tokens * bpt / 2**30:.3f} GiB of samples + {frozen / 2**30:.3f} GiB of "
+         "frozen rows, before compression")
+    echo(f"parts: {len(parts)} of {cfg.rows_per_part} rows; with WORLD_SIZE={world_size} "
+         f"rank r takes parts r, r+{world_size}, ...")
+    for part in parts[:8]:
+        echo(f"  part {part.index}: rows {part.row_start}..{part.row_stop - 1} -> rank "
+             f"{part.index % world_size}")
+    if len(parts) > 8:
+        echo(f"  ... {len(parts) - 8} more")
+
+
+def _refuse_different_store(out: str, meta: StoreMeta) -> None:
+    """Fail before loading the model if `out` holds something other than this store."""
+    if "://" in out and not out.startswith("file://"):
+        return  # checked by create_store once the model is loaded
+    path = Path(out.removeprefix("file://"))
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ExtractError(f"--out {out} exists and is not a directory")
+    if not any(path.iterdir()):
+        return
+    diffs = open_store(out).meta.mismatches(meta)
+    if diffs:
+        raise ExtractError(f"--out {out} holds a store made differently; refusing to mix "
+                           "them (use another --out):\n  " + "\n  ".join(diffs))
+
+
+def _mask_token_id(cfg: ExtractConfig, info, tokenizer) -> int | None:
+    mask = cfg.mask_token_id
+    if mask is None:
+        mask = default_mask_token_id(info.model_type, info.vocab_size,
+                                     getattr(tokenizer, "mask_token_id", None))
+    if mask is not None and not 0 <= mask < info.vocab_size:
+        raise ExtractError(f"--mask-token-id {mask} is outside the target vocabulary "
+                           f"(size {info.vocab_size})")
+    return mask
+
+
+def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]) -> None:
+    """Copy embed_tokens, lm_head, final norm and the tokenizer once (tokenizer last: marker)."""
+    try:
+        store.read_files("tokenizer")
+        return
+    except StoreError:
+        pass
+    norm = target.decoder.norm
+    # the norm's effective scale (1 + w for Qwen3.5's zero-centred norm, w for Qwen3/Llama):
+    # a constant input of size 1e3 makes eps negligible, so norm(x) is the scale itself
+    probe = torch.full((target.info.hidden_size,), 1e3, device=target.device)
+    with torch.inference_mode():
+        scale = norm(probe.float()).float()
+    store.write_target_rows(target.decoder.embed_tokens.weight, target.lm_head.weight, scale)
+    # The drafter is sized from the target's config (heads, MLP width, RoPE), not its weights.
+    store.write_files("target", {"config.json": target.model.config.to_json_string().encode()})
+    store.write_files("tokenizer", tok_files)
+
+
+def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
+                  layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter, bar,
+                  summary: Summary) -> None:
+    pw = store.part_writer(part.index, part.row_start, part.row_stop, FLUSH_SHARDS)
+    if pw.complete:
+        summary.parts_already_complete.append(part.index)
+        bar.update(0)
+        return
+    first = pw.next_row
+    done = _committed_lengths(store, part.index) if first > part.row_start else []
+    todo = render_rows(source, tokenizer, range(first, part.row_stop), cfg)
+    counts = Counts()
+    if cfg.regenerate:
+        prompts = render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg)
+        # every prompt of the part, so generation batches equal an uninterrupted run's;
+        # count only the skips of rows this run still has to do
+        fitting = [k for p in prompts if (k := prompt_fits(p, cfg, Counts())) is not None]
+        for p in prompts:
+            if p.row >= first:
+                prompt_fits(p, cfg, counts)
+        todo = regenerate_items(target.model, tokenizer, fitting, cfg, first)
+    todo = [k for i in todo if (k := apply_length_policy(i, cfg, counts)) is not None]
+    summary.counts.add(counts)
+    summary.skipped += [source.where(row) for row in counts.skipped_rows]
+    # plan over done + todo, exactly as an uninterrupted run would batch this part
+    lengths = [n for _, n in done] + [len(i.input_ids) for i in todo]
+    for batch in plan_batches(lengths, cfg.batch_tokens):
+        if batch[-1] < len(done):
+            continue
+        batch_items = [todo[i - len(done)] if i >= len(done) else None for i in batch]
+        samples = _forward_batch(target, layer_ids, batch_items, done, batch, source, cfg)
+        writer.append(pw, samples)
+        n = sum(len(s) for s in samples)
+        summary.samples += len(samples)
+        summary.tokens += n
+        bar.update(n)
+    writer.finish(pw)
+    summary.parts_done.append(part.index)
+
+
+def _committed_lengths(store: Store, index: int) -> list[tuple[int, int]]:
+    """(source row, length) of the samples a previous run committed to part `index`."""
+    p = store.part(index)
+    return list(zip(p.sources().tolist(), p.sample_lengths().tolist(), strict=True))
+
+
+def _forward_batch(target: Target, layer_ids: list[int], items: list[Item | None],
+                   done: list[tuple[int, int]], batch: list[int], source: ChatSource,
+                   cfg: ExtractConfig) -> list[Sample]:
+    """Samples for the not-yet-committed items of one batch.
+
+    Committed rows in the batch (None items) are re-run with placeholder tokens of their
+    stored length only so that the batch's shape equals the uninterrupted run's.
+    """
+    lengths = [len(i.input_ids) if i is not None else done[b][1] for i, b in zip(items, batch,
+                                                                                 strict=True)]
+    width = max(lengths)
+    input_ids = torch.zeros((len(items), width), dtype=torch.long)
+    attention = torch.zeros((len(items), width), dtype=torch.long)
+    for b, (item, n) in enumerate(zip(items, lengths, strict=True)):
+        if item is not None:
+            input_ids[b, :n] = torch.tensor(item.input_ids)
+        attention[b, :n] = 1
+    context, final = forward_states(target.decoder, layer_ids, input_ids.to(target.device),
+                                    attention.to(target.device))
+    valid = attention.bool().to(target.device)
+    ids, logits, lse = verifier_topk(final[valid], target.lm_head, cfg.top_k)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    samples = []
+    for b, item in enumerate(items):
+        if item is None:
+            continue
+        n, lo, hi = lengths[b], offsets[b], offsets[b + 1]
+        # checked where the states are (on the GPU: microseconds; on the host a float copy of a
+        # 4096-token sample at 27B width took longer than its share of the forward)
+        _check_finite(context[b, :n], logits[lo:hi], lse[lo:hi], layer_ids,
+                      source.where(item.row))
+        samples.append(Sample(
+            input_ids=torch.tensor(item.input_ids, dtype=torch.int32),
+            loss_mask=torch.tensor(item.loss_mask, dtype=torch.bool),
+            # a copy even on a CPU target: a view would keep the whole padded batch alive
+            # in the writer's buffer until its next flush
+            context=context[b, :n].to("cpu", copy=True), topk_ids=ids[lo:hi].cpu(),
+            topk_logits=logits[lo:hi].cpu(), lse=lse[lo:hi].cpu(), source_row=item.row,
+        ))
+    return samples
+
+
+def _check_finite(context: torch.Tensor, topk_logits: torch.Tensor, lse: torch.Tensor,
+                  layer_ids: list[int], where: str) -> None:
+    """Refuse a sample whose captured states [n, layers, H] or verifier logits hold NaN/Inf."""
+    bad = ~torch.isfinite(context)
+    if bad.any():
+        t, j, _ = bad.nonzero()[0].tolist()
+        raise ExtractError(f"{where}: NaN/Inf in layer {layer_ids[j]}'s state at token {t}; "
+                           "stopping (nothing of this sample was written)")
+    if not torch.isfinite(lse).all() or not torch.isfinite(topk_logits).all():
+        raise ExtractError(f"{where}: NaN/Inf in the verifier logits; stopping")
+
+
+def _complete(out: str) -> bool:
+    try:
+        store = open_store(out)
+        store.read_files("tokenizer")
+        return store.complete
+    except StoreError:
+        return False

@@ -1,0 +1,109 @@
+"""Rows of one part -> token ids and loss masks ready for the forward, in row order.
+
+Owns the max-length policy and the regeneration step. The policy: a sample longer than
+max_length is truncated (or, with overlong="skip", skipped); a row left with no assistant
+token within max_length -- in particular one whose prompt alone is that long -- is skipped.
+Skips are never errors for one row: they are counted and named in the run's summary
+(pipeline.py refuses a run in which every row is skipped). Batch plans here depend only on the
+part's rows, never on where a previous run stopped (see plan.py), so generation and forward
+batches are the same in a resumed run as in an uninterrupted one.
+"""
+
+from dataclasses import dataclass, field
+
+from dflash_train.extract.config import ExtractConfig
+from dflash_train.extract.data import ChatSource
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.plan import plan_batches
+from dflash_train.extract.regenerate import eos_token_ids, greedy_continuations
+from dflash_train.extract.render import render_chat, render_prompt
+
+
+@dataclass
+class Item:
+    """One sample to extract."""
+
+    row: int
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+
+@dataclass
+class Counts:
+    """What the length policy did, for the end-of-run summary."""
+
+    truncated: int = 0
+    skipped_overlong: int = 0
+    skipped_no_assistant: int = 0
+    """Samples whose assistant tokens all lie beyond max_length."""
+    skipped_rows: list[int] = field(default_factory=list)
+    """Source rows of every skipped sample, in order."""
+
+    def add(self, other: "Counts") -> None:
+        self.truncated += other.truncated
+        self.skipped_overlong += other.skipped_overlong
+        self.skipped_no_assistant += other.skipped_no_assistant
+        self.skipped_rows += other.skipped_rows
+
+
+def apply_length_policy(item: Item, cfg: ExtractConfig, counts: Counts) -> Item | None:
+    """Truncate or skip an overlong item; None when nothing is left to learn from."""
+    if len(item.input_ids) <= cfg.max_length:
+        return item
+    if cfg.overlong == "skip":
+        counts.skipped_overlong += 1
+        counts.skipped_rows.append(item.row)
+        return None
+    cut = Item(item.row, item.input_ids[: cfg.max_length], item.loss_mask[: cfg.max_length])
+    if not any(cut.loss_mask):
+        counts.skipped_no_assistant += 1
+        counts.skipped_rows.append(item.row)
+        return None
+    counts.truncated += 1
+    return cut
+
+
+def prompt_fits(item: Item, cfg: ExtractConfig, counts: Counts) -> Item | None:
+    """With regenerate: a prompt of max_length tokens or more leaves no room for a single
+    generated token, so it is skipped before any generation is spent on it."""
+    if len(item.input_ids) < cfg.max_length:
+        return item
+    counts.skipped_no_assistant += 1
+    counts.skipped_rows.append(item.row)
+    return None
+
+
+def render_rows(source: ChatSource, tokenizer, rows: range, cfg: ExtractConfig) -> list[Item]:
+    """Rendered chats (or, with regenerate, prompts with an empty mask) for `rows`."""
+    items = []
+    for row in rows:
+        chat, where = source.chat(row), source.where(row)
+        if cfg.regenerate:
+            ids = render_prompt(tokenizer, chat, thinking=cfg.enable_thinking, where=where)
+            items.append(Item(row, ids, [False] * len(ids)))
+        else:
+            r = render_chat(tokenizer, chat, thinking=cfg.enable_thinking, where=where)
+            items.append(Item(row, r.input_ids, r.loss_mask))
+    return items
+
+
+def regenerate_items(model, tokenizer, prompts: list[Item], cfg: ExtractConfig,
+                     first_row: int) -> list[Item]:
+    """Prompt + greedy continuation for every prompt whose row >= first_row."""
+    if cfg.max_new_tokens < 1:
+        raise ExtractError("--max-new-tokens must be >= 1 with --regenerate")
+    eos = eos_token_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
+    lengths = [len(p.input_ids) + cfg.max_new_tokens for p in prompts]
+    out = []
+    for batch in plan_batches(lengths, cfg.batch_tokens):
+        chosen = [prompts[i] for i in batch]
+        if chosen[-1].row < first_row:
+            continue
+        news = greedy_continuations(model, [p.input_ids for p in chosen],
+                                    max_new_tokens=cfg.max_new_tokens, eos_ids=eos, pad_id=pad)
+        for p, new in zip(chosen, news, strict=True):
+            if p.row >= first_row:
+                out.append(Item(p.row, p.input_ids + new,
+                                [False] * len(p.input_ids) + [True] * len(new)))
+    return out

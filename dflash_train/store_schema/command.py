@@ -1,0 +1,148 @@
+"""`dflash store ...`: look inside a feature store and check it."""
+
+import json
+import sys
+
+import click
+
+from dflash_train.store_schema.errors import StoreError
+from dflash_train.store_schema.info import summarize
+from dflash_train.store_schema.stats import store_stats
+from dflash_train.store_schema.store import open_store
+from dflash_train.store_schema.validate import validate
+
+
+@click.group("store")
+def store() -> None:
+    """Inspect and check a feature store (local path or fsspec URL such as s3://b/hs.zarr)."""
+
+
+@store.command("info")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def info(path: str, as_json: bool) -> None:
+    """Schema, provenance, sizes and extraction progress of the store at PATH."""
+    try:
+        s = open_store(path)
+        summary = summarize(s)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from e
+    meta = s.meta
+    if as_json:
+        out = {"meta": meta.to_dict(), "shard_tokens": s.shard_tokens, **vars(summary),
+               "bytes_per_token": summary.bytes_per_token,
+               "compression_ratio": summary.compression_ratio}
+        click.echo(json.dumps(out, indent=2))
+        return
+    t = meta.target
+    state = "DAMAGED" if summary.parts_damaged or summary.frozen_damaged else "complete" \
+        if not summary.parts_incomplete and not summary.parts_missing else "INCOMPLETE"
+    per_token, ratio = summary.bytes_per_token, summary.compression_ratio
+    lines = [
+        f"store          {path}  (schema v{meta.schema_version}, {state})",
+        f"target         {t.name_or_path} ({t.model_type}, {t.num_hidden_layers} layers, "
+        f"hidden {t.hidden_size}, vocab {t.vocab_size})",
+        f"context layers {meta.context_layer_ids}  dtype {meta.hidden_dtype}  "
+        f"verifier top-{meta.top_k}",
+        f"source         {', '.join(meta.source.paths)}  rows {meta.source.num_rows}  "
+        f"max_length {meta.source.max_length}  regenerated {meta.source.regenerated}",
+        f"made with      dflash {meta.created_with.dflash}, torch {meta.created_with.torch}, "
+        f"transformers {meta.created_with.transformers} on {meta.created_with.device} "
+        f"({meta.created_with.kernels})",
+        f"samples        {summary.samples:,}",
+        f"tokens         {summary.tokens:,}",
+        f"bytes on disk  {summary.bytes_on_disk:,} ({_human(summary.bytes_on_disk)})",
+        "bytes/token    " + ("n/a (no token written yet)" if per_token is None
+                               else f"{per_token:,.1f}"),
+        "compression    " + ("n/a (no token written yet)" if ratio is None else f"{ratio:.2f}x"),
+        f"parts          {summary.parts_complete}/{summary.parts_planned} complete"
+        + (f"; incomplete {summary.parts_incomplete}" if summary.parts_incomplete else "")
+        + (f"; not started {_short(summary.parts_missing)}" if summary.parts_missing else "")
+        + (f"; DAMAGED {_short(summary.parts_damaged)} (metadata unreadable: run "
+           f"`dflash store validate {path}`)" if summary.parts_damaged else ""),
+    ]
+    if summary.frozen_damaged:
+        lines.append(f"DAMAGED        {', '.join(summary.frozen_damaged)} (run `dflash store "
+                     f"validate {path}`)")
+    click.echo("\n".join(lines))
+
+
+@store.command("validate")
+@click.argument("path")
+@click.option("--no-data", is_flag=True,
+              help="Check only metadata, offsets and shard presence; skip reading every chunk.")
+@click.option("--require-complete", is_flag=True,
+              help="Also fail if some planned part is missing or unfinished.")
+def validate_cmd(path: str, no_data: bool, require_complete: bool) -> None:
+    """Check the store at PATH; exit 1 naming the part and sample of every problem."""
+    findings = validate(path, check_data=not no_data)
+    for f in findings:
+        click.echo(str(f), err=True)
+    unfinished = _unfinished(path) if require_complete else None
+    if unfinished:
+        click.echo(f"store is incomplete: {unfinished}", err=True)
+    if findings or unfinished:
+        verdict = [f"{len(findings)} problem(s) found"] if findings else []
+        verdict += [f"not complete ({unfinished})"] if unfinished else []
+        click.echo(f"{path}: {'; '.join(verdict)}", err=True)
+        sys.exit(1)
+    click.echo(f"{path}: ok")
+
+
+def _unfinished(path: str) -> str | None:
+    """Which planned parts keep the store at PATH from being complete, or None."""
+    try:
+        s = summarize(open_store(path))
+    except StoreError as e:  # validate has named what is wrong already
+        return f"cannot tell which parts are done: {e}"
+    why = [f"parts unfinished {_short(s.parts_incomplete)}" if s.parts_incomplete else "",
+           f"not started {_short(s.parts_missing)}" if s.parts_missing else "",
+           f"damaged {_short(s.parts_damaged)}" if s.parts_damaged else ""]
+    return ", ".join(w for w in why if w) or None
+
+
+@store.command("stats")
+@click.argument("path")
+@click.option("--recompute", is_flag=True, help="Ignore the statistics cached in the store.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--skip-corrupt", is_flag=True,
+              help="Leave damaged parts and shards out (named; nothing cached) instead of "
+                   "refusing the store.")
+def stats(path: str, recompute: bool, as_json: bool, skip_corrupt: bool) -> None:
+    """Per-context-layer mean, RMS, absmax and outlier channels over the whole store.
+
+    Computed in parallel with dask and cached in the store; training scales its noise by them.
+    """
+    try:
+        try:
+            s = open_store(path, mode="r+")
+        except StoreError:
+            s = open_store(path)  # read-only location: compute without caching
+        result = store_stats(s, recompute=recompute, skip_damaged=skip_corrupt)
+    except StoreError as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps({"tokens": result.tokens, "left_out": result.left_out,
+                               "layers": [vars(layer) for layer in result.layers]}, indent=2))
+        return
+    for what in result.left_out:
+        click.echo(f"left out as damaged (--skip-corrupt): {what}", err=True)
+    click.echo(f"{result.tokens:,} tokens")
+    click.echo(f"{'layer':>5} {'mean':>10} {'rms':>10} {'absmax':>10}  largest channels (rms)")
+    for layer in result.layers:
+        top = ", ".join(f"{c} ({r:.3g})" for c, r in
+                        zip(layer.outlier_channels[:4], layer.outlier_rms[:4], strict=True))
+        click.echo(f"{layer.layer_id:>5} {layer.mean:>10.4g} {layer.rms:>10.4g} "
+                   f"{layer.absmax:>10.4g}  {top}")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def _short(items: list[int], limit: int = 10) -> str:
+    return str(items[:limit])[:-1] + (", ...]" if len(items) > limit else "]")

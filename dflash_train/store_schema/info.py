@@ -1,0 +1,112 @@
+"""A store's summary for people: what it holds, how big it is, how far extraction got."""
+
+from dataclasses import dataclass
+
+from zarr.core.sync import sync
+
+from dflash_train.store_schema.errors import StoreError
+from dflash_train.store_schema.layout import SAMPLE_ARRAYS, TOKEN_ARRAYS, part_path
+from dflash_train.store_schema.store import Store
+
+
+@dataclass
+class StoreSummary:
+    """Counts and sizes of a store (committed data only)."""
+
+    samples: int
+    tokens: int
+    parts_planned: int
+    parts_complete: int
+    parts_incomplete: list[int]
+    parts_missing: list[int]
+    """Planned parts not started (no part group, or one whose creation a crash cut short)."""
+    parts_damaged: list[int]
+    """Parts whose metadata cannot be read: neither counted nor sized; `store validate`."""
+    frozen_damaged: list[str]
+    """Target rows or carried files whose metadata is torn or whose chunks are missing
+    (checksums are validate's: info reads no data)."""
+    bytes_on_disk: int
+    """Every object in the store, target rows and tokenizer included."""
+    part_bytes_on_disk: int
+    """Objects of the readable parts."""
+    part_tokens_on_disk: int
+    """Tokens the readable parts' arrays hold: the committed ones, and, in a part being
+    written, those of whole shards already written ahead of their commit record."""
+    logical_part_bytes: int
+    """Uncompressed size of those tokens' arrays."""
+
+    @property
+    def bytes_per_token(self) -> float | None:
+        """Stored bytes per token of the readable parts; None while they hold none."""
+        if not self.part_tokens_on_disk:
+            return None
+        return self.part_bytes_on_disk / self.part_tokens_on_disk
+
+    @property
+    def compression_ratio(self) -> float | None:
+        """Uncompressed / stored size of the readable parts; None while they hold no token."""
+        if not (self.part_tokens_on_disk and self.part_bytes_on_disk and self.logical_part_bytes):
+            return None
+        return self.logical_part_bytes / self.part_bytes_on_disk
+
+
+def summarize(store: Store) -> StoreSummary:
+    zstore = store.root.store
+    prefix = store.root.path
+    damaged = store.unreadable_parts()
+    parts, held = [], []
+    for p in store.parts():
+        try:
+            for name in [a.name for a in TOKEN_ARRAYS] + list(SAMPLE_ARRAYS):
+                p.array(name)
+            # The context array's length is what the writer has sized and written (it grows
+            # before the data lands); every token array of a part has the same length.
+            held.append(p.array("context").shape[0])
+            parts.append(p)
+        except StoreError:  # an array's metadata is torn: damaged, like a torn part
+            damaged.append(p.index)
+    per_token = _bytes_per_token(parts[0]) if parts else 0
+    present = {p.index for p in parts} | set(damaged)
+    return StoreSummary(
+        samples=sum(p.num_samples for p in parts),
+        tokens=sum(p.num_tokens for p in parts),
+        parts_planned=store.meta.num_parts,
+        parts_complete=sum(p.complete for p in parts),
+        parts_incomplete=[p.index for p in parts if not p.complete],
+        parts_missing=[i for i in range(store.meta.num_parts) if i not in present],
+        parts_damaged=sorted(damaged),
+        frozen_damaged=[path for path in store.frozen_paths()
+                        if store.frozen_problem(path, read_data=False) is not None],
+        bytes_on_disk=sync(zstore.getsize_prefix(prefix)) if prefix else _total(zstore),
+        part_bytes_on_disk=sum(sync(zstore.getsize_prefix(
+            "/".join(x for x in (prefix, part_path(p.index)) if x))) for p in parts),
+        part_tokens_on_disk=sum(held),
+        logical_part_bytes=per_token * sum(held),
+    )
+
+
+def _bytes_per_token(part) -> int:
+    """Uncompressed bytes of one token across a part's token arrays (the same in every part:
+    the schema fixes them)."""
+    try:
+        return sum(part.array(spec.name).dtype.itemsize
+                   * max(1, _prod(part.array(spec.name).shape[1:])) for spec in TOKEN_ARRAYS)
+    except StoreError:
+        return 0
+
+
+def _total(zstore) -> int:
+    async def total():
+        n = 0
+        async for key in zstore.list():
+            n += await zstore.getsize(key)
+        return n
+
+    return sync(total())
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,130 @@
+"""Provenance recorded in every store: which target, tokenizer, layers and data made it.
+
+Stages compare it before trusting a store: a resumed extract, a training run and an eval all
+refuse a store whose provenance differs from what they expect, naming every differing field.
+"""
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from dflash_train.store_schema.errors import StoreError
+from dflash_train.store_schema.layout import HIDDEN_DTYPES, SCHEMA_VERSION
+
+
+@dataclass
+class TargetInfo:
+    """The target model whose states the store holds."""
+
+    name_or_path: str
+    revision: str | None
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    config_sha256: str
+
+
+@dataclass
+class TokenizerInfo:
+    """The tokenizer and chat rendering that produced input_ids and loss_mask."""
+
+    sha256: str
+    chat_template_sha256: str | None
+    enable_thinking: bool
+
+
+@dataclass
+class SourceInfo:
+    """The input dataset."""
+
+    paths: list[str]
+    sha256: list[str]
+    max_length: int
+    regenerated: bool
+    """Responses replaced by the target's own greedy output (offline tau is then exact)."""
+    num_rows: int
+    """Rows in the input dataset; parts split these rows."""
+
+
+@dataclass
+class CreatedWith:
+    """Software and hardware that wrote the store. Informational: never compared."""
+
+    dflash: str
+    torch: str
+    transformers: str
+    device: str
+    kernels: str
+
+
+@dataclass
+class StoreMeta:
+    """Everything a later stage needs to know about how a store was made."""
+
+    target: TargetInfo
+    tokenizer: TokenizerInfo
+    source: SourceInfo
+    created_with: CreatedWith
+    context_layer_ids: list[int]
+    """Target layers concatenated as drafter context; id k = HF hidden_states[k + 1]."""
+    top_k: int
+    """Verifier top-k logits stored per token (argmax first)."""
+    hidden_dtype: str
+    """Logical dtype of context and target rows: bfloat16 | float16 | float32."""
+    num_parts: int
+    """Parts planned; part p holds a fixed slice of the source rows."""
+    schema_version: int = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form provenance a stage adds (compared like the rest)."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise StoreError(f"hidden_dtype {self.hidden_dtype!r} is not one of {HIDDEN_DTYPES}")
+        if not self.context_layer_ids:
+            raise StoreError("context_layer_ids is empty: a store needs at least one layer")
+        if self.top_k < 1 or self.num_parts < 1:
+            raise StoreError(f"top_k ({self.top_k}) and num_parts ({self.num_parts}) must be >= 1")
+
+    @property
+    def num_context_layers(self) -> int:
+        return len(self.context_layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StoreMeta":
+        try:
+            nested = {
+                "target": TargetInfo(**d["target"]),
+                "tokenizer": TokenizerInfo(**d["tokenizer"]),
+                "source": SourceInfo(**d["source"]),
+                "created_with": CreatedWith(**d["created_with"]),
+            }
+            flat = {f.name: d[f.name] for f in fields(cls) if f.name not in nested and f.name in d}
+            return cls(**nested, **flat)
+        except (KeyError, TypeError) as e:
+            raise StoreError(f"store provenance is malformed or incomplete: {e}") from e
+
+    def mismatches(self, other: "StoreMeta") -> list[str]:
+        """'field: this != other' for every differing field, created_with excepted."""
+        a, b = self.to_dict(), other.to_dict()
+        a.pop("created_with")
+        b.pop("created_with")
+        return [f"{k}: {va!r} != {vb!r}" for k, va, vb in _diff(a, b)]
+
+
+    def target_mismatches(self, other: "StoreMeta") -> list[str]:
+        """Differences that make features incompatible: another target, tokenizer or layer set.
+
+        Stores that differ only in data, parts, top-k or chat options hold the same features."""
+        keys = ("target.", "tokenizer.sha256", "context_layer_ids")
+        return [d for d in self.mismatches(other) if d.startswith(keys)]
+
+
+def _diff(a: Any, b: Any, prefix: str = ""):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            yield from _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+    elif a != b:
+        yield prefix.rstrip("."), a, b

@@ -1,0 +1,245 @@
+"""Training checkpoints: written whole or not at all, resumed exactly.
+
+A checkpoint is a directory `checkpoints/step_00000100/` holding
+  drafter/          the drafter in the serving format (dflash export copies it),
+  trainer.pt        optimiser, scheduler, step / epoch / batch position, RNG states,
+  provenance.json   the store's provenance it was trained on (checked on resume and eval),
+  config.toml       the resolved training config,
+  checksums.json    sha256 of trainer.pt, provenance.json and config.toml (drafter/ keeps its
+                    own), checked on resume so bit rot in any of them reads as damage,
+  COMPLETE          written last; a directory without it is never trusted.
+It is assembled under a temporary name (`.tmp-step_...`) and renamed into place, so a crash
+mid-save leaves the previous checkpoint as the latest one; the next save removes the torn
+temporary directory.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.drafter import (
+    DRAFTER_SUBDIR,
+    DFlashDrafter,
+    DrafterError,
+    load_drafter,
+    save_drafter,
+)
+from dflash_train.drafter.checkpoint import CHECKSUMS_NAME, file_sha256, write_checksums
+from dflash_train.store_schema import StoreError, StoreMeta
+from dflash_train.store_schema.errors import one_line
+from dflash_train.train.errors import TrainError
+
+COMPLETE = "COMPLETE"
+PROVENANCE = "provenance.json"
+TRAINER_STATE = "trainer.pt"
+CONFIG = "config.toml"
+CHECKPOINTS = "checkpoints"
+CHECKSUMMED = (TRAINER_STATE, PROVENANCE, CONFIG)
+"""The checkpoint's own files recorded in its checksums.json (drafter/ has its own record)."""
+TMP_PREFIX = ".tmp-"
+KILL_IN_SAVE_ENV = "DFLASH_TRAIN_KILL_IN_SAVE_STEP"
+"""Fault injection for the crash tests: SIGKILL this process while it writes the checkpoint of
+that step, after the weights and trainer state are on disk, before the marker and rename."""
+
+
+@dataclass
+class TrainState:
+    """Where the run is: resume continues from exactly here."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tokens_seen: int = 0
+    plan: list = field(default_factory=list)
+    """[store, part, samples] of every part the batches are planned over (StoreLoader
+    .plan_inputs): a resume over other parts would replay another plan. Empty in
+    checkpoints written before it was recorded."""
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    model: torch.nn.Module,
+    model_state: dict,
+    optimizer_state: dict,
+    scheduler,
+    state: TrainState,
+    provenance: StoreMeta,
+    config_toml: str,
+    keep: int = 3,
+) -> Path:
+    """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest.
+
+    model_state / optimizer_state: full (gathered) states, see parallel.full_states."""
+    final = checkpoint_dir(run_dir, state.step)
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+    remove_torn_saves(run_dir)
+    tmp.mkdir(parents=True)
+    save_drafter(model, tmp / DRAFTER_SUBDIR, state_dict=model_state)
+    torch.save({
+        "optimizer": optimizer_state,
+        "scheduler": scheduler.state_dict(),
+        "state": asdict(state),
+        "torch_rng": torch.get_rng_state(),
+    }, tmp / TRAINER_STATE)
+    if os.environ.get(KILL_IN_SAVE_ENV) == str(state.step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    (tmp / PROVENANCE).write_text(json.dumps(provenance.to_dict(), indent=2))
+    (tmp / CONFIG).write_text(config_toml)
+    write_checksums(tmp, list(CHECKSUMMED))
+    (tmp / COMPLETE).write_text(f"step {state.step}\n")
+    _fsync_tree(tmp)
+    if final.exists():  # the same step saved again (e.g. resumed exactly at it)
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def remove_torn_saves(run_dir: str | Path) -> None:
+    """Delete temporary directories of saves a crash cut short (one writer per run dir)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if root.is_dir():
+        for torn in root.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(torn, ignore_errors=True)
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def read_provenance(path: str | Path) -> StoreMeta | None:
+    """The store provenance a checkpoint was trained on, or None for a bare drafter dir."""
+    file = Path(path) / PROVENANCE
+    if not file.is_file():
+        return None
+    return StoreMeta.from_dict(json.loads(file.read_text()))
+
+
+def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, where: str) -> None:
+    """Refuse a store made from another target or layer set than the checkpoint's."""
+    diffs = checkpoint.target_mismatches(store)
+    if diffs:
+        raise TrainError(
+            f"{where} was trained on a store of another target or layer set than {store_url} "
+            "(checkpoint != store):\n  " + "\n  ".join(diffs))
+
+
+BAD_FILE_ERRORS = (
+    DrafterError, StoreError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError,
+    KeyError, IndexError, TypeError, AttributeError, ImportError, FileNotFoundError,
+    IsADirectoryError, NotADirectoryError,
+)
+"""What reading a truncated, bit-rotten or missing file raises (torch.load alone raises most of
+these; JSON and TOML decode errors are ValueErrors). Not MemoryError, nor an OSError such as
+EIO: those say nothing about the file, and one rank taking them for damage would resume from
+another checkpoint than its peers."""
+
+
+@dataclass
+class CheckpointContents:
+    """A complete checkpoint read back whole."""
+
+    path: Path
+    drafter: DFlashDrafter
+    """The drafter as saved: its own config.json and weights, on CPU."""
+    trainer: dict
+    """trainer.pt: optimizer, scheduler, state, torch_rng."""
+    provenance: StoreMeta
+    """The store provenance it was trained on."""
+    config: dict[str, Any]
+    """config.toml as parsed TOML (the run's settings, not yet checked as a TrainConfig)."""
+
+
+def read_checkpoint(path: str | Path) -> CheckpointContents:
+    """Everything a resume needs from a complete checkpoint; a file that does not read back
+    whole (truncated, bit rot, a checksum that differs) is a TrainError naming it. A
+    checkpoint written before checksums.json existed is read without that check."""
+    path = Path(path)
+    if not (path / COMPLETE).is_file():
+        raise TrainError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    file = path / CHECKSUMS_NAME
+    try:
+        recorded = json.loads(file.read_text())["files"] if file.is_file() else {}
+        for name in CHECKSUMMED:
+            file = path / name
+            if name in recorded and file_sha256(file) != recorded[name]:
+                raise ValueError(f"its sha256 differs from the one {CHECKSUMS_NAME} recorded")
+        file = path / TRAINER_STATE
+        blob = torch.load(file, map_location="cpu", weights_only=False)
+        missing = {"optimizer", "scheduler", "state", "torch_rng"} - set(blob)
+        if missing:
+            raise KeyError(f"no {sorted(missing)}")
+        file = path / PROVENANCE
+        provenance = StoreMeta.from_dict(json.loads(file.read_text()))
+        file = path / CONFIG
+        config = tomllib.loads(file.read_text())
+        file = path / DRAFTER_SUBDIR
+        drafter = load_drafter(path)
+    except BAD_FILE_ERRORS as e:
+        if _out_of_memory(e):
+            raise
+        raise TrainError(f"{file} is damaged and cannot be read "
+                         f"({type(e).__name__}: {one_line(e)})") from e
+    return CheckpointContents(path, drafter, blob, provenance, config)
+
+
+def restore_trainer(blob: dict, scheduler) -> tuple[TrainState, dict]:
+    """Restore scheduler and RNG from trainer.pt contents; returns the run position and the
+    full optimiser state (for parallel.load_optimizer_state)."""
+    scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    return TrainState(**blob["state"]), blob["optimizer"]
+
+
+def load_trainer_state(path: str | Path, scheduler) -> tuple[TrainState, dict]:
+    """Restore scheduler and RNG from a checkpoint; returns the run position and the full
+    optimiser state (for parallel.load_optimizer_state)."""
+    return restore_trainer(read_checkpoint(path).trainer, scheduler)
+
+
+def _out_of_memory(e: Exception) -> bool:
+    """torch reports a failed CPU allocation as a RuntimeError: this process's trouble, not
+    the file's."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in text
+                                            or "can't allocate memory" in text)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

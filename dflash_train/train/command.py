@@ -1,0 +1,104 @@
+"""`dflash train`: flags and a TOML file onto TrainConfig, then the loop."""
+
+import click
+
+from dflash_train.drafter import DrafterError
+from dflash_train.store_schema import StoreError
+from dflash_train.train.config import load_config
+from dflash_train.train.errors import TrainError
+from dflash_train.train.options import CLI_OPTIONS
+
+# Common settings get their own flag (options.CLI_OPTIONS); every other field is reachable
+# with --set. Keyed by click's parameter name: --max-steps -> max_steps.
+_FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items()}
+
+
+@click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--store", "stores", multiple=True, required=True,
+              help="Feature store to train on (repeat to mix several of one target).")
+@click.option("--weights", help="Comma-separated passes per epoch over each --store, e.g. 1,0.5."
+              "  [default: 1 per store]")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False),
+              help="TOML file of settings ([loader], [model], [loss], [noise], [optim], [run]).")
+@click.option("--out", help="Run directory for checkpoints and logs.  [default: runs/drafter]")
+@click.option("--resume", is_flag=True, help="Continue from the run directory's latest checkpoint.")
+@click.option("--epochs", type=click.IntRange(1), help="Passes over the store.  [default: 6]")
+@click.option("--max-steps", type=click.IntRange(1), help="Stop after this many steps.")
+@click.option("--lr", type=float, help="Peak learning rate.  [default: 6e-4]")
+@click.option("--batch-tokens", type=click.IntRange(1),
+              help="Padded tokens per global batch.  [default: 16384]")
+@click.option("--max-length", type=click.IntRange(3),
+              help="Cut longer samples to this many tokens.  [default: none (no cut)]")
+@click.option("--gamma", type=float, help="Position decay of the loss weights.  [default: 10]")
+@click.option("--loss", type=click.Choice(["ce", "kl-topk"]),
+              help="Hard CE on the verifier argmax, or KL to its stored top-k.  [default: ce]")
+@click.option("--noise", type=click.Choice(["none", "uniform", "gaussian"]),
+              help="Noise on the fc input (context features only).  [default: uniform]")
+@click.option("--noise-std", type=float,
+              help="Noise std, relative to each context layer's RMS.  [default: 0.05]")
+@click.option("--anchors-per-seq", type=click.IntRange(1),
+              help="Blocks per sequence per epoch.  [default: 512]")
+@click.option("--layers", type=click.IntRange(1), help="Drafter decoder layers.  [default: 5]")
+@click.option("--device", help="cuda, cuda:1, cpu ...  [default: auto]")
+@click.option("--seed", type=int, help="Seed of weights, anchors and noise.  [default: 0]")
+@click.option("--set", "sets", multiple=True, metavar="SECTION.FIELD=VALUE",
+              help="Any other setting, e.g. --set optim.weight_decay=0.01 (repeatable).")
+@click.option("--fsdp", is_flag=True, default=None,
+              help="Under torchrun: shard the drafter with FSDP2 instead of DDP.")
+@click.option("--skip-corrupt", is_flag=True, default=None,
+              help="Skip samples of a damaged store (missing shard, failed checksum, torn part "
+                   "metadata) and list them in RUN/skipped.jsonl, instead of refusing it.")
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
+    """Train a DFlash drafter from feature stores; no target model is loaded.
+
+    Labels are the stored verifier argmax; noise touches only the fc input; the loss is
+    hard cross-entropy with position decay exp(-(k-1)/gamma). Under torchrun every rank
+    reads its own share of each batch (DDP).
+    """
+    from dflash_train.train.loop import train
+
+    overrides = {"stores": list(stores), "run.progress": progress}
+    for name, value in flags.items():
+        if value is not None:
+            overrides[_FLAGS[name]] = value
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not SECTION.FIELD=VALUE", param_hint="--set")
+        overrides[key.strip()] = value.strip()
+    try:
+        cfg = load_config(config_file, overrides)
+        result = train(cfg, resume=resume, echo=click.echo)
+    except (TrainError, StoreError, DrafterError) as e:
+        raise click.ClickException(str(e)) from e
+    if result.already_complete:
+        click.echo(f"{result.run_dir} is already complete (step {result.steps} of "
+                   f"{result.steps}); nothing to train; checkpoint {result.checkpoint}")
+        return
+    click.echo(f"trained {result.steps} steps, final loss {result.final_loss:.4f}; "
+               f"checkpoint {result.checkpoint}; log {result.run_dir / 'log.jsonl'}")
+
+
+@click.group("log")
+def log_group() -> None:
+    """Read a training run's log."""
+
+
+@log_group.command("summary")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--ranges", default=5, show_default=True, type=click.IntRange(1),
+              help="Step ranges to split loss and accuracy over.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def log_summary(run_dir: str, ranges: int, as_json: bool) -> None:
+    """Loss and per-slot accuracy by step range, lr phase, noise early vs late, epoch
+    boundaries, batch sizes, throughput consistency and data-wait share of RUN_DIR."""
+    import json
+
+    from dflash_train.train.log_summary import format_summary, read_log, summarize_log
+
+    try:
+        summary = summarize_log(read_log(run_dir), ranges)
+    except TrainError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))

@@ -1,0 +1,300 @@
+"""The training configuration: one dataclass tree, loadable from TOML, overridable per field.
+
+Sections mirror what a reader meets in the loop: where the data comes from (`loader`), what the
+drafter looks like (`model`), what it minimises (`loss`), the regulariser (`noise`), how it
+steps (`optim`) and how the run is kept (`run`). Unknown keys are errors, never ignored.
+"""
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dflash_train.blocks import ANCHORS_PER_SEQ
+from dflash_train.train.data import LoaderConfig
+from dflash_train.train.errors import TrainError
+from dflash_train.train.loss import LossConfig
+from dflash_train.train.noise import NoiseConfig
+from dflash_train.train.options import option_name, require
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the drafter; width, vocabulary and layer ids always come from the store."""
+
+    num_hidden_layers: int | None = None
+    """Drafter decoder layers; None: 5 as the released drafters (a resumed or init_from
+    drafter: its own)."""
+    num_attention_heads: int | None = None
+    """Query heads; None: the released drafter's for a published target (Qwen3.5/3.6-27B:
+    32), else the target's."""
+    num_key_value_heads: int | None = None
+    """Key/value heads; None: the released drafter's (27B: 8), else the target's."""
+    head_dim: int | None = None
+    """Head width; None: the released drafter's (27B: 128), else the target's."""
+    intermediate_size: int | None = None
+    """MLP width; None: the target's."""
+    sliding_layers: int | None = None
+    """How many of the first layers use sliding-window attention; None: the released
+    drafter's (27B: 4), else 0."""
+    sliding_window: int | None = None
+    """Context window of the sliding layers; None: the released drafter's, else 2048."""
+    mask_token_id: int | None = None
+    """Mask token filling block slots; None: the one extract recorded in the store."""
+    init_from: str | None = None
+    """Start from this drafter directory or checkpoint instead of random weights."""
+
+    def __post_init__(self) -> None:
+        require(self.num_hidden_layers is None or self.num_hidden_layers >= 1,
+                "model.num_hidden_layers", ">= 1", self.num_hidden_layers)
+        for name in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "sliding_window"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"model.{name}", ">= 1", value)
+        for name in ("sliding_layers", "mask_token_id"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, f"model.{name}", ">= 0", value)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay (REFERENCE.md 4)."""
+
+    lr: float = 6e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of `lr`."""
+    warmup_ratio: float = 0.04
+    """Fraction of all steps spent warming up linearly from 0."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables."""
+    epochs: int = 6
+    """Passes over the store."""
+    max_steps: int | None = None
+    """Stop after this many optimiser steps. The learning-rate schedule (warmup and cosine
+    decay) spans the steps the run takes: min(this, the steps of all `epochs`)."""
+
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "a finite number > 0",
+                self.lr)
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]",
+                self.min_lr_ratio)
+        require(0 <= self.warmup_ratio <= 1, "optim.warmup_ratio", "in [0, 1]",
+                self.warmup_ratio)
+        require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                "optim.weight_decay", "a finite number >= 0", self.weight_decay)
+        betas = tuple(self.betas)
+        require(len(betas) == 2 and all(0 <= b < 1 for b in betas), "optim.betas",
+                "two numbers in [0, 1)", betas)
+        require(self.grad_clip >= 0, "optim.grad_clip", ">= 0 (0 disables clipping)",
+                self.grad_clip)
+        require(self.epochs >= 1, "optim.epochs", ">= 1", self.epochs)
+        require(self.max_steps is None or self.max_steps >= 1, "optim.max_steps", ">= 1",
+                self.max_steps)
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives and how it is kept."""
+
+    out_dir: str = "runs/drafter"
+    """Run directory: checkpoints/, log.jsonl, config.toml."""
+    seed: int = 0
+    """Seeds weights, data order, anchors and noise."""
+    device: str = "auto"
+    """auto: cuda when available, else cpu."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 autocast on CUDA, fp32 on CPU."""
+    anchors_per_seq: int = ANCHORS_PER_SEQ
+    """Blocks per sequence per epoch (re-sampled every epoch)."""
+    pad_blocks_to: int | None = None
+    """Round blocks per sequence up to a multiple of this; None: 32 on CUDA, 1 elsewhere."""
+    checkpoint_every: int = 500
+    """Optimiser steps between checkpoints (one is always written at the end)."""
+    keep_checkpoints: int = 3
+    """Most recent checkpoints kept; older ones are deleted (0: keep every one)."""
+    log_every: int = 10
+    """Steps between log lines with per-slot accuracy."""
+    fsdp: bool = False
+    """Shard weights, gradients and optimiser state over ranks with FSDP2 instead of DDP."""
+    gradient_checkpointing: bool = False
+    """Recompute drafter layers in backward to save activation memory."""
+    progress: bool = True
+    """Show a progress bar."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to out_dir/tb (needs the `tb` extra)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.out_dir), "run.out_dir", "a directory", self.out_dir)
+        require(self.seed >= 0, "run.seed", ">= 0", self.seed)
+        require(self.anchors_per_seq >= 1, "run.anchors_per_seq", ">= 1", self.anchors_per_seq)
+        require(self.pad_blocks_to is None or self.pad_blocks_to >= 1, "run.pad_blocks_to",
+                ">= 1", self.pad_blocks_to)
+        require(self.checkpoint_every >= 1, "run.checkpoint_every", ">= 1",
+                self.checkpoint_every)
+        require(self.keep_checkpoints >= 0, "run.keep_checkpoints", ">= 0 (0 keeps all)",
+                self.keep_checkpoints)
+        require(self.log_every >= 1, "run.log_every", ">= 1", self.log_every)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; saved with every checkpoint."""
+
+    stores: list[str] = field(default_factory=list)
+    """Feature stores to train on (all from the same target and layers)."""
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check (and, for CLI strings, convert) one value against its type hint."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            if type(None) in args:
+                return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except TrainError:
+                continue
+        raise TrainError(f"{where}: {value!r} is not a {hint}")
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise TrainError(f"{where}: {value!r} is not one of {typing.get_args(hint)}")
+        return value
+    if origin in (list, tuple):
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise TrainError(f"{where}: expected a list, got {value!r}")
+        (item_hint, *_) = typing.get_args(hint) or (Any,)
+        out = [_coerce(v, item_hint, where) for v in items]
+        return tuple(out) if origin is tuple else out
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+        raise TrainError(f"{where}: expected true or false, got {value!r}")
+    if hint in (int, float, str):
+        if isinstance(value, bool) and hint is not str:
+            raise TrainError(f"{where}: expected {hint.__name__}, got {value!r}")
+        try:
+            converted = hint(value)
+        except (TypeError, ValueError) as e:
+            raise TrainError(f"{where}: expected {hint.__name__}, got {value!r}") from e
+        if hint is int and isinstance(value, float) and value != converted:
+            raise TrainError(f"{where}: expected an integer, got {value!r}")
+        return converted
+    return value
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        kind = f"section [{where}]" if where else "top level (sections and `stores`)"
+        raise TrainError(f"unknown key(s) {unknown} in the config's {kind}; "
+                         f"known: {sorted(names)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        key = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise TrainError(f"{key}: expected a table of settings, got {value!r}")
+            kwargs[name] = _build(hint, value, key)
+        else:
+            kwargs[name] = _coerce(value, hint, option_name(key))
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # the sections' own __post_init__ checks
+        raise TrainError(f"{where or 'config'}: {e}") from e
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    return _build(TrainConfig, data, "")
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+    """A TOML file (optional) with `section.field` overrides applied on top."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as e:
+            raise TrainError(f"config file {path} does not exist") from e
+        except tomllib.TOMLDecodeError as e:
+            raise TrainError(f"{path}: invalid TOML: {e}") from e
+    for dotted, value in overrides.items():
+        node = data
+        *sections, leaf = dotted.split(".")
+        for s in sections:
+            node = node.setdefault(s, {})
+            if not isinstance(node, dict):
+                raise TrainError(f"override {dotted}: {s} is not a section")
+        node[leaf] = value
+    return config_from_dict(data)
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML, read back by load_config to an equal config. TOML has no
+    null: a None that is the field's default is left out, any other is written "none"."""
+    lines: list[str] = []
+
+    def emit(section: Any, prefix: str) -> None:
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        tables = []
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                tables.append((f.name, value))
+            elif value is not None:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+            elif not _default_is_none(f):
+                lines.append(f'{f.name} = "none"')
+        for name, table in tables:
+            emit(table, f"{prefix}.{name}" if prefix else name)
+
+    emit(cfg, "")
+    return "\n".join(lines).strip() + "\n"
+
+
+def _default_is_none(f: dataclasses.Field) -> bool:
+    return f.default is None or (f.default is dataclasses.MISSING
+                                 and f.default_factory is dataclasses.MISSING)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

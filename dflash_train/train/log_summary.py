@@ -1,0 +1,155 @@
+"""Answers about a run from its log.jsonl, the questions people otherwise script by hand.
+
+Pure functions over the list of records the training loop writes; `summarize_log` returns a
+plain dict and `format_summary` the text `dflash log summary` prints.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from dflash_train.train.errors import TrainError
+
+
+def read_log(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "log.jsonl"
+    if not path.is_file():
+        raise TrainError(f"{path} does not exist: is {run_dir} a training run directory?")
+    records = []
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # the last line torn by a crash mid-write
+                break
+            raise TrainError(f"{path} line {number} is not JSON: {e}") from e
+    if not records:
+        raise TrainError(f"{path} holds no records yet")
+    # A resumed run appends: keep the last record written for each step.
+    by_step = {r["step"]: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return float(np.mean(values)) if values else None
+
+
+def step_ranges(records: list[dict], parts: int) -> list[dict]:
+    """Mean loss, per-slot accuracy and train tau over `parts` equal step ranges."""
+    out = []
+    for chunk in np.array_split(np.arange(len(records)), min(parts, len(records))):
+        rs = [records[i] for i in chunk]
+        accs = [r["slot_acc"] for r in rs if r.get("slot_acc")]
+        slot_acc = None
+        if accs:
+            slot_acc = [_mean(col) for col in zip(*accs, strict=True)]
+        out.append({"steps": (rs[0]["step"], rs[-1]["step"]), "loss": _mean(r["loss"] for r in rs),
+                    "slot_acc": slot_acc, "train_tau": _mean(r.get("train_tau") for r in rs)})
+    return out
+
+
+def lr_phase(records: list[dict]) -> dict:
+    """Where the schedule is: warmup (rising), decay (falling) or flat, and the peak."""
+    lrs = [r["lr"] for r in records]
+    peak = int(np.argmax(lrs))
+    tail = lrs[-min(5, len(lrs)):]
+    if len(tail) < 2 or math.isclose(tail[0], tail[-1], rel_tol=1e-9, abs_tol=1e-15):
+        phase = "flat"
+    elif tail[-1] > tail[0]:
+        phase = "warmup"
+    else:
+        phase = "decay"
+    return {"phase": phase, "current_lr": lrs[-1], "peak_lr": lrs[peak],
+            "peak_step": records[peak]["step"]}
+
+
+def epoch_boundaries(records: list[dict], window: int = 5) -> list[dict]:
+    """Loss just before and just after each epoch change (a jump means a data-order effect)."""
+    out = []
+    for i in range(1, len(records)):
+        if records[i]["epoch"] != records[i - 1]["epoch"]:
+            before = records[max(0, i - window):i]
+            after = records[i:i + window]
+            out.append({"epoch": records[i]["epoch"], "step": records[i]["step"],
+                        "loss_before": _mean(r["loss"] for r in before),
+                        "loss_after": _mean(r["loss"] for r in after)})
+    return out
+
+
+def noise_effect(records: list[dict]) -> dict:
+    """Noise level and loss in the first and last fifth of the run."""
+    k = max(1, len(records) // 5)
+    early, late = records[:k], records[-k:]
+    return {"early": {"noise_std": _mean(r.get("noise_std") for r in early),
+                      "loss": _mean(r["loss"] for r in early)},
+            "late": {"noise_std": _mean(r.get("noise_std") for r in late),
+                     "loss": _mean(r["loss"] for r in late)}}
+
+
+def _percentiles(values) -> dict:
+    a = np.asarray(values, dtype=float)
+    return {"p10": float(np.percentile(a, 10)), "p50": float(np.percentile(a, 50)),
+            "p90": float(np.percentile(a, 90)), "min": float(a.min()), "max": float(a.max())}
+
+
+def summarize_log(records: list[dict], parts: int = 5) -> dict:
+    waits = sum(r.get("data_wait_s", 0.0) for r in records)
+    busy = sum(r.get("step_s", 0.0) for r in records)
+    speeds = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+    speed = _percentiles(speeds) if speeds else None
+    if speed is not None:
+        speed["cv"] = float(np.std(speeds) / np.mean(speeds)) if np.mean(speeds) else 0.0
+    return {
+        "steps": records[-1]["step"],
+        "epochs_seen": sorted({r["epoch"] for r in records}),
+        "ranges": step_ranges(records, parts),
+        "lr": lr_phase(records),
+        "epoch_boundaries": epoch_boundaries(records),
+        "noise": noise_effect(records),
+        "batch_tokens": _percentiles([r["tokens"] for r in records]),
+        "batch_samples": _percentiles([r.get("samples", 0) for r in records]),
+        "tokens_per_s": speed,
+        "data_wait_share": waits / (waits + busy) if waits + busy > 0 else None,
+    }
+
+
+def _fmt(v, spec=".4g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"steps {s['steps']}, epochs {s['epochs_seen'][0]}..{s['epochs_seen'][-1]}", "",
+             "loss and accuracy by step range:",
+             f"  {'steps':>13} {'loss':>8} {'tau':>6}  slot acc 1,2,4,8,15"]
+    for r in s["ranges"]:
+        acc = r["slot_acc"]
+        picks = "-" if not acc else ", ".join(_fmt(acc[k - 1], ".2f") for k in (1, 2, 4, 8, 15)
+                                              if k <= len(acc))
+        lines.append(f"  {r['steps'][0]:>6}-{r['steps'][1]:<6} {_fmt(r['loss']):>8} "
+                     f"{_fmt(r['train_tau'], '.2f'):>6}  {picks}")
+    lr = s["lr"]
+    lines += ["", f"lr schedule: {lr['phase']} (now {lr['current_lr']:.3g}, peak "
+              f"{lr['peak_lr']:.3g} at step {lr['peak_step']})"]
+    n = s["noise"]
+    lines.append(f"noise: early std {_fmt(n['early']['noise_std'])} loss "
+                 f"{_fmt(n['early']['loss'])}; late std {_fmt(n['late']['noise_std'])} loss "
+                 f"{_fmt(n['late']['loss'])}")
+    for b in s["epoch_boundaries"]:
+        lines.append(f"epoch {b['epoch']} starts at step {b['step']}: loss "
+                     f"{_fmt(b['loss_before'])} -> {_fmt(b['loss_after'])}")
+    bt, bs = s["batch_tokens"], s["batch_samples"]
+    lines.append(f"batch tokens p10/p50/p90 {bt['p10']:.0f}/{bt['p50']:.0f}/{bt['p90']:.0f}; "
+                 f"samples {bs['p10']:.0f}/{bs['p50']:.0f}/{bs['p90']:.0f}")
+    if s["tokens_per_s"]:
+        t = s["tokens_per_s"]
+        lines.append(f"tokens/s p10/p50/p90 {t['p10']:.0f}/{t['p50']:.0f}/{t['p90']:.0f} "
+                     f"(variation {t['cv']:.0%})")
+    if s["data_wait_share"] is not None:
+        lines.append(f"data wait: {s['data_wait_share']:.1%} of step time")
+    return "\n".join(lines)

@@ -1,0 +1,277 @@
+"""Whether a run may start or resume in a run directory, and from which checkpoint.
+
+Owns three refusals: a new run in a directory that already holds one (the two would share
+checkpoint rotation by step number, one log and one config.toml), a resume whose settings
+differ from the run's in anything that shapes the trained weights, and a checkpoint that
+cannot be read. Never deletes anything: the writes are moving a damaged checkpoint out of
+rotation (renamed, kept for inspection) when a resume falls back to the one before it, and
+moving the leftovers of a run that stopped before its first checkpoint into `aborted-N/`.
+"""
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_train.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.store_schema import StoreMeta
+from dflash_train.train.checkpoint import CHECKPOINTS, CONFIG, complete_checkpoints, read_checkpoint
+from dflash_train.train.config import ModelConfig, TrainConfig, config_from_dict
+from dflash_train.train.errors import TrainError
+from dflash_train.train.options import option_name
+
+RUN_FILES = (CHECKPOINTS, "log.jsonl", CONFIG, "skipped.jsonl", "tb")
+"""What a run leaves in its directory; any of them means the directory holds a run."""
+
+DAMAGED_PREFIX = "damaged-"
+"""A damaged checkpoint a resume stepped over is renamed `damaged-step_...`: out of rotation
+(`step_*`), so a later save can neither prune the resumed run's checkpoints for it nor take
+it for the latest."""
+
+RUN_MANAGEMENT_FIELDS = frozenset({
+    "run.out_dir",  # the directory may have been moved; it is the one being resumed
+    "run.device",  # where the run executes (auto vs cpu); precision stays compared
+    "run.progress",
+    "run.log_every",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.tensorboard",
+    "run.fsdp",  # shards the same computation; proven equal to DDP / one process
+    "run.gradient_checkpointing",  # recomputes activations in backward, same values
+    "loader.prefetch_batches",  # read-ahead and readers: the plan is fixed by seed and offsets
+    "loader.workers",
+    "loader.unit_cache_tokens",
+    "loader.skip_corrupt",  # a run stopped by damage may resume skipping it; the plan holds
+    "loss.chunk_rows",  # lm_head chunking of the same loss
+})
+"""The fields a `--resume` may change: how a run is watched, kept, read or memory-budgeted,
+never which weights it computes. Every other field must equal the checkpoint's config.toml,
+except a `model.*` field left at None (its default), which takes whatever the checkpoint has."""
+
+ABORTED_PREFIX = "aborted-"
+"""A run that stopped before its first checkpoint leaves files a new run moves to
+`aborted-N/` (never deleted) before it starts in the same directory."""
+
+
+@dataclass
+class ResumePoint:
+    """The newest checkpoint that reads whole, and what was read from it."""
+
+    path: Path
+    drafter: DFlashDrafter
+    """The checkpoint's drafter, built from its own config.json: the one the run trains."""
+    trainer: dict
+    """trainer.pt: optimizer, scheduler, state, torch_rng."""
+    provenance: StoreMeta
+    """The store provenance the run was trained on."""
+    config: TrainConfig
+    """The run's settings (the checkpoint's config.toml)."""
+    damaged: list[tuple[Path, str]]
+    """Newer complete checkpoints that could not be read, newest first, with the reason."""
+
+
+LOCK_FILE = ".lock"
+"""Held (flock) by rank 0 of the run using the directory; the kernel drops it when that
+process dies, so a crashed run never leaves a stale lock."""
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, rank: int) -> Iterator[None]:
+    """One live run per directory: a second `train` on it (new or --resume) is refused
+    while the first runs, instead of both writing checkpoints into one rotation."""
+    if rank != 0:
+        yield
+        return
+    refuse_file(run_dir)
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 -- held for the whole run
+    except OSError as e:
+        raise TrainError(f"--out {run_dir}: cannot create the run directory: {e}") from e
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise TrainError(f"{run_dir} is in use by a running `dflash train` ({holder}); "
+                             "wait for it or choose another --out") from e
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing drops the flock
+        if created and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+            # refused before writing anything: leave no directory behind
+            (run_dir / LOCK_FILE).unlink()
+            run_dir.rmdir()
+
+
+def refuse_file(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainError(f"--out {run_dir} is a file, not a directory; choose another --out")
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    """Refuse to start a new run where one with a complete checkpoint lives (nothing is
+    touched); leftovers of a run without one are moved aside by set_aside_leftovers."""
+    refuse_file(run_dir)
+    found = complete_checkpoints(run_dir)
+    if found:
+        raise TrainError(f"{run_dir} already holds a run ({found[-1].relative_to(run_dir)}); "
+                         "pass --resume to continue it or choose another --out")
+
+
+def set_aside_leftovers(run_dir: Path) -> tuple[list[str], Path] | None:
+    """Move what a run that stopped before its first complete checkpoint left (log, config,
+    skipped list, tb/, torn saves) into a fresh `aborted-N/`; returns (moved, where), or None
+    when there is nothing. Call only after check_new_run_dir, on one rank."""
+    leftovers = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not leftovers:
+        return None
+    n = 1
+    while (aside := run_dir / f"{ABORTED_PREFIX}{n}").exists():
+        n += 1
+    aside.mkdir()
+    for name in leftovers:
+        (run_dir / name).rename(aside / name)
+    return leftovers, aside
+
+
+def find_resume_point(run_dir: Path) -> ResumePoint:
+    """The newest complete checkpoint whose files all read back whole (checksums, weights,
+    trainer state, provenance, config)."""
+    refuse_file(run_dir)
+    found = complete_checkpoints(run_dir)
+    if not found:
+        raise TrainError(f"--resume: no complete checkpoint under {run_dir / CHECKPOINTS}; "
+                         "run without --resume to start a new run there (what an earlier "
+                         f"attempt left is moved to {ABORTED_PREFIX}N/)")
+    damaged = []
+    for path in reversed(found):
+        try:
+            read = read_checkpoint(path)
+        except TrainError as e:
+            damaged.append((path, str(e)))
+            continue
+        try:
+            config = config_from_dict(read.config)
+        except TrainError as e:
+            raise TrainError(f"{path / CONFIG}: cannot read the run's saved config: {e}") from e
+        return ResumePoint(path, read.drafter, read.trainer, read.provenance, config, damaged)
+    raise TrainError(f"--resume: no checkpoint under {run_dir / CHECKPOINTS} reads whole; "
+                     f"the newest: {damaged[0][1]}")
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint out of rotation; returns its new path."""
+    aside = path.with_name(DAMAGED_PREFIX + path.name)
+    n = 1
+    while aside.exists():
+        aside, n = path.with_name(f"{DAMAGED_PREFIX}{n}-{path.name}"), n + 1
+    path.rename(aside)
+    return aside
+
+
+def local_paths_absolute(stores: list[str]) -> list[str]:
+    """Store locations as a run records and compares them: a local path made absolute (the
+    same store whatever the cwd), a URL (`s3://...`) unchanged."""
+    return [s if "://" in s else os.path.abspath(s) for s in stores]
+
+
+def drafter_settings(drafter: DrafterConfig) -> dict[str, Any]:
+    """The `model.*` values a checkpoint's drafter actually has (None where it has none)."""
+    sliding = drafter.layer_types.count("sliding_attention")
+    return {
+        "model.num_hidden_layers": drafter.num_hidden_layers,
+        "model.num_attention_heads": drafter.num_attention_heads,
+        "model.num_key_value_heads": drafter.num_key_value_heads,
+        "model.head_dim": drafter.head_dim,
+        "model.intermediate_size": drafter.intermediate_size,
+        "model.sliding_layers": sliding,
+        "model.sliding_window": drafter.sliding_window if sliding else None,
+        "model.mask_token_id": drafter.mask_token_id,
+    }
+
+
+def check_same_plan(saved: list, now: list, checkpoint: Path) -> None:
+    """Refuse a resume whose stores now offer other parts (or other sample counts) than the
+    run planned over: its batches and schedule would silently be another run's."""
+    if not saved or [list(x) for x in saved] == [list(x) for x in now]:
+        return
+    before, after = {tuple(x) for x in saved}, {tuple(x) for x in now}
+    gone = sorted(before - after)
+    new = sorted(after - before)
+
+    def show(items):
+        return ", ".join(f"store {s} part {p} ({n} samples)" for s, p, n in items) or "none"
+
+    raise TrainError(f"--resume: the stores' usable parts changed since {checkpoint} (an "
+                     f"unfinished part completed, or a part became damaged); no longer "
+                     f"there: {show(gone)}; new: {show(new)}. Resume with the stores as they "
+                     "were, or start a new run with another --out")
+
+
+def shape_conflicts(model: ModelConfig, drafter: DrafterConfig) -> list[str]:
+    """'option: set value (the drafter has its value)' for every `model.*` field a config
+    sets that a given drafter (init_from) does not have: the drafter's shape wins, and the
+    run must not record another."""
+    conflicts = []
+    for key, has in drafter_settings(drafter).items():
+        wanted = getattr(model, key.removeprefix("model."))
+        if wanted is not None and has is not None and wanted != has:
+            conflicts.append(f"{option_name(key)} {wanted} (the drafter has {has})")
+    return conflicts
+
+
+def config_changes(saved: TrainConfig, new: TrainConfig,
+                   drafter: DrafterConfig | None = None) -> list[str]:
+    """'field: old -> new' for every field outside RUN_MANAGEMENT_FIELDS that differs.
+
+    A `model.*` field that `new` leaves at None means "whatever the run has" and is not
+    compared; one it sets is compared with the checkpoint's `drafter` where given (the
+    shape it really has, whatever defaults resolved it at the time), else with `saved`."""
+    a, b = _flat(saved.to_dict()), _flat(new.to_dict())
+    if drafter is not None:
+        a |= {k: v for k, v in drafter_settings(drafter).items() if v is not None}
+    for side in (a, b):
+        side["stores"] = local_paths_absolute(side.get("stores") or [])
+    return [f"{option_name(k)}: {_show(a.get(k))} -> {_show(b.get(k))}"
+            for k in sorted(a.keys() | b.keys())
+            if k not in RUN_MANAGEMENT_FIELDS
+            and not (k.startswith("model.") and b.get(k) is None)
+            and _norm(a.get(k)) != _norm(b.get(k))]
+
+
+def check_resume_config(point: ResumePoint, new: TrainConfig) -> None:
+    """Refuse a resume whose settings would train other weights than the run's."""
+    changes = config_changes(point.config, new, point.drafter.config)
+    if changes:
+        raise TrainError(
+            f"--resume: these settings differ from the run's ({point.path / CONFIG}), which a "
+            "resume cannot change (old -> new):\n  " + "\n  ".join(changes)
+            + "\nrepeat the run's settings, or start a new run with another --out")
+
+
+def _flat(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in table.items():
+        key = f"{prefix}{k}"
+        out |= _flat(v, f"{key}.") if isinstance(v, dict) else {key: v}
+    return out
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return repr(value)

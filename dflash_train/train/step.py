@@ -1,0 +1,143 @@
+"""One training batch turned into anchored blocks, labels and the loss.
+
+Labels and weights are built from the stored verifier ids and loss mask BEFORE noise exists;
+noise is then added to a copy of the context that only the drafter's fc sees.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.blocks import (
+    IGNORE_LABEL,
+    anchor_generator,
+    block_input_ids,
+    block_labels,
+    sample_anchors,
+    verifier_rows,
+)
+from dflash_train.train.data import Batch, SampleRef
+from dflash_train.train.loss import LossConfig, block_ce_loss, block_kl_topk_loss, slot_weights
+from dflash_train.train.noise import NoiseConfig, add_context_noise
+
+
+@dataclass
+class Blocks:
+    """K anchored blocks per sequence; padding blocks have no valid slot."""
+
+    anchors: torch.Tensor  # long [N, K]
+    block_ids: torch.Tensor  # long [N, K, B]
+    labels: torch.Tensor  # long [N, K, B], IGNORE_LABEL where invalid
+    valid: torch.Tensor  # bool [N, K, B]
+    target_ids: torch.Tensor | None = None  # long [N, K, B, k]: verifier top-k per slot
+    target_logits: torch.Tensor | None = None  # float [N, K, B, k]
+    target_lse: torch.Tensor | None = None  # float [N, K, B]
+
+
+def sample_uid(ref: SampleRef) -> int:
+    """A stable integer per stored sample: anchors depend on it, not on batch or rank."""
+    return (ref.store << 48) | (ref.part << 24) | ref.index
+
+
+def make_blocks(
+    batch: Batch,
+    *,
+    mask_token_id: int,
+    block_size: int,
+    anchors_per_seq: int,
+    seed: int,
+    epoch: int,
+    soft_targets: bool = False,
+    pad_blocks_to: int = 1,
+) -> Blocks:
+    """Sample this epoch's anchors for every sequence and build their blocks and labels.
+
+    Blocks per sequence are rounded up to a multiple of `pad_blocks_to` with label-less
+    padding blocks (few distinct shapes for compiled kernels; the loss is unchanged)."""
+    per_seq = []
+    for row, ref in enumerate(batch.refs):
+        n = int(batch.lengths[row])
+        mask = batch.loss_mask[row, :n]
+        gen = anchor_generator(seed, epoch, sample_uid(ref))
+        per_seq.append(sample_anchors(mask, anchors_per_seq, gen))
+    rows = len(per_seq)
+    k = -(-max([1] + [a.numel() for a in per_seq]) // pad_blocks_to) * pad_blocks_to
+    out = Blocks(
+        anchors=torch.ones(rows, k, dtype=torch.long),
+        block_ids=torch.full((rows, k, block_size), mask_token_id, dtype=torch.long),
+        labels=torch.full((rows, k, block_size), IGNORE_LABEL, dtype=torch.long),
+        valid=torch.zeros(rows, k, block_size, dtype=torch.bool),
+    )
+    if soft_targets:
+        top_k = batch.topk_ids.shape[-1]
+        out.target_ids = torch.zeros(rows, k, block_size, top_k, dtype=torch.long)
+        out.target_logits = torch.zeros(rows, k, block_size, top_k)
+        out.target_lse = torch.zeros(rows, k, block_size)
+    for row, anchors in enumerate(per_seq):
+        m = anchors.numel()
+        if m == 0:
+            continue
+        n = int(batch.lengths[row])
+        out.anchors[row, :m] = anchors
+        out.block_ids[row, :m] = block_input_ids(batch.input_ids[row, :n], anchors,
+                                                 mask_token_id, block_size)
+        labels, valid = block_labels(batch.topk_ids[row, :n], batch.loss_mask[row, :n], anchors,
+                                     block_size)
+        out.labels[row, :m], out.valid[row, :m] = labels, valid
+        if soft_targets:
+            out.target_ids[row, :m] = verifier_rows(batch.topk_ids[row, :n], anchors, block_size)
+            out.target_logits[row, :m] = verifier_rows(batch.topk_logits[row, :n], anchors,
+                                                       block_size)
+            out.target_lse[row, :m] = verifier_rows(batch.lse[row, :n], anchors, block_size)
+    return out
+
+
+def noised_context(
+    batch: Batch,
+    layer_rms: torch.Tensor | None,
+    cfg: NoiseConfig,
+    *,
+    seed: int,
+    epoch: int,
+    step: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The fc input of a batch: each sample's context plus noise drawn from a generator keyed
+    by (seed, epoch, sample), so the noise a sample gets does not depend on its batch or rank.
+    Returns a new tensor; the batch is untouched."""
+    context = batch.context.to(device)
+    if cfg.kind == "none":
+        return context
+    out = context.clone()
+    for row, ref in enumerate(batch.refs):
+        n = int(batch.lengths[row])
+        # Offset the key so the noise stream never coincides with the anchor stream.
+        key = anchor_generator(seed + 0x5EED, epoch, sample_uid(ref)).initial_seed()
+        gen = torch.Generator(device).manual_seed(key)
+        out[row, :n] = add_context_noise(context[row, :n], layer_rms, cfg, gen, step=step)
+    return out
+
+
+def weight_sum(blocks: Blocks, gamma: float) -> torch.Tensor:
+    """Sum of the loss weights of the valid slots (the loss's denominator)."""
+    return slot_weights(blocks.valid.flatten(0, 1), gamma).sum()
+
+
+def block_loss(
+    hidden: torch.Tensor,
+    blocks: Blocks,
+    lm_head: torch.Tensor,
+    cfg: LossConfig,
+    denominator: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The configured loss of drafter hidden states [N, K, B, H] against the blocks' targets."""
+    flat_hidden = hidden.flatten(0, 1)  # [N*K, B, H]
+    valid = blocks.valid.flatten(0, 1).to(hidden.device)
+    common = dict(hidden=flat_hidden, lm_head_weight=lm_head, gamma=cfg.gamma,
+                  chunk_rows=cfg.chunk_rows, denominator=denominator)
+    if cfg.kind == "kl-topk":
+        return block_kl_topk_loss(
+            blocks.target_ids.flatten(0, 1).to(hidden.device),
+            blocks.target_logits.flatten(0, 1).to(hidden.device),
+            blocks.target_lse.flatten(0, 1).to(hidden.device), valid, **common)
+    return block_ce_loss(blocks.labels.flatten(0, 1).to(hidden.device), valid, **common)
