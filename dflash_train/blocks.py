@@ -1,7 +1,7 @@
 """Block geometry shared by training and evaluation: anchors, positions, labels, replay order.
 
 A block at anchor position `a` is `[token a, MASK x (B-1)]` at absolute positions a .. a+B-1
-(REFERENCE.md 1). Slot k >= 1 predicts the token at position a+k; its label is the stored
+(docs/reference.md §3). Slot k >= 1 predicts the token at position a+k; its label is the stored
 verifier's argmax at position a+k-1 (the target's own prediction of token a+k). Slot 0 has
 no label.
 
@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 BLOCK_SIZE = 16
-"""B: one anchor token + 15 masked slots per block (REFERENCE.md 1, the published b16 drafters)."""
+"""B: one anchor token + 15 masked slots per block (docs/reference.md §3, published b16)."""
 
 ANCHORS_PER_SEQ = 512
-"""Anchors sampled per sequence per epoch (REFERENCE.md 4: ~512, uniform without replacement)."""
+"""Anchors sampled per sequence per epoch (docs/reference.md §4: ~512, uniform, no replacement)."""
 
 IGNORE_LABEL = -100
 """Label of a slot that has no target; equal to torch's cross-entropy ignore_index."""

@@ -1,7 +1,7 @@
 """The DFlash drafter: model, block masks, and the serving checkpoint format.
 
 - `config.py`: `DrafterConfig` (the architecture, field for field config.json) and
-  `default_target_layer_ids`, the one home of the layer-id formula (REFERENCE.md 2).
+  `default_target_layer_ids`, the one home of the layer-id formula (docs/reference.md §2).
 - `masks.py`: block positions a..a+B-1 and who-sees-whom, as a dense SDPA mask and as a
   flex-attention BlockMask evaluated from one shared predicate.
 - `model.py`: `DFlashDrafter`. `forward(context, context_lengths, block_ids, anchors)` is
@@ -9,7 +9,7 @@
   `draft_block` are the live single-block forward over a context KV cache. The target's
   embed_tokens / lm_head are borrowed frozen via `attach_target_head`, never saved.
 - `checkpoint.py`: `save_drafter` / `load_drafter` / `export_checkpoint` in the HF
-  directory format vLLM, SGLang and z-lab load (REFERENCE.md 6), written atomically with
+  directory format vLLM, SGLang and z-lab load (docs/reference.md §9), written atomically with
   a sha256 record (checksums.json) that loading verifies; an overwrite replaces only an
   empty directory or a previous export.
 

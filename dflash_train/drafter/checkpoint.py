@@ -1,4 +1,4 @@
-"""Drafter directories in the format vLLM / SGLang / z-lab load (REFERENCE.md 6).
+"""Drafter directories in the format vLLM / SGLang / z-lab load (docs/reference.md §9).
 
 A drafter directory is `config.json` (architectures DFlashDraftModel, model_type qwen3,
 Qwen3 fields, layer_types, block_size, dflash_config) plus `model.safetensors` keyed

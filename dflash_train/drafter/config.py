@@ -1,6 +1,6 @@
 """The drafter's shape: one dataclass, the default target-layer formula, named presets.
 
-Owns every number that fixes a drafter's architecture (REFERENCE.md 1 and 2). It never
+Owns every number that fixes a drafter's architecture (docs/reference.md §1, §2). It never
 touches tensors or files; `checkpoint.py` maps it to and from config.json.
 """
 
@@ -16,11 +16,11 @@ from dflash_train.drafter.errors import DrafterError
 LayerType = Literal["full_attention", "sliding_attention"]
 
 DEFAULT_BLOCK_SIZE = BLOCK_SIZE
-"""Tokens per drafted block (dflash_train.blocks owns the number: REFERENCE.md 1, DFlash b16)."""
+"""Tokens per drafted block (dflash_train.blocks owns the number: docs/reference.md §3)."""
 
 
 KNOWN_MASK_TOKEN_IDS = {"qwen3_5": 248070, "qwen3_5_text": 248070, "qwen3": 151669}
-"""Mask token of the published drafters per target model_type (REFERENCE.md 1); the token
+"""Mask token of the published drafters per target model_type (docs/reference.md §1); the token
 already exists in the target vocabulary and keeps the target's embedding row."""
 
 
@@ -33,7 +33,7 @@ def default_mask_token_id(model_type: str, vocab_size: int, tokenizer_mask_id: i
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """The n target layers whose outputs feed the drafter (REFERENCE.md 2).
+    """The n target layers whose outputs feed the drafter (docs/reference.md §2).
 
     Layer id k is the output of decoder layer k (0-based), i.e. HF `hidden_states[k + 1]`.
     Spread evenly from layer 1 to layer L - 3: `round(1 + i * (L - 4) / (n - 1))`.
@@ -65,7 +65,7 @@ class DrafterConfig:
     intermediate_size: int
     """SwiGLU MLP width; published drafters copy the target's."""
     target_layer_ids: list[int]
-    """0-based target decoder layers whose outputs are concatenated into fc (REFERENCE.md 2)."""
+    """0-based target layers whose outputs are concatenated into fc (docs/reference.md §2)."""
     num_target_layers: int | None
     """Decoder layers in the target, recorded so a store of another target is refused;
     None only for a third-party checkpoint that does not record it."""
@@ -202,7 +202,7 @@ class DrafterConfig:
 
     @classmethod
     def qwen3_6_27b(cls) -> DrafterConfig:
-        """The published z-lab/Qwen3.6-27B-DFlash shape (REFERENCE.md 1)."""
+        """The published z-lab/Qwen3.6-27B-DFlash shape (docs/reference.md §1)."""
         shape = QWEN3_6_27B_ATTENTION
         return cls(
             hidden_size=5120,
@@ -240,7 +240,7 @@ class AttentionShape:
 
 
 QWEN3_6_27B_ATTENTION = AttentionShape(32, 8, 128, sliding_layers=4, sliding_window=2048)
-"""z-lab's released Qwen3.6-27B drafter (REFERENCE.md 1); its target has 24 query heads of 256."""
+"""z-lab's released Qwen3.6-27B drafter (docs/reference.md §1); its target has 24 x 256 heads."""
 
 
 def published_attention(target_config: Any) -> AttentionShape | None:

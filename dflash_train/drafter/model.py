@@ -1,6 +1,6 @@
 """The DFlash drafter network: the multi-block forward for train/eval, the live forward.
 
-Body (REFERENCE.md 1): `ctx = hidden_norm(fc(concat of n target-layer features))`, then
+Body (docs/reference.md §1): `ctx = hidden_norm(fc(concat of n target-layer features))`, then
 Qwen3-style decoder layers at the target width whose keys/values are
 `concat(k/v_proj(ctx), k/v_proj(block))` in EVERY layer (KV injection; the context is not
 transformed by the layers and is never a query), then a final RMSNorm. Parameter names are

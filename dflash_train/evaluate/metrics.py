@@ -1,4 +1,4 @@
-"""Offline acceptance metrics of drafted blocks against stored verifier labels (REFERENCE.md 5).
+"""Offline acceptance metrics of blocks against stored verifier labels (docs/reference.md §6).
 
 streak = number of leading slots 1..B-1 whose draft equals the label. A slot whose label is
 invalid (past the sequence end or outside the assistant text) ends the streak as a mismatch

@@ -1,6 +1,6 @@
 """`eval --online`: real greedy speculative decoding with the target and each drafter.
 
-The loop (REFERENCE.md 5b): prefill the prompt, the target's argmax is the first token;
+The loop (docs/reference.md §8): prefill the prompt, the target's argmax is the first token;
 then per round the drafter drafts a block at the last committed token, the target verifies
 it, the matching prefix plus the target's next token (the bonus) are committed, and the
 target's states at the verified positions extend the drafter's context.

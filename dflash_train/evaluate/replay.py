@@ -37,7 +37,7 @@ class EvalSettings:
     mode: Mode = "replay"
     """replay: the anchors live decoding visits; all: every eligible anchor."""
     tree_budgets: tuple[int, ...] = (16, 32, 64)
-    """DDTree node budgets at which tree acceptance is reported (REFERENCE.md 5)."""
+    """DDTree node budgets at which tree acceptance is reported (docs/reference.md §7)."""
     recall_at: tuple[int, ...] = (1, 2, 4, 8)
     """k of the per-slot top-k recall."""
     batch_tokens: int = 16384

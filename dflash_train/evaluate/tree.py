@@ -1,4 +1,4 @@
-"""DDTree draft trees from one drafter pass, and their offline acceptance (REFERENCE.md 5).
+"""DDTree draft trees from one drafter pass, and their offline acceptance (docs/reference.md §7).
 
 Slots 1..B-1 are treated as independent marginals: depth d of the tree draws from slot d's
 top-k of the fp32 log-softmax (dflash_train.blocks.draft_topk). The tree grows best-first by the

@@ -8,7 +8,7 @@ from dflash_train.drafter.errors import DrafterError
 from dflash_train.extract.errors import ExtractError
 
 DEFAULT_NUM_FEATURES = 5
-"""Context layers a DFlash drafter reads by default (REFERENCE.md 2)."""
+"""Context layers a DFlash drafter reads by default (docs/reference.md §2)."""
 
 
 def resolve_layer_ids(spec: str | None, num_layers: int) -> list[int]:
@@ -31,7 +31,7 @@ def resolve_layer_ids(spec: str | None, num_layers: int) -> list[int]:
             f"(valid ids 0..{num_layers - 2}, id k = output of decoder layer k)"
         )
     if num_layers - 1 in ids:
-        # REFERENCE.md 2: HF's last hidden_states entry is post-final-norm (z-lab extracts
+        # docs/reference.md §2: HF's last hidden_states entry is post-final-norm (z-lab extracts
         # that), while serving engines capture layer outputs before the norm or not at all:
         # a drafter trained on one would be served the other.
         raise ExtractError(

@@ -1,7 +1,7 @@
 """Replace responses by the target's own greedy continuation (`--regenerate`).
 
 Owns batched greedy generation with the KV cache. Offline replay equals live speculative
-decoding only on the target's own greedy text (REFERENCE.md 5), so the generated ids are used
+decoding only on the target's own greedy text (docs/reference.md §6): the generated ids are used
 as they are, never detokenized and re-tokenized. Never writes the store.
 """
 

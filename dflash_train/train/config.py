@@ -62,7 +62,7 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay (REFERENCE.md 4)."""
+    """AdamW with linear warmup and cosine decay (docs/reference.md §5)."""
 
     lr: float = 6e-4
     """Peak learning rate."""

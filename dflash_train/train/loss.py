@@ -1,7 +1,7 @@
 """The drafter's training loss: position-decayed hard cross-entropy over block slots.
 
 loss = sum_{n,k} w_k * valid[n,k] * CE(q[n,k], label[n,k]) / sum_{n,k} w_k * valid[n,k],
-with w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (REFERENCE.md 4). Labels are the stored
+with w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (docs/reference.md §5). Labels: the stored
 verifier argmax (dflash_train.blocks.block_labels). An alternative soft target, `kl-topk`, uses
 the stored verifier top-k logits + lse instead; it is never the default.
 
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_train.blocks import BLOCK_SIZE, BlockError
 
 DEFAULT_GAMMA = 10.0
-"""Decay length of w_k = exp(-(k-1)/gamma). REFERENCE.md 4: the paper uses 7 for B = 16; this
+"""Decay length of w_k = exp(-(k-1)/gamma). docs/reference.md §5: the paper uses 7 for B = 16; this
 project defaults to 10 because it tunes for DDTree, which reaches deep slots more often."""
 
 DEFAULT_CHUNK_ROWS = 2048

@@ -1,6 +1,6 @@
 """Noise regulariser on the drafter's fc input (the target's context-layer features) only.
 
-REFERENCE.md 4 and DESIGN.md rule 1: noise goes on the concatenated context features that
+docs/reference.md §5, docs/design.md invariant 1: noise goes on the concatenated features that
 feed `fc`, never on anything that produces labels. This module therefore takes the context
 tensor and nothing else from a batch: it cannot see verifier ids, token ids or loss masks,
 and it returns a new tensor instead of writing into the one it is given.

@@ -71,7 +71,7 @@ QWEN3_8B_TARGET = {"hidden_size": 4096, "intermediate_size": 12288, "vocab_size"
 # Fixture fields we do not write, and why: tokenizer ids belong to the target (engines read
 # them from the target), the library version is whatever wrote the file.
 NOT_WRITTEN = {"bos_token_id", "eos_token_id", "transformers_version"}
-# Fields we write beyond the b16 fixture: REFERENCE.md 6 puts block_size in dflash_config
+# Fields we write beyond the b16 fixture: docs/reference.md §9 puts block_size in dflash_config
 # too (the newer z-lab checkpoints do), and z-lab's loader reads it there first.
 ADDED = {"dflash_config.block_size"}
 

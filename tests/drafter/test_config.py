@@ -10,7 +10,7 @@ from .conftest import tiny_config
 
 
 def test_default_layer_ids_match_reference_examples():
-    # REFERENCE.md 2: Qwen3.5/3.6-27B (64 layers) and Qwen3-8B (36 layers), n = 5.
+    # docs/reference.md §2: Qwen3.5/3.6-27B (64 layers) and Qwen3-8B (36 layers), n = 5.
     assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
 

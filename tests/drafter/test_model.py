@@ -182,7 +182,7 @@ def _rotate(x, positions, theta):
 
 
 def _reference_block_hidden(model, features, ids, a):
-    """One block at anchor a, float64, from the DFlash description (REFERENCE.md 1) only:
+    """One block at anchor a, float64, from the DFlash description (docs/reference.md §1, §3) only:
     the context it is given is features[:a], attention is computed query by query."""
     cfg = model.config
     w = {k: v.double() for k, v in model.state_dict().items()}
@@ -243,7 +243,7 @@ def test_forward_matches_a_longhand_reference():
 
 
 def test_block_positions_off_by_one_is_caught(monkeypatch):
-    # Rule 3 of DESIGN.md: positions a..a+B-1. Shift them to a+1..a+B and the same
+    # Invariant 3 of docs/design.md: positions a..a+B-1. Shift them to a+1..a+B and the same
     # comparison must fail, so the test above really pins the positions.
     model = tiny_drafter(4, sliding_window=5)
     monkeypatch.setattr(

@@ -220,7 +220,7 @@ QWEN3_6_27B_TARGET = {  # the config.json Qwen3.6-27B ships (multimodal wrapper)
 
 def test_a_27b_store_gets_the_released_drafter_shape_by_default():
     cfg = shape_drafter(QWEN3_6_27B_TARGET, 248070, [1, 16, 31, 46, 61], ModelConfig())
-    # REFERENCE.md 1, not the target's 24 x 256 heads
+    # docs/reference.md §1, not the target's 24 x 256 heads
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (32, 8, 128)
     assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"]
     assert cfg.sliding_window == 2048 and cfg.intermediate_size == 17408
