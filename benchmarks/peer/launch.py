@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 
-def _peak_rss_kb() -> int:
+def peak_rss_kb() -> int:
+    """This process's peak resident set (VmHWM) in KiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
@@ -93,7 +94,7 @@ def install(report: Path) -> dict:
     start = time.perf_counter()
 
     def write() -> None:
-        out = dict(counts, wall_seconds=time.perf_counter() - start, peak_rss_kb=_peak_rss_kb(),
+        out = dict(counts, wall_seconds=time.perf_counter() - start, peak_rss_kb=peak_rss_kb(),
                    torch=torch.__version__, argv=sys.argv[1:])
         report.write_text(json.dumps(out, indent=2) + "\n")
 
