@@ -3,8 +3,9 @@
     python -m benchmarks.peer.compare --store train.zarr --held-out held_out.zarr \
         --model TARGET_DIR --work /tmp/peer-run [--steps 20 --lr 6e-3 ...]
 
-1. speculators' training files from --store (benchmarks.peer.writer; kept in --work and
-   reused by a later run on the same store);
+1. speculators' training files from --store (benchmarks.peer.writer) and its verifier
+   directory from the store's frozen rows (benchmarks.peer.verifier), kept in --work and
+   reused by a later run on the same store;
 2. both trainers with the same PeerSettings (benchmarks.peer.runner);
 3. speculators' checkpoint converted into a drafter directory (benchmarks.peer.convert) and
    ours exported in bf16 (`dflash export`, the dtype speculators saves in);
@@ -24,6 +25,7 @@ from pathlib import Path
 from benchmarks.peer.convert import convert
 from benchmarks.peer.runner import REPO, Measured, PeerSettings, run_ours, run_speculators
 from benchmarks.peer.venv import DEFAULT_DIR, python_of
+from benchmarks.peer.verifier import write_verifier
 from benchmarks.peer.writer import (
     TargetFinalLayer,
     speculators_layer_ids,
@@ -69,8 +71,11 @@ def compare(store: str, held_out: str, model: str, work: Path, s: PeerSettings,
     data = speculators_data(store, model, work)
     samples = src.num_samples
     mean_length = src.num_tokens / samples
+    verifier = work / "speculators-verifier"
+    if not verifier.exists():
+        write_verifier(src, verifier)
     ours = run_ours(store, work, s)
-    theirs = run_speculators(python, str(data), model,
+    theirs = run_speculators(python, str(data), verifier,
                              speculators_layer_ids(src.meta.context_layer_ids),
                              int(src.meta.extra["mask_token_id"]), samples, mean_length, work,
                              s)

@@ -5,7 +5,7 @@
 Imports nothing of ours (dflash_train is not installed there). Applies the run-time patches
 below, then hands argv to speculators' own command-line entry point, unchanged, so its
 trainer runs the way its users run it. Every patch is a CPU workaround or a measurement; none
-changes what a training step computes:
+changes what a training step computes (5 only stops a run that would not compare):
 
 1. Trainer.__init__ reads `get_local_rank()` (an int, 0) and moves the model and every batch
    with `.to(0)`, which means cuda:0: the name is rebound in its trainer module to return
@@ -19,9 +19,14 @@ changes what a training step computes:
    later epoch, whose first batch is trained before the check: one step too many per
    remaining epoch. A later epoch is skipped when max_steps is already reached, so the run
    takes exactly --max-steps steps (its validation passes still run: they do not train).
-5. Measurement only: training steps, training tokens (non-padding positions of each packed
+5. Check only: with DFLASH_PEER_EXPECTED_HEAD set (benchmarks.peer.verifier writes that
+   file), the verifier head its model built (frozen lm_head, final norm gain) must equal the
+   store's, or the run stops before its first step: its labels are that head's argmax.
+6. Measurement only: training steps, training tokens (non-padding positions of each packed
    batch, `document_ids != -1`, the count its own profiler uses) and the wall time spent in
-   train_epoch are counted; at exit REPORT.json gets them with the process's peak RSS
+   train_epoch are counted, and which of its code paths are in use is recorded (autocast,
+   optimizers, schedulers, attention, mask builder, loss functions, slot weights, compiled
+   forward, loader workers); at exit REPORT.json gets them with the process's peak RSS
    (VmHWM, read by the process itself).
 
 Flex attention has no CPU backward and triton is absent, so the runner passes
@@ -31,6 +36,7 @@ and the fused loss instead.
 
 import atexit
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,31 +50,66 @@ def peak_rss_kb() -> int:
     return -1
 
 
+def check_head(model, expected: Path) -> None:
+    """Refuse a verifier head (lm_head rows, final norm gain) other than the store's."""
+    import torch
+    from safetensors.torch import load_file
+
+    want = load_file(str(expected))
+    lm_head = model.verifier_lm_head.weight.detach().float().cpu()
+    probe = torch.full((1, lm_head.shape[1]), 1e3, device=model.verifier_norm.weight.device)
+    with torch.no_grad():
+        gain = model.verifier_norm(probe).float().cpu()[0]
+    if not torch.equal(lm_head, want["lm_head"]):
+        raise SystemExit(f"speculators' verifier lm_head differs from the store's ({expected})")
+    if not torch.allclose(gain, want["final_norm"], rtol=1e-4, atol=1e-5):
+        worst = (gain - want["final_norm"]).abs().max().item()
+        raise SystemExit(f"speculators' verifier final norm gain differs from the store's by up "
+                         f"to {worst:.3g} ({type(model.verifier_norm).__name__}): its labels "
+                         "would not be the store's verifier argmax")
+
+
 def install(report: Path) -> dict:
-    """Apply patches 1-5; returns the counters filled during the run."""
+    """Apply patches 1-6; returns the counters filled during the run."""
     import torch
     from speculators.models.dflash import DFlashDraftModel
     from speculators.train import trainer
 
-    counts = {"steps": 0, "train_tokens": 0, "train_seconds": 0.0, "patched": []}
-
-    if not torch.accelerator.is_available():
+    counts = {"steps": 0, "train_tokens": 0, "train_seconds": 0.0, "patched": [],
+              "paths": {}}
+    cpu = not torch.accelerator.is_available()
+    if cpu:
         trainer.get_local_rank = lambda: "cpu"  # 1
         torch.accelerator.synchronize = lambda *a, **k: None  # 2
-        counts["patched"] += ["local rank -> cpu", "accelerator.synchronize -> no-op"]
+        counts["patched"] += ["local rank -> cpu", "accelerator.synchronize -> no-op",
+                              "autocast device -> cpu"]
 
-        init = trainer.Trainer.__init__
+    init, forward = trainer.Trainer.__init__, DFlashDraftModel.forward
 
-        def cpu_init(self, *args, **kwargs):  # 3
-            init(self, *args, **kwargs)
+    def recorded_init(self, *args, **kwargs):  # 3, 5, and 6: which of its code paths run
+        init(self, *args, **kwargs)
+        if cpu:
             self.device_type = "cpu"
+        model = self.model
+        if os.environ.get("DFLASH_PEER_EXPECTED_HEAD"):
+            check_head(model, Path(os.environ["DFLASH_PEER_EXPECTED_HEAD"]))
+            counts["paths"]["verifier_head"] = "equal to the store's"
+        counts["paths"].update(
+            autocast=f"{self.device_type} {self.config.hidden_states_dtype}",
+            optimizers=[type(o).__name__ for o in self.optimizers],
+            schedulers=[type(x).__name__ for x in self.schedulers],
+            attention=model._attn_impl, mask=model._create_mask_fn.__name__,
+            compiled_forward=hasattr(forward, "_torchdynamo_orig_callable"),
+            losses={name: f"{fn.__module__}.{fn.__name__}"
+                    for name, (fn, _) in self.config.train_call_kwargs["loss_config"].items()},
+            slot_weights=self.config.train_call_kwargs["per_position_loss_weight"],
+            loader_workers=self.train_loader.num_workers)
 
-        trainer.Trainer.__init__ = cpu_init
-        counts["patched"].append("autocast device -> cpu")
+    trainer.Trainer.__init__ = recorded_init
 
     train_epoch = trainer.Trainer.train_epoch
 
-    def bounded_train_epoch(self, *args, **kwargs):  # 4, 5
+    def bounded_train_epoch(self, *args, **kwargs):  # 4, 6
         limit = self.config.max_steps
         if limit is not None and self.global_step >= limit:
             return None
@@ -81,9 +122,7 @@ def install(report: Path) -> dict:
     trainer.Trainer.train_epoch = bounded_train_epoch
     counts["patched"].append("no step past --max-steps")
 
-    forward = DFlashDraftModel.forward
-
-    def counted_forward(self, *args, **kwargs):  # 5
+    def counted_forward(self, *args, **kwargs):  # 6
         if self.training:
             counts["steps"] += 1
             counts["train_tokens"] += int((kwargs["document_ids"] != -1).sum())

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from benchmarks.peer.verifier import EXPECTED_HEAD
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -124,16 +126,17 @@ def speculators_flags(data_dir: str, save_path: str, target: str, layer_ids: lis
             "--num-workers", "0", "--seed", str(s.seed)]
 
 
-def _env(s: PeerSettings) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def _env(s: PeerSettings, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), **extra)
     if s.threads:
         env["OMP_NUM_THREADS"] = str(s.threads)
     return env
 
 
-def _run(cmd: list[str], log: Path, s: PeerSettings) -> None:
+def _run(cmd: list[str], log: Path, s: PeerSettings, **env: str) -> None:
     with open(log, "w") as out:
-        done = subprocess.run(cmd, cwd=REPO, env=_env(s), stdout=out, stderr=subprocess.STDOUT)
+        done = subprocess.run(cmd, cwd=REPO, env=_env(s, **env), stdout=out,
+                              stderr=subprocess.STDOUT)
     if done.returncode:
         tail = log.read_text().splitlines()[-15:]
         raise SystemExit(f"{cmd[2]} failed (exit {done.returncode}); the end of {log}:\n"
@@ -154,15 +157,17 @@ def run_ours(store: str, work: Path, s: PeerSettings) -> Measured:
                     str(checkpoints[-1]))
 
 
-def run_speculators(python: Path, data_dir: str, target: str, layer_ids: list[int],
+def run_speculators(python: Path, data_dir: str, verifier: Path, layer_ids: list[int],
                     mask_token_id: int, samples: int, mean_length: float, work: Path,
                     s: PeerSettings) -> Measured:
+    """`verifier`: a directory benchmarks.peer.verifier wrote (its head is checked)."""
     save_path = work / "speculators-run"
     report = work / "speculators-measure.json"
-    flags = speculators_flags(data_dir, str(save_path), target, layer_ids, mask_token_id,
-                              samples, mean_length, s)
+    flags = speculators_flags(data_dir, str(save_path), str(verifier), layer_ids,
+                              mask_token_id, samples, mean_length, s)
     _run([str(python), "-m", "benchmarks.peer.launch", str(report), "--", *flags],
-         work / "speculators-train.log", s)
+         work / "speculators-train.log", s,
+         DFLASH_PEER_EXPECTED_HEAD=str(verifier / EXPECTED_HEAD))
     measured = json.loads(report.read_text())
     epochs = sorted(int(p.name) for p in save_path.iterdir() if p.name.isdigit())
     return Measured("speculators", measured["steps"], measured["train_tokens"],
