@@ -3,8 +3,9 @@
     python -m benchmarks.peer.writer --store hs.zarr --model TARGET_DIR --out spec-data
 
 Its format (speculators 0.9.0, `speculators train --data-path DIR`): DIR is a `datasets`
-dataset saved with `save_to_disk`, one row per sample with `input_ids`, `loss_mask` (int64)
-and `seq_len`, in torch format; DIR/hidden_states/hs_{i}.safetensors holds row i's
+dataset saved with `save_to_disk`, one row per sample with `input_ids`, `loss_mask` and
+`seq_len`, in torch format (int64 as read; `datasets` stores input_ids as int32 on its own,
+as it does for speculators' own preprocessing); DIR/hidden_states/hs_{i}.safetensors holds row i's
 `hidden_states` [L, n + 1, H] and `token_ids` [L] (== input_ids). The first n slices are the
 context layers in ascending order; the last is the target's final decoder layer BEFORE the
 final norm, from which its trainer makes its labels: argmax of lm_head(norm(last slice)).
@@ -157,8 +158,9 @@ def write_dataset(store_url: str, out: str | os.PathLike, final_layer: FinalLaye
                 save_file({"hidden_states": hidden_states(sample, final).contiguous(),
                            "token_ids": ids.contiguous()},
                           str(tmp / HIDDEN_DIR / f"hs_{i}.safetensors"))
-                rows["input_ids"].append(ids.tolist())
-                rows["loss_mask"].append(sample.loss_mask.long().tolist())
+                # numpy, not lists: 16 bytes a token held until the dataset is written
+                rows["input_ids"].append(ids.numpy())
+                rows["loss_mask"].append(sample.loss_mask.long().numpy())
                 rows["seq_len"].append(len(sample))
                 index.write(json.dumps({"row": i, "part": part, "sample": j,
                                         "source_row": sample.source_row}) + "\n")
