@@ -10,6 +10,8 @@ Every directory we write also holds `checksums.json` (sha256 of the other files,
 last): load_drafter verifies it when present, so flipped bytes are refused instead of being
 evaluated, exported or resumed. Serving engines read config.json and *.safetensors only and
 ignore other files; directories without the record (z-lab / HF downloads) load unverified.
+No weight holding NaN or Inf is ever written or loaded (check_finite, the one check every
+writer of weights and optimiser state calls).
 
 Owns reading/writing those files, atomically (temp dir + rename), and the rule of what an
 overwrite may replace. Never trains, never touches optimiser state, never reads the feature
@@ -204,6 +206,7 @@ def save_drafter(
     state_dict: the full weights when the model's own are sharded (FSDP); default its own.
     """
     weights = model.state_dict() if state_dict is None else state_dict
+    check_finite(weights, f"{out_dir}: the drafter's weights")
     state = {
         name: (t if dtype is None else t.to(dtype)).detach().to("cpu").contiguous()
         for name, t in weights.items()
@@ -217,6 +220,34 @@ def save_drafter(
         write_checksums(tmp, [CONFIG_NAME, WEIGHTS_NAME])
 
     return _write_dir_atomically(Path(out_dir), write, overwrite)
+
+
+def nonfinite_tensors(tree: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the floating-point tensors holding NaN or Inf anywhere in `tree` (a
+    tensor, or dicts / lists / tuples of them: a state dict, an optimizer state)."""
+    if isinstance(tree, torch.Tensor):
+        bad = (tree.is_floating_point() or tree.is_complex()) and not bool(
+            torch.isfinite(tree).all())
+        return [prefix or "tensor"] if bad else []
+    if isinstance(tree, Mapping):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return []
+    return [name for key, value in items
+            for name in nonfinite_tensors(value, f"{prefix}.{key}" if prefix else str(key))]
+
+
+def check_finite(tree: Any, what: str) -> None:
+    """Refuse `what` (weights or optimizer state about to be written, or just read) when
+    any of its tensors holds NaN or Inf: a diverged run's state is never kept as a
+    checkpoint, an export or a drafter to evaluate."""
+    bad = nonfinite_tensors(tree)
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise DrafterError(f"{what}: {shown} hold(s) NaN or Inf (a diverged run?); refusing "
+                           "to use them")
 
 
 def file_sha256(path: Path) -> str:
@@ -279,6 +310,7 @@ def load_drafter(
     verify_checksums(directory)
     config = read_config(directory)
     state = _read_weights(directory)
+    check_finite(state, f"{directory}: weights")
     with torch.device("meta"):
         model = DFlashDrafter(config)
     _check_keys(model, state, directory)

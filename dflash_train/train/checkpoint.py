@@ -32,7 +32,12 @@ from dflash_train.drafter import (
     load_drafter,
     save_drafter,
 )
-from dflash_train.drafter.checkpoint import CHECKSUMS_NAME, file_sha256, write_checksums
+from dflash_train.drafter.checkpoint import (
+    CHECKSUMS_NAME,
+    check_finite,
+    file_sha256,
+    write_checksums,
+)
 from dflash_train.store_schema import StoreError, StoreMeta
 from dflash_train.store_schema.errors import one_line
 from dflash_train.train.errors import TrainError
@@ -81,8 +86,11 @@ def save_checkpoint(
 ) -> Path:
     """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest.
 
-    model_state / optimizer_state: full (gathered) states, see parallel.full_states."""
+    model_state / optimizer_state: full (gathered) states, see parallel.full_states.
+    Either holding NaN or Inf is refused before anything is written."""
     final = checkpoint_dir(run_dir, state.step)
+    check_finite(model_state, f"{final}: the drafter's weights")
+    check_finite(optimizer_state, f"{final}: the optimizer state")
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     remove_torn_saves(run_dir)
     tmp.mkdir(parents=True)
