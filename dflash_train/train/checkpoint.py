@@ -33,19 +33,25 @@ from dflash_train.drafter import (
     save_drafter,
 )
 from dflash_train.drafter.checkpoint import (
-    CHECKSUMS_NAME,
+    COMPLETE_NAME,
+    PROVENANCE_NAME,
+    TRAIN_CONFIG_NAME,
+    TRAINER_STATE_NAME,
+    DamagedFile,
+    check_checkpoint_whole,
     check_finite,
-    file_sha256,
+    training_checkpoint_root,
     write_checksums,
 )
 from dflash_train.store_schema import StoreError, StoreMeta
 from dflash_train.store_schema.errors import one_line
 from dflash_train.train.errors import TrainError
 
-COMPLETE = "COMPLETE"
-PROVENANCE = "provenance.json"
-TRAINER_STATE = "trainer.pt"
-CONFIG = "config.toml"
+# The names live with the drafter loader, which must recognise a training checkpoint too.
+COMPLETE = COMPLETE_NAME
+PROVENANCE = PROVENANCE_NAME
+TRAINER_STATE = TRAINER_STATE_NAME
+CONFIG = TRAIN_CONFIG_NAME
 CHECKPOINTS = "checkpoints"
 CHECKSUMMED = (TRAINER_STATE, PROVENANCE, CONFIG)
 """The checkpoint's own files recorded in its checksums.json (drafter/ has its own record)."""
@@ -140,8 +146,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def read_provenance(path: str | Path) -> StoreMeta | None:
-    """The store provenance a checkpoint was trained on, or None for a bare drafter dir."""
-    file = Path(path) / PROVENANCE
+    """The store provenance a checkpoint (or its drafter/) was trained on, or None for a
+    bare drafter dir."""
+    file = (training_checkpoint_root(path) or Path(path)) / PROVENANCE
     if not file.is_file():
         return None
     return StoreMeta.from_dict(json.loads(file.read_text()))
@@ -189,13 +196,13 @@ def read_checkpoint(path: str | Path) -> CheckpointContents:
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise TrainError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-    file = path / CHECKSUMS_NAME
     try:
-        recorded = json.loads(file.read_text())["files"] if file.is_file() else {}
-        for name in CHECKSUMMED:
-            file = path / name
-            if name in recorded and file_sha256(file) != recorded[name]:
-                raise ValueError(f"its sha256 differs from the one {CHECKSUMS_NAME} recorded")
+        check_checkpoint_whole(path)
+    except DamagedFile as e:
+        raise TrainError(f"{e.path} is damaged and cannot be read ({e.reason})") from e
+    except DrafterError as e:  # an unreadable checksums.json
+        raise TrainError(f"{path} is damaged and cannot be read ({one_line(e)})") from e
+    try:
         file = path / TRAINER_STATE
         blob = torch.load(file, map_location="cpu", weights_only=False)
         missing = {"optimizer", "scheduler", "state", "torch_rng"} - set(blob)
@@ -206,7 +213,7 @@ def read_checkpoint(path: str | Path) -> CheckpointContents:
         file = path / CONFIG
         config = tomllib.loads(file.read_text())
         file = path / DRAFTER_SUBDIR
-        drafter = load_drafter(path)
+        drafter = load_drafter(path, checked_whole=True)
     except BAD_FILE_ERRORS as e:
         if _out_of_memory(e):
             raise
