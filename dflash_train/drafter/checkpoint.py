@@ -10,6 +10,10 @@ Every directory we write also holds `checksums.json` (sha256 of the other files,
 last): load_drafter verifies it when present, so flipped bytes are refused instead of being
 evaluated, exported or resumed. Serving engines read config.json and *.safetensors only and
 ignore other files; directories without the record (z-lab / HF downloads) load unverified.
+A training checkpoint around `drafter/` loads only when it is whole (check_checkpoint_whole:
+its COMPLETE marker and its own checksums.json), so a half-copied one is refused by eval,
+export and init_from alike. No weight holding NaN or Inf is ever written or loaded
+(check_finite, the one check every writer of weights and optimiser state calls).
 
 Owns reading/writing those files, atomically (temp dir + rename), and the rule of what an
 overwrite may replace. Never trains, never touches optimiser state, never reads the feature
@@ -43,6 +47,16 @@ OWN_FILES = (CONFIG_NAME, WEIGHTS_NAME, CHECKSUMS_NAME)
 """Everything save_drafter / export write: the only files an overwrite may replace."""
 DRAFTER_SUBDIR = "drafter"
 """Where a training checkpoint keeps its drafter directory."""
+COMPLETE_NAME = "COMPLETE"
+"""A training checkpoint's marker, written last (dflash_train.train.checkpoint)."""
+TRAINER_STATE_NAME = "trainer.pt"
+PROVENANCE_NAME = "provenance.json"
+"""A training checkpoint's record of the store it was trained on."""
+TRAIN_CONFIG_NAME = "config.toml"
+CHECKPOINT_FILES = (COMPLETE_NAME, TRAINER_STATE_NAME, PROVENANCE_NAME)
+"""Files only a training checkpoint holds beside drafter/: any one of them marks the
+directory as one (z-lab / HF drafter directories hold none; a run directory holds a
+config.toml too, so that is no mark)."""
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -68,6 +82,15 @@ _UNSUPPORTED_UNLESS = {
     "hidden_act": "silu",
     "partial_rotary_factor": 1.0,
 }
+
+
+class DamagedFile(DrafterError):
+    """A file a directory's record (checksums.json, the COMPLETE marker) vouches for is
+    missing or differs; `path` names it, `reason` says how."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -204,6 +227,7 @@ def save_drafter(
     state_dict: the full weights when the model's own are sharded (FSDP); default its own.
     """
     weights = model.state_dict() if state_dict is None else state_dict
+    check_finite(weights, f"{out_dir}: the drafter's weights")
     state = {
         name: (t if dtype is None else t.to(dtype)).detach().to("cpu").contiguous()
         for name, t in weights.items()
@@ -217,6 +241,67 @@ def save_drafter(
         write_checksums(tmp, [CONFIG_NAME, WEIGHTS_NAME])
 
     return _write_dir_atomically(Path(out_dir), write, overwrite)
+
+
+def nonfinite_tensors(tree: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the floating-point tensors holding NaN or Inf anywhere in `tree` (a
+    tensor, or dicts / lists / tuples of them: a state dict, an optimizer state)."""
+    if isinstance(tree, torch.Tensor):
+        bad = (tree.is_floating_point() or tree.is_complex()) and not bool(
+            torch.isfinite(tree).all())
+        return [prefix or "tensor"] if bad else []
+    if isinstance(tree, Mapping):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return []
+    return [name for key, value in items
+            for name in nonfinite_tensors(value, f"{prefix}.{key}" if prefix else str(key))]
+
+
+def check_finite(tree: Any, what: str) -> None:
+    """Refuse `what` (weights or optimizer state about to be written, or just read) when
+    any of its tensors holds NaN or Inf: a diverged run's state is never kept as a
+    checkpoint, an export or a drafter to evaluate."""
+    bad = nonfinite_tensors(tree)
+    if bad:
+        shown = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise DrafterError(f"{what}: {shown} hold(s) NaN or Inf (a diverged run?); refusing "
+                           "to use them")
+
+
+def training_checkpoint_root(path: str | os.PathLike) -> Path | None:
+    """The training checkpoint `path` is or lies in (its `drafter/`), else None: a
+    directory with no config.json of its own that holds `drafter/` or any of
+    CHECKPOINT_FILES."""
+    path = Path(path)
+    if path.name == DRAFTER_SUBDIR and any((path.parent / n).exists() for n in CHECKPOINT_FILES):
+        return path.parent
+    if (path / CONFIG_NAME).is_file():
+        return None
+    if (path / DRAFTER_SUBDIR).is_dir() or any((path / n).exists() for n in CHECKPOINT_FILES):
+        return path
+    return None
+
+
+def check_checkpoint_whole(root: str | os.PathLike) -> None:
+    """Refuse a training checkpoint that is not whole, naming what is missing or differs:
+    no COMPLETE marker (a save or a copy cut short), or a file its checksums.json lists that
+    is missing or differs (the drafter/ directory must then carry its own record too).
+    A checkpoint written before checksums.json existed is checked for its marker only."""
+    root = Path(root)
+    if not (root / COMPLETE_NAME).is_file():
+        raise DamagedFile(
+            root, f"not a complete training checkpoint (no {COMPLETE_NAME} marker: its save "
+            "or its copy was cut short); copy it again whole, or pick another checkpoint")
+    if not (root / CHECKSUMS_NAME).is_file():
+        return
+    verify_checksums(root)
+    drafter_record = root / DRAFTER_SUBDIR / CHECKSUMS_NAME
+    if not drafter_record.is_file():
+        raise DamagedFile(drafter_record, f"missing, though the checkpoint {root} records "
+                          "checksums (its copy was cut short?); copy it again whole")
 
 
 def file_sha256(path: Path) -> str:
@@ -253,11 +338,11 @@ def verify_checksums(directory: str | os.PathLike) -> bool:
     for name, want in sorted(files.items()):
         path = directory / name
         if not path.is_file():
-            raise DrafterError(f"{path}: listed in {CHECKSUMS_NAME} but missing")
+            raise DamagedFile(path, f"listed in {CHECKSUMS_NAME} but missing")
         got = file_sha256(path)
         if got != want:
-            raise DrafterError(
-                f"{path}: sha256 {got[:16]}... does not match {CHECKSUMS_NAME} "
+            raise DamagedFile(
+                path, f"sha256 {got[:16]}... does not match {CHECKSUMS_NAME} "
                 f"({str(want)[:16]}...): the file is corrupt or was changed after saving "
                 f"(delete {CHECKSUMS_NAME} only if you changed it on purpose)")
     return True
@@ -268,17 +353,20 @@ def load_drafter(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    checked_whole: bool = False,
 ) -> DFlashDrafter:
     """Load a drafter directory (ours, z-lab's or any DFlashDraftModel one).
 
-    `path` may also be a training checkpoint holding the drafter under `drafter/`.
+    `path` may also be a training checkpoint holding the drafter under `drafter/`; it must be
+    whole (check_checkpoint_whole) unless the caller has just checked (`checked_whole`).
     The weights keep their stored dtype unless `dtype` is given. The target's embed_tokens
     and lm_head are not in the directory: attach them with `attach_target_head`.
     """
-    directory = resolve_drafter_dir(path)
+    directory = resolve_drafter_dir(path, checked_whole=checked_whole)
     verify_checksums(directory)
     config = read_config(directory)
     state = _read_weights(directory)
+    check_finite(state, f"{directory}: weights")
     with torch.device("meta"):
         model = DFlashDrafter(config)
     _check_keys(model, state, directory)
@@ -298,13 +386,17 @@ def read_config(directory: str | os.PathLike) -> DrafterConfig:
     return config_from_dict(raw, str(path))
 
 
-def resolve_drafter_dir(path: str | os.PathLike) -> Path:
-    """The drafter directory itself, or the `drafter/` inside a training checkpoint."""
+def resolve_drafter_dir(path: str | os.PathLike, *, checked_whole: bool = False) -> Path:
+    """The drafter directory itself, or the `drafter/` inside a training checkpoint, which
+    must be whole (check_checkpoint_whole) unless the caller has just checked."""
     path = Path(path)
     if not path.exists():
         raise DrafterError(f"{path}: does not exist")
     if not path.is_dir():
         raise DrafterError(f"{path}: is a file, not a drafter directory or checkpoint")
+    root = training_checkpoint_root(path)
+    if root is not None and not checked_whole:
+        check_checkpoint_whole(root)
     if (path / CONFIG_NAME).is_file():
         return path
     if (path / DRAFTER_SUBDIR / CONFIG_NAME).is_file():
@@ -327,12 +419,12 @@ def export_checkpoint(
     `dtype` (bf16 like the published drafters; None keeps the stored dtype) and writes it
     atomically. Returns the written directory.
     """
-    source = resolve_drafter_dir(src_dir)
+    source = resolve_drafter_dir(src_dir, checked_whole=True)  # load_drafter checks it
     if Path(out_dir).resolve() in (source.resolve(), Path(src_dir).resolve()):
         raise DrafterError(f"{out_dir}: is the checkpoint being exported; pick another "
                            "output directory")
     check_output_dir(out_dir, overwrite)
-    model = load_drafter(source)
+    model = load_drafter(src_dir)
     return save_drafter(model, out_dir, dtype=dtype, overwrite=overwrite)
 
 

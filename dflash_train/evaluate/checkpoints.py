@@ -17,12 +17,9 @@ from pathlib import Path
 import torch
 
 from dflash_train.drafter import DFlashDrafter, DrafterConfig, DrafterError, load_drafter
-from dflash_train.drafter.checkpoint import resolve_drafter_dir
+from dflash_train.drafter.checkpoint import PROVENANCE_NAME, training_checkpoint_root
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.store_schema import StoreError, StoreMeta
-
-PROVENANCE_NAME = "provenance.json"
-"""File of a training checkpoint holding the StoreMeta.to_dict() it was trained on."""
 
 
 @dataclass
@@ -86,12 +83,19 @@ def layer_selection(config: DrafterConfig, store: StoreMeta) -> list[int] | None
 def load_checkpoint(
     path: str, store: StoreMeta, *, dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> Checkpoint:
-    """Load `path` (training checkpoint or drafter dir) and check it against the store."""
+    """Load `path` (training checkpoint, its drafter/, or a drafter dir) and check it
+    against the store. A training checkpoint must be whole (load_drafter refuses a half-copied
+    one) and hold its provenance: without it, another target's drafter of the same shape
+    would be evaluated without a word."""
     try:
-        model = load_drafter(resolve_drafter_dir(path), dtype=dtype, device=device)
+        model = load_drafter(path, dtype=dtype, device=device)
     except DrafterError as e:
         raise EvalError(f"checkpoint {path}: {e}") from e
-    provenance = read_provenance(path)
+    root = training_checkpoint_root(path)
+    provenance = read_provenance(root if root is not None else path)
+    if root is not None and provenance is None:
+        raise EvalError(f"checkpoint {path}: {root / PROVENANCE_NAME} is missing, so the store "
+                        "it was trained on cannot be checked; copy the checkpoint again whole")
     problems = compatibility_problems(model.config, provenance, store)
     if problems:
         raise EvalError(f"checkpoint {path} does not fit the store:\n  " + "\n  ".join(problems))

@@ -32,15 +32,26 @@ from dflash_train.drafter import (
     load_drafter,
     save_drafter,
 )
-from dflash_train.drafter.checkpoint import CHECKSUMS_NAME, file_sha256, write_checksums
+from dflash_train.drafter.checkpoint import (
+    COMPLETE_NAME,
+    PROVENANCE_NAME,
+    TRAIN_CONFIG_NAME,
+    TRAINER_STATE_NAME,
+    DamagedFile,
+    check_checkpoint_whole,
+    check_finite,
+    training_checkpoint_root,
+    write_checksums,
+)
 from dflash_train.store_schema import StoreError, StoreMeta
 from dflash_train.store_schema.errors import one_line
 from dflash_train.train.errors import TrainError
 
-COMPLETE = "COMPLETE"
-PROVENANCE = "provenance.json"
-TRAINER_STATE = "trainer.pt"
-CONFIG = "config.toml"
+# The names live with the drafter loader, which must recognise a training checkpoint too.
+COMPLETE = COMPLETE_NAME
+PROVENANCE = PROVENANCE_NAME
+TRAINER_STATE = TRAINER_STATE_NAME
+CONFIG = TRAIN_CONFIG_NAME
 CHECKPOINTS = "checkpoints"
 CHECKSUMMED = (TRAINER_STATE, PROVENANCE, CONFIG)
 """The checkpoint's own files recorded in its checksums.json (drafter/ has its own record)."""
@@ -81,8 +92,11 @@ def save_checkpoint(
 ) -> Path:
     """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest.
 
-    model_state / optimizer_state: full (gathered) states, see parallel.full_states."""
+    model_state / optimizer_state: full (gathered) states, see parallel.full_states.
+    Either holding NaN or Inf is refused before anything is written."""
     final = checkpoint_dir(run_dir, state.step)
+    check_finite(model_state, f"{final}: the drafter's weights")
+    check_finite(optimizer_state, f"{final}: the optimizer state")
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     remove_torn_saves(run_dir)
     tmp.mkdir(parents=True)
@@ -132,8 +146,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def read_provenance(path: str | Path) -> StoreMeta | None:
-    """The store provenance a checkpoint was trained on, or None for a bare drafter dir."""
-    file = Path(path) / PROVENANCE
+    """The store provenance a checkpoint (or its drafter/) was trained on, or None for a
+    bare drafter dir."""
+    file = (training_checkpoint_root(path) or Path(path)) / PROVENANCE
     if not file.is_file():
         return None
     return StoreMeta.from_dict(json.loads(file.read_text()))
@@ -181,13 +196,13 @@ def read_checkpoint(path: str | Path) -> CheckpointContents:
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise TrainError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-    file = path / CHECKSUMS_NAME
     try:
-        recorded = json.loads(file.read_text())["files"] if file.is_file() else {}
-        for name in CHECKSUMMED:
-            file = path / name
-            if name in recorded and file_sha256(file) != recorded[name]:
-                raise ValueError(f"its sha256 differs from the one {CHECKSUMS_NAME} recorded")
+        check_checkpoint_whole(path)
+    except DamagedFile as e:
+        raise TrainError(f"{e.path} is damaged and cannot be read ({e.reason})") from e
+    except DrafterError as e:  # an unreadable checksums.json
+        raise TrainError(f"{path} is damaged and cannot be read ({one_line(e)})") from e
+    try:
         file = path / TRAINER_STATE
         blob = torch.load(file, map_location="cpu", weights_only=False)
         missing = {"optimizer", "scheduler", "state", "torch_rng"} - set(blob)
@@ -198,7 +213,7 @@ def read_checkpoint(path: str | Path) -> CheckpointContents:
         file = path / CONFIG
         config = tomllib.loads(file.read_text())
         file = path / DRAFTER_SUBDIR
-        drafter = load_drafter(path)
+        drafter = load_drafter(path, checked_whole=True)
     except BAD_FILE_ERRORS as e:
         if _out_of_memory(e):
             raise

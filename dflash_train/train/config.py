@@ -60,12 +60,18 @@ class ModelConfig:
             require(value is None or value >= 0, f"model.{name}", ">= 0", value)
 
 
+LR_MAX = 1.0
+"""Learning rates from here up are refused: AdamW's first steps move every weight by about
+lr whatever the gradient, 50x the 0.02 std the drafter's linear weights start at, and runs
+so high collapse (the gradient dies) or diverge. Published drafters train at 6e-4."""
+
+
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup and cosine decay (docs/reference.md §5)."""
 
     lr: float = 6e-4
-    """Peak learning rate."""
+    """Peak learning rate, below LR_MAX."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of `lr`."""
     warmup_ratio: float = 0.04
@@ -83,8 +89,9 @@ class OptimConfig:
     decay) spans the steps the run takes: min(this, the steps of all `epochs`)."""
 
     def __post_init__(self) -> None:
-        require(math.isfinite(self.lr) and self.lr > 0, "optim.lr", "a finite number > 0",
-                self.lr)
+        require(math.isfinite(self.lr) and 0 < self.lr < LR_MAX, "optim.lr",
+                f"a number in (0, {LR_MAX:g}) (AdamW moves every weight by about lr per step; "
+                "the drafter's start at std 0.02)", self.lr)
         require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]",
                 self.min_lr_ratio)
         require(0 <= self.warmup_ratio <= 1, "optim.warmup_ratio", "in [0, 1]",

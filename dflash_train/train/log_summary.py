@@ -1,7 +1,9 @@
 """Answers about a run from its log.jsonl, the questions people otherwise script by hand.
 
-Pure functions over the list of records the training loop writes; `summarize_log` returns a
-plain dict and `format_summary` the text `dflash log summary` prints.
+Pure functions over the list of records the training loop writes; `read_log` refuses a line
+that is not such a record (naming the file and line), so the summaries below can index their
+fields; `summarize_log` returns a plain dict and `format_summary` the text `dflash log
+summary` prints.
 """
 
 import json
@@ -12,27 +14,81 @@ import numpy as np
 
 from dflash_train.train.errors import TrainError
 
+REQUIRED = {"step": "an integer", "epoch": "an integer", "loss": "a number", "lr": "a number",
+            "tokens": "a number"}
+"""Fields every record the loop writes holds, and what each must be."""
+OPTIONAL_NUMBERS = ("samples", "train_tau", "noise_std", "data_wait_s", "step_s",
+                    "tokens_per_s", "grad_norm")
+"""Fields a summary reads when present: a number or null."""
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+               float: "number", type(None): "null"}
+
 
 def read_log(run_dir: str | Path) -> list[dict]:
+    """The records of RUN_DIR/log.jsonl, the last one of each step; a line that is not a
+    record the loop writes is a TrainError naming the file and line (only the last line may
+    be torn, by a crash mid-write, and is then passed over)."""
     path = Path(run_dir) / "log.jsonl"
     if not path.is_file():
         raise TrainError(f"{path} does not exist: is {run_dir} a training run directory?")
     records = []
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise TrainError(f"{path} cannot be read: {e}") from e
+    while lines and not lines[-1].strip():
+        lines.pop()
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             if number == len(lines):  # the last line torn by a crash mid-write
                 break
-            raise TrainError(f"{path} line {number} is not JSON: {e}") from e
+            what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not JSON: {e}"
+            raise TrainError(f"{path} line {number} is {what}; is this a dflash training "
+                             "log?") from e
+        problem = record_problem(record)
+        if problem:
+            raise TrainError(f"{path} line {number}: {problem}; each line of a training log "
+                             f"is a JSON object with {', '.join(REQUIRED)} (is this a dflash "
+                             "training log?)")
+        records.append(record)
     if not records:
         raise TrainError(f"{path} holds no records yet")
     # A resumed run appends: keep the last record written for each step.
     by_step = {r["step"]: r for r in records}
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def record_problem(record) -> str | None:
+    """What makes a parsed log line not a training record, or None when it is one."""
+    if not isinstance(record, dict):
+        return f"is a JSON {_JSON_TYPES.get(type(record), type(record).__name__)}"
+    for key, kind in REQUIRED.items():
+        value = record.get(key)
+        ok = (isinstance(value, int) and not isinstance(value, bool) if kind == "an integer"
+              else _is_number(value))
+        if not ok:
+            return f"{key!r} is {_show(value)}, not {kind}" if key in record else f"has no {key!r}"
+    for key in OPTIONAL_NUMBERS:
+        if record.get(key) is not None and not _is_number(record[key]):
+            return f"{key!r} is {_show(record[key])}, not a number"
+    acc = record.get("slot_acc")
+    if acc is not None and not (isinstance(acc, list)
+                                and all(a is None or _is_number(a) for a in acc)):
+        return f"'slot_acc' is {_show(acc)}, not a list of numbers"
+    return None
 
 
 def _mean(values) -> float | None:

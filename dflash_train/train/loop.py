@@ -77,6 +77,11 @@ TARGET_CONFIG_FILES = "target"  # store files group holding the target's config.
 SKIPPED_FILE = "skipped.jsonl"
 """Run-directory file listing each damaged sample skipped under loader.skip_corrupt."""
 
+COLLAPSED_STEPS = 5
+"""Steps in a row with a positive loss and a gradient norm of exactly 0 that stop a run as
+collapsed: no weight receives any signal (a sum of squares over every gradient is exactly 0
+only when each is), so no later step can learn; a too-high --lr typically leaves this."""
+
 
 @dataclass
 class TrainResult:
@@ -305,6 +310,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     last_loss = float("nan")
     checkpoint = None
     skipped = _SkipLedger(run_dir / SKIPPED_FILE, rank, echo)
+    health = _StepHealth(run_dir, dcfg.vocab_size, cfg.optim.lr)
     for damage in loader.damage:  # found before reading: whole parts never enter the plan
         skipped.record(damage, state.step)
 
@@ -358,11 +364,11 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
             reported = loss.detach() / world  # this rank's share of the global loss
             if world > 1:
                 dist.all_reduce(reported)
-            last_loss = reported.item()
+            last_loss, norm = reported.item(), global_norm(grad_norm)
             if log is not None:
                 record = {
                     "step": state.step, "epoch": state.epoch, "loss": last_loss,
-                    "lr": scheduler.get_last_lr()[0], "grad_norm": global_norm(grad_norm),
+                    "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
                     "tokens": int(batch.lengths.sum()), "samples": len(batch.refs),
                     "skipped": len(batch.skipped),
                     "blocks": int(blocks.valid.any(-1).sum()),
@@ -376,6 +382,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                 log.flush()
                 if board is not None:
                     _board_write(board, record)
+            health.check(state.step, last_loss, norm)  # global values: every rank agrees
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", epoch=state.epoch)
             if state.step % cfg.run.checkpoint_every == 0:
@@ -462,6 +469,36 @@ def _nothing_to_train(cfg: TrainConfig) -> str:
                 f"{cfg.loader.max_length} tokens; raise it")
     return (f"nothing to train on in {where}: no sample has a trainable block (two "
             "consecutive loss-mask tokens after the first)")
+
+
+class _StepHealth:
+    """Stops a run whose step went non-finite or whose gradient died, before the step can
+    reach a checkpoint: the latest one stays the last finite (and live) weights."""
+
+    def __init__(self, run_dir: Path, vocab_size: int, lr: float):
+        self.run_dir, self.vocab_size, self.lr = run_dir, vocab_size, lr
+        self.zero_since: int | None = None
+
+    def check(self, step: int, loss: float, grad_norm: float) -> None:
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            kept = latest_checkpoint(self.run_dir)
+            kept = f"the latest checkpoint, {kept}," if kept else "no checkpoint was written; it"
+            raise TrainError(
+                f"step {step}: non-finite loss {loss} / gradient norm {grad_norm}: training "
+                f"diverged and is stopped before this step is saved; {kept} holds the last "
+                "finite weights. Lower --lr or --noise-std, or check the store with `dflash "
+                "store validate`, then start a new run with another --out")
+        if grad_norm != 0 or not loss > 0:
+            self.zero_since = None
+            return
+        self.zero_since = self.zero_since or step
+        if step - self.zero_since + 1 >= COLLAPSED_STEPS:
+            raise TrainError(
+                f"steps {self.zero_since}-{step}: the gradient norm is exactly 0 at a loss of "
+                f"{loss:.4f} (ln V = {math.log(self.vocab_size):.4f}: uniform predictions): "
+                f"the drafter collapsed and no further step can train it (a too-high --lr "
+                f"does this; this run's: {self.lr:g}); start a new run with a lower --lr or "
+                "other initial weights, in another --out")
 
 
 class _SkipLedger:

@@ -13,6 +13,14 @@ from typing import Literal
 import torch
 
 from dflash_train.blocks import BlockError
+from dflash_train.train.options import require
+
+RELATIVE_STD_MAX = 10.0
+"""Largest relative std: noise 10x a layer's RMS leaves the fc input a signal-to-noise
+power ratio of 1/100, past which the drafter is fed noise, not the target's features."""
+ABSOLUTE_STD_MAX = 1e38
+"""Largest absolute std: the uniform noise's half-width std * sqrt(3) must be a float32
+(max 3.4e38); the raw features' scale is the target's, unknown to the config."""
 
 
 @dataclass
@@ -42,6 +50,11 @@ class NoiseConfig:
             )
         if self.std < 0 or (self.std_end is not None and self.std_end < 0):
             raise BlockError(f"noise std must be >= 0, got std={self.std}, std_end={self.std_end}")
+        limit, scale = ((ABSOLUTE_STD_MAX, "absolute") if self.absolute
+                        else (RELATIVE_STD_MAX, "times each layer's RMS"))
+        for key, value in (("noise.std", self.std), ("noise.std_end", self.std_end)):
+            require(value is None or (math.isfinite(value) and value <= limit), key,
+                    f"a finite number in [0, {limit:g}] ({scale})", value)
         if self.std_end is not None and self.schedule_steps < 1:
             raise BlockError("noise std_end needs schedule_steps >= 1 (the schedule's length)")
 

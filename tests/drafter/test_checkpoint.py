@@ -237,6 +237,7 @@ def test_export_writes_bf16_serving_dir_from_a_training_checkpoint(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step_100"
     save_drafter(model, ckpt / DRAFTER_SUBDIR)
     (ckpt / "optimizer.pt").write_bytes(b"optimiser state, not exported")
+    (ckpt / "COMPLETE").write_text("step 100\n")  # a whole checkpoint: its marker is there
     out = export_checkpoint(ckpt, tmp_path / "serve")
     assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json",
                                                      "model.safetensors"]
@@ -322,6 +323,7 @@ def test_flipped_weight_bytes_are_refused_naming_the_file(tmp_path):
     model = tiny_drafter(0)
     ckpt = tmp_path / "step_1"
     out = save_drafter(model, ckpt / DRAFTER_SUBDIR)
+    (ckpt / "COMPLETE").write_text("step 1\n")
     _flip_bytes(out / "model.safetensors")
     # The flip lies in tensor data: safetensors itself reads the file without complaint.
     flipped = load_file(str(out / "model.safetensors"))

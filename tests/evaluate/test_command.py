@@ -78,6 +78,7 @@ def test_a_training_checkpoint_from_another_target_is_refused_naming_both(
     shutil.copytree(random_drafter_dir, ckpt / "drafter")
     meta = synthetic_meta(regenerated=True, name="/models/other-target", num_layers=6)
     (ckpt / "provenance.json").write_text(json.dumps(meta.to_dict()))
+    (ckpt / "COMPLETE").write_text("step 100\n")
     result = _run("--store", regen_store, str(ckpt))
     assert result.exit_code == 1
     store_name = open_store(regen_store).meta.target.name_or_path
@@ -90,6 +91,7 @@ def test_training_checkpoint_and_third_party_drafter_evaluate_together(
     ckpt = tmp_path / "step_200"
     shutil.copytree(random_drafter_dir, ckpt / "drafter")
     (ckpt / "provenance.json").write_text(json.dumps(open_store(regen_store).meta.to_dict()))
+    (ckpt / "COMPLETE").write_text("step 200\n")
     # A z-lab-style directory: no num_target_layers, no auto_map, an extra unknown field.
     zlab = tmp_path / "zlab-drafter"
     shutil.copytree(random_drafter_dir, zlab)

@@ -7,7 +7,13 @@ import torch
 
 from dflash_train.blocks import BlockError, block_labels, sample_anchors
 from dflash_train.train.loss import slot_weights
-from dflash_train.train.noise import NoiseConfig, add_context_noise, context_layer_rms, noise_std_at
+from dflash_train.train.noise import (
+    RELATIVE_STD_MAX,
+    NoiseConfig,
+    add_context_noise,
+    context_layer_rms,
+    noise_std_at,
+)
 
 N_LAYERS, H = 3, 64
 
@@ -40,7 +46,7 @@ def test_noise_never_reaches_labels(kind):
     before = _labels_and_weights(sample, anchors)
     rms = context_layer_rms(sample["context"])
     for seed in range(5):
-        for std in [0.0, 0.05, 1.0, 100.0]:
+        for std in [0.0, 0.05, 1.0, RELATIVE_STD_MAX]:
             clean = sample["context"].clone()
             noised = add_context_noise(
                 sample["context"],
