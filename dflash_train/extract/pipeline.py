@@ -110,7 +110,9 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     if not 0 <= rank < world_size:
         raise ExtractError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
     cfg = with_default_data(cfg, echo)
-    source = open_source(cfg.data)
+    source = open_source(cfg.data, allow_truncated=cfg.allow_truncated)
+    for note in source.notes:
+        echo(note)
     config = load_config(cfg.model)
     info = target_info(cfg.model, config, cfg.revision)
     layer_ids = resolve_layer_ids(cfg.layers, info.num_hidden_layers)
