@@ -73,7 +73,8 @@ def _rank_and_world() -> tuple[int, int]:
               type=click.IntRange(1), help="Tokens generated per prompt with --regenerate.")
 @click.option("--mask-token-id", type=click.IntRange(0), default=None,
               help="Mask token id recorded for training; default: the tokenizer's mask token, "
-                   "else the published id for the model type (Qwen3.5/3.6: 248070).")
+                   "else the published id for the model type (Qwen3.5/3.6: 248070), else the "
+                   "first row past the tokenizer, else a special token no chat uses.")
 @click.option("--dry-run", is_flag=True,
               help="Print bytes/token, total size and the parts plan; load no model.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")

@@ -106,6 +106,16 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
+def spare_special_ids(tokenizer) -> list[int]:
+    """Ids of the tokenizer's special tokens that no chat renders, ascending: not bos / eos /
+    pad / unk and not written by the chat template (mask token candidates; see
+    drafter.config.default_mask_token_id)."""
+    template = tokenizer.chat_template or ""
+    used = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    return sorted(i for i, token in tokenizer.added_tokens_decoder.items()
+                  if token.special and i not in used and token.content not in template)
+
+
 def tokenizer_files(tokenizer, tmp_dir: str) -> dict[str, bytes]:
     """The tokenizer as saved files (what is copied into the store)."""
     tokenizer.save_pretrained(tmp_dir)

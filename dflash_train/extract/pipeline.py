@@ -32,6 +32,7 @@ from dflash_train.extract.loading import (
     load_target,
     load_tokenizer,
     resolve_dtype,
+    spare_special_ids,
     target_info,
     tokenizer_files,
     tokenizer_info,
@@ -278,7 +279,9 @@ def _mask_token_id(cfg: ExtractConfig, info, tokenizer) -> int | None:
     mask = cfg.mask_token_id
     if mask is None:
         mask = default_mask_token_id(info.model_type, info.vocab_size,
-                                     getattr(tokenizer, "mask_token_id", None))
+                                     getattr(tokenizer, "mask_token_id", None),
+                                     tokenizer_size=len(tokenizer),
+                                     spare_special_ids=spare_special_ids(tokenizer))
     if mask is not None and not 0 <= mask < info.vocab_size:
         raise ExtractError(f"--mask-token-id {mask} is outside the target vocabulary "
                            f"(size {info.vocab_size})")
