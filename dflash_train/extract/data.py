@@ -153,7 +153,8 @@ def _messages(messages: Any, where: str) -> Chat:
 
 def _conversations(turns: Any, where: str) -> Chat:
     if not isinstance(turns, list) or not turns:
-        raise ExtractError(f"{where}: 'conversations' must be a non-empty list")
+        raise ExtractError(f"{where}: 'conversations' must be a non-empty list (ShareGPT "
+                           "dumps hold empty ones: filter them out)")
     chat = []
     for j, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
