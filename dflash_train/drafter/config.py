@@ -6,7 +6,7 @@ touches tensors or files; `checkpoint.py` maps it to and from config.json.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,12 +24,25 @@ KNOWN_MASK_TOKEN_IDS = {"qwen3_5": 248070, "qwen3_5_text": 248070, "qwen3": 1516
 already exists in the target vocabulary and keeps the target's embedding row."""
 
 
-def default_mask_token_id(model_type: str, vocab_size: int, tokenizer_mask_id: int | None):
-    """The tokenizer's own mask token, else the published id for this model type, else None."""
+def default_mask_token_id(model_type: str, vocab_size: int, tokenizer_mask_id: int | None,
+                          *, tokenizer_size: int | None = None,
+                          spare_special_ids: Sequence[int] = ()) -> int | None:
+    """The mask token a drafter of this target uses unless told otherwise, or None.
+
+    In order: the tokenizer's own mask token; the published id for this model type; the first
+    embedding row past the tokenizer's tokens (the id z-lab's added `<|MASK|>` gets: Qwen3's
+    151669), where the vocabulary is padded beyond the tokenizer; else the last of
+    `spare_special_ids`, special tokens no chat renders (a target such as Llama 3 or SmolLM2
+    has no spare row, and a new row would have no target embedding)."""
     if tokenizer_mask_id is not None:
         return int(tokenizer_mask_id)
     known = KNOWN_MASK_TOKEN_IDS.get(model_type)
-    return known if known is not None and known < vocab_size else None
+    if known is not None and known < vocab_size:
+        return known
+    if tokenizer_size is not None and tokenizer_size < vocab_size:
+        return int(tokenizer_size)
+    spare = [int(i) for i in spare_special_ids if 0 <= i < vocab_size]
+    return spare[-1] if spare else None
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:

@@ -66,8 +66,8 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="Also run live greedy speculative decoding with the target (--model) on "
                    "the same prompts: the ground truth offline replay must match.")
 @click.option("--model", default=None,
-              help="Target checkpoint for --online; refused without --online (offline replay "
-                   "never loads the target).")
+              help="Target checkpoint (directory or .gguf) for --online; refused without "
+                   "--online (offline replay never loads the target).")
 @click.option("--max-new-tokens", default=None, type=click.IntRange(1),
               help="--online generation length (refused without --online). Default: the "
                    "store's --regenerate setting.")

@@ -97,6 +97,7 @@ class TargetStates:
 def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetStates:
     """Load --model (as extract loads it) and refuse a target other than the store's."""
     from dflash_train.extract.errors import ExtractError
+    from dflash_train.extract.gguf import REVISION_PREFIX
     from dflash_train.extract.loading import load_target
 
     try:
@@ -105,9 +106,11 @@ def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetSta
     except ExtractError as e:
         raise EvalError(str(e)) from e
     got, want = target.info, meta.target
+    names = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size"]
+    if any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want)):
+        names.append("revision")  # a GGUF's content hash: another file at the same path
     wrong = [f"{f}: --model {getattr(got, f)}, store {getattr(want, f)}"
-             for f in ("num_hidden_layers", "hidden_size", "vocab_size")
-             if getattr(got, f) != getattr(want, f)]
+             for f in names if getattr(got, f) != getattr(want, f)]
     if wrong:
         raise EvalError(f"--model {model} is not the store's target "
                         f"({want.name_or_path}):\n  " + "\n  ".join(wrong))

@@ -360,7 +360,10 @@ def _stop_rule(target, tokenizer, store: Store, max_new_tokens: int | None) -> S
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(target.target.info.name_or_path)
+        from dflash_train.extract.loading import from_pretrained_args
+
+        where, kwargs = from_pretrained_args(target.target.info.name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     if max_new_tokens is None:
         max_new_tokens = store.meta.extra.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
     return StopRule(eos_ids=eos_token_ids(target.target.model, tokenizer),

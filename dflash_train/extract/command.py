@@ -24,12 +24,18 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 @click.command("extract", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", required=True, help="Target checkpoint directory (HF format).")
+@click.option("--model", required=True,
+              help="Target checkpoint directory (HF format), or a .gguf file (or a directory "
+                   "holding one), dequantized on load.")
 @click.option("--data", "data", multiple=True,
-              help="Input .jsonl or .parquet of chats ('messages') or 'prompt'/'response' "
-                   "pairs ('messages' wins in a row holding both); repeat for several files. "
+              help="Input .jsonl, .json (JSON lines or one array) or .parquet of chats "
+                   "('messages'), ShareGPT rows ('conversations') or 'prompt'/'response' "
+                   "pairs (the first of these a row holds); repeat for several files. "
                    "Default: the embedded coding prompts (train split), which implies "
                    "--regenerate.")
+@click.option("--allow-truncated", is_flag=True,
+              help="Use the complete rows of a JSON array that is cut off mid-row (an "
+                   "interrupted download) instead of refusing the file; says how many.")
 @click.option("--out", required=True, help="Store to create or resume (path or fsspec URL).")
 @click.option("--layers", default=None,
               help="Comma-separated target layer ids, ascending (id k = HF hidden_states[k+1]; "
@@ -67,7 +73,8 @@ def _rank_and_world() -> tuple[int, int]:
               type=click.IntRange(1), help="Tokens generated per prompt with --regenerate.")
 @click.option("--mask-token-id", type=click.IntRange(0), default=None,
               help="Mask token id recorded for training; default: the tokenizer's mask token, "
-                   "else the published id for the model type (Qwen3.5/3.6: 248070).")
+                   "else the published id for the model type (Qwen3.5/3.6: 248070), else the "
+                   "first row past the tokenizer, else a special token no chat uses.")
 @click.option("--dry-run", is_flag=True,
               help="Print bytes/token, total size and the parts plan; load no model.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")

@@ -9,12 +9,16 @@ class ExtractConfig:
     """Everything `dflash extract` needs; the CLI maps its options one to one onto these."""
 
     model: str
-    """Target checkpoint: a local directory (or a hub id already in the local cache)."""
+    """Target checkpoint: a local directory (or a hub id already in the local cache), or a
+    .gguf file (or a directory holding one and no config.json)."""
     data: list[str]
-    """Input files, .jsonl or .parquet, of chats ("messages") or "prompt"/"response" pairs;
-    empty: the embedded coding prompts (train split), which implies `regenerate`."""
+    """Input files, .jsonl / .json (JSON lines or one JSON array) or .parquet, of chats
+    ("messages"), ShareGPT rows ("conversations") or "prompt"/"response" pairs; empty: the
+    embedded coding prompts (train split), which implies `regenerate`."""
     out: str
     """Store to create or resume: a local path or an fsspec URL."""
+    allow_truncated: bool = False
+    """Keep the complete rows of a JSON array cut off mid-row instead of refusing it."""
     layers: str | None = None
     """Comma-separated layer ids (id k = HF hidden_states[k + 1]); None = DFlash default."""
     top_k: int = 16

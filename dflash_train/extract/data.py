@@ -1,15 +1,23 @@
-"""Input rows for extract: jsonl or parquet files of chats or prompt/response pairs.
+"""Input rows for extract: JSON lines, JSON arrays or parquet files of chats or pairs.
 
 Owns reading, validating and numbering rows (a row is one chat; rows of several files are
-numbered in order). Every row is validated when the source is opened, so a bad line stops the
-run before anything is written. Never tokenizes and never touches a model.
+numbered in order). A row is `{"messages": [{"role", "content"}]}`, ShareGPT's
+`{"conversations": [{"from", "value"}]}` or `{"prompt", "response"[, "system"]}`. Every row
+is validated when the source is opened, so a bad line stops the run before anything is
+written. A JSON array is read as a stream (memory: the largest row plus a read block, and
+three integers per row); one cut off mid-row (a download that stopped) is refused unless
+`allow_truncated`, which keeps the complete rows before the cut. Never tokenizes and never
+touches a model.
 """
 
+import codecs
 import hashlib
 import json
-from dataclasses import dataclass
+import re
+from array import array
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow.parquet as pq
 
@@ -17,27 +25,39 @@ from dflash_train.extract.errors import ExtractError
 
 ROLES = ("system", "user", "assistant", "tool")
 """Message roles a chat may use; anything else is refused."""
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+                  "bing": "assistant"}
+"""ShareGPT speaker names (`from`) as chat roles: the names FastChat-style datasets use."""
+MAX_ROW_BYTES = 64 << 20
+"""Longest single row of a JSON array; a longer one is refused (it bounds the read buffer)."""
+_READ_BLOCK = 1 << 20
+_SPACE = re.compile(r"[ \t\n\r]*")
 
 Chat = list[dict[str, Any]]
+Kind = Literal["jsonl", "json-array", "parquet"]
 
 
 @dataclass
 class _File:
     path: str
     sha256: str
-    kind: str
-    """"jsonl" or "parquet"."""
-    locators: list[int]
-    """Per row: byte offset of its line (jsonl) or its row index (parquet)."""
-    lines: list[int]
-    """Per row: 1-based line number (jsonl) or row index (parquet), for error messages."""
+    kind: Kind
+    locators: array
+    """Per row: byte offset of its line / array element, or its parquet row index."""
+    lines: array
+    """Per row: 1-based line number where it starts (parquet: the row index), for messages."""
+    sizes: array = field(default_factory=lambda: array("q"))
+    """json-array: per row, its length in bytes."""
 
 
 class ChatSource:
     """Validated rows of one or more input files, read back on demand by global row index."""
 
-    def __init__(self, files: list[_File]):
+    def __init__(self, files: list[_File], notes: list[str] | None = None):
         self.files = files
+        self.notes = notes or []
+        """What opening the files decided that the user should hear (rows kept past a cut)."""
         self._starts = []
         n = 0
         for f in files:
@@ -57,7 +77,7 @@ class ChatSource:
     def where(self, row: int) -> str:
         """'file:line N (row R)' for error messages."""
         f, i = self._locate(row)
-        unit = "line" if f.kind == "jsonl" else "parquet row"
+        unit = "parquet row" if f.kind == "parquet" else "line"
         return f"{f.path}:{unit} {f.lines[i]} (row {row})"
 
     def chat(self, row: int) -> Chat:
@@ -75,6 +95,10 @@ class ChatSource:
             with open(f.path, "rb") as fh:
                 fh.seek(f.locators[i])
                 return json.loads(fh.readline())
+        if f.kind == "json-array":
+            with open(f.path, "rb") as fh:
+                fh.seek(f.locators[i])
+                return json.loads(fh.read(f.sizes[i]))
         if f.path not in self._tables:
             self._tables[f.path] = pq.read_table(f.path)
         return self._tables[f.path].slice(f.locators[i], 1).to_pylist()[0]
@@ -89,25 +113,14 @@ class ChatSource:
 
 
 def to_chat(record: Any, where: str) -> Chat:
-    """A record as messages: {"messages": [...]} or {"prompt", "response"[, "system"]}."""
+    """A record as messages: {"messages": [...]}, ShareGPT's {"conversations": [...]} or
+    {"prompt", "response"[, "system"]} (the first of these a row holds)."""
     if not isinstance(record, dict):
         raise ExtractError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ExtractError(f"{where}: 'messages' must be a non-empty list")
-        chat = []
-        for j, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ExtractError(f"{where}: message {j} needs 'role' and 'content'")
-            if m["role"] not in ROLES:
-                raise ExtractError(
-                    f"{where}: message {j} has unknown role {m['role']!r}; expected one of {ROLES}"
-                )
-            if not isinstance(m["content"], str):
-                raise ExtractError(f"{where}: message {j} content must be a string")
-            chat.append({k: v for k, v in m.items() if v is not None})
-        return chat
+        return _messages(record["messages"], where)
+    if "conversations" in record:
+        return _conversations(record["conversations"], where)
     if "prompt" in record and "response" in record:
         prompt, response = record["prompt"], record["response"]
         if not isinstance(prompt, str) or not isinstance(response, str):
@@ -116,45 +129,101 @@ def to_chat(record: Any, where: str) -> Chat:
         return chat + [{"role": "user", "content": prompt},
                        {"role": "assistant", "content": response}]
     raise ExtractError(
-        f"{where}: a row needs 'messages' (chat) or 'prompt' and 'response'; got keys "
-        f"{sorted(record)}"
+        f"{where}: a row needs 'messages' (chat), 'conversations' (ShareGPT) or 'prompt' and "
+        f"'response'; got keys {sorted(record)}"
     )
 
 
-def open_source(paths: list[str]) -> ChatSource:
-    """Index and validate every row of `paths`; ExtractError names the first bad line."""
+def _messages(messages: Any, where: str) -> Chat:
+    if not isinstance(messages, list) or not messages:
+        raise ExtractError(f"{where}: 'messages' must be a non-empty list")
+    chat = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ExtractError(f"{where}: message {j} needs 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise ExtractError(
+                f"{where}: message {j} has unknown role {m['role']!r}; expected one of {ROLES}"
+            )
+        if not isinstance(m["content"], str):
+            raise ExtractError(f"{where}: message {j} content must be a string")
+        chat.append({k: v for k, v in m.items() if v is not None})
+    return chat
+
+
+def _conversations(turns: Any, where: str) -> Chat:
+    if not isinstance(turns, list) or not turns:
+        raise ExtractError(f"{where}: 'conversations' must be a non-empty list (ShareGPT "
+                           "dumps hold empty ones: filter them out)")
+    chat = []
+    for j, t in enumerate(turns):
+        if not isinstance(t, dict) or "from" not in t or "value" not in t:
+            raise ExtractError(f"{where}: conversation turn {j} needs 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(t["from"]) if isinstance(t["from"], str) else None
+        if role is None:
+            raise ExtractError(f"{where}: conversation turn {j} is from unknown speaker "
+                               f"{t['from']!r}; expected one of {tuple(SHAREGPT_ROLES)}")
+        if not isinstance(t["value"], str):
+            raise ExtractError(f"{where}: conversation turn {j} value must be a string")
+        chat.append({"role": role, "content": t["value"]})
+    return chat
+
+
+def open_source(paths: list[str], *, allow_truncated: bool = False) -> ChatSource:
+    """Index and validate every row of `paths`; ExtractError names the first bad line.
+
+    `allow_truncated`: keep the complete rows of a JSON array cut off mid-row (and say so in
+    the source's notes) instead of refusing the file."""
     if not paths:
         raise ExtractError("no --data given")
-    files = [_index_file(p) for p in paths]
-    source = ChatSource(files)
+    files, notes, start = [], [], 0
+    for p in paths:
+        f, note = _index_file(p, start, allow_truncated)
+        files.append(f)
+        notes += [note] if note else []
+        start += len(f.locators)
+    source = ChatSource(files, notes)
     if source.num_rows == 0:
         raise ExtractError(f"{', '.join(paths)}: no rows (empty input)")
     return source
 
 
-def _index_file(path: str) -> _File:
+def _index_file(path: str, start: int, allow_truncated: bool) -> tuple[_File, str | None]:
     p = Path(path)
     if p.is_dir():
-        raise ExtractError(f"--data {path}: is a directory; pass .jsonl or .parquet files")
+        raise ExtractError(f"--data {path}: is a directory; pass .jsonl, .json or .parquet files")
     if not p.is_file():
         raise ExtractError(f"--data {path}: no such file")
     suffix = p.suffix.lower()
+    resolved = str(p.resolve())
     if suffix in (".jsonl", ".json", ".ndjson"):
-        return _index_jsonl(str(p.resolve()))
+        if _first_byte(resolved) == b"[":
+            return _index_json_array(resolved, start, allow_truncated)
+        return _index_jsonl(resolved, start), None
     if suffix in (".parquet", ".pq"):
-        return _index_parquet(str(p.resolve()))
-    raise ExtractError(f"--data {path}: unknown format; use .jsonl or .parquet")
+        return _index_parquet(resolved, start), None
+    raise ExtractError(f"--data {path}: unknown format; use .jsonl, .json or .parquet")
 
 
-def _index_jsonl(path: str) -> _File:
+def _first_byte(path: str) -> bytes:
+    """The first byte that is not whitespace (b"" for a blank file)."""
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 16), b""):
+            text = block.lstrip(b" \t\r\n")
+            if text:
+                return text[:1]
+    return b""
+
+
+def _index_jsonl(path: str, start: int) -> _File:
     digest = hashlib.sha256()
-    offsets, lines = [], []
+    offsets, lines = array("q"), array("q")
     offset = 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             digest.update(raw)
             if raw.strip():
-                where = f"{path}:line {lineno}"
+                where = f"{path}:line {lineno} (row {start + len(offsets)})"
                 try:
                     record = json.loads(raw)
                 except UnicodeDecodeError as e:
@@ -169,7 +238,141 @@ def _index_jsonl(path: str) -> _File:
     return _File(path, digest.hexdigest(), "jsonl", offsets, lines)
 
 
-def _index_parquet(path: str) -> _File:
+class _Text:
+    """A UTF-8 file read block by block as text, tracking the byte offset and line of `pos`.
+
+    `buf[pos:]` is the text not consumed yet; consumed text is dropped at each refill, so the
+    buffer holds about one block plus the row being parsed."""
+
+    def __init__(self, path: str, digest):
+        self.path = path
+        self._fh = open(path, "rb")  # noqa: SIM115 -- closed by close()
+        self._digest = digest
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
+        self._read = 0
+        self.buf, self.pos, self.byte, self.line = "", 0, 0, 1
+        self.eof = False
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def refill(self, at_least: int = 0) -> None:
+        """Drop consumed text and append a block, or `at_least` more bytes if that is more
+        (fewer at the end of the file)."""
+        self.buf, self.pos = self.buf[self.pos :], 0
+        raw = self._fh.read(max(at_least, _READ_BLOCK))
+        self._digest.update(raw)
+        pending = len(self._utf8.getstate()[0])
+        try:
+            self.buf += self._utf8.decode(raw, final=not raw)
+        except UnicodeDecodeError as e:
+            if raw or e.reason != "unexpected end of data":
+                at = self._read - pending + e.start
+                raise ExtractError(f"{self.path}: not UTF-8 text at byte {at}") from e
+            # a file cut inside a character: that row is cut off anyway
+        self._read += len(raw)
+        self.eof = not raw
+
+    def advance(self, to: int) -> None:
+        """Consume buf[pos:to]."""
+        piece = self.buf[self.pos : to]
+        self.byte += len(piece.encode("utf-8"))
+        self.line += piece.count("\n")
+        self.pos = to
+
+    def peek(self) -> str:
+        """Skip whitespace; the next character, or "" at the end of the file."""
+        while True:
+            self.advance(_SPACE.match(self.buf, self.pos).end())
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if self.eof:
+                return ""
+            self.refill()
+
+
+def _index_json_array(path: str, start: int, allow_truncated: bool) -> tuple[_File, str | None]:
+    """Index a JSON array of rows as a stream; (file, note about a cut kept, or None)."""
+    digest = hashlib.sha256()
+    offsets, lines, sizes = array("q"), array("q"), array("q")
+    text = _Text(path, digest)
+    try:
+        cut = _scan_array(text, start, offsets, lines, sizes)
+    finally:
+        text.close()
+    f = _File(path, digest.hexdigest(), "json-array", offsets, lines, sizes)
+    if cut is None:
+        return f, None
+    byte, line = cut
+    what = (f"{path}: the JSON array is cut off at byte {byte} (line {line}) after "
+            f"{len(offsets)} complete rows")
+    if not allow_truncated:
+        raise ExtractError(f"{what}; the file is incomplete (download it again), or pass "
+                           f"--allow-truncated to use those {len(offsets)} rows")
+    return f, f"{what}; using those {len(offsets)} rows (--allow-truncated)"
+
+
+def _scan_array(text: _Text, start: int, offsets: array, lines: array, sizes: array
+                ) -> tuple[int, int] | None:
+    """Validate and locate every row of the array; (byte, line) of a cut, None if whole."""
+    decoder = json.JSONDecoder()
+    path = text.path
+    text.peek()
+    text.advance(text.pos + 1)  # the "[" that made this a JSON array
+    expect_row = True
+    while True:
+        c = text.peek()
+        if c == "":
+            return text.byte, text.line
+        if c == "]" and (not expect_row or not offsets):
+            text.advance(text.pos + 1)
+            if text.peek():
+                raise ExtractError(f"{path}:line {text.line}: data after the JSON array "
+                                   f"(byte {text.byte})")
+            return None
+        if not expect_row:
+            if c != ",":
+                raise ExtractError(f"{path}:line {text.line}: malformed JSON (expected ',' or "
+                                   f"']' after row {start + len(offsets) - 1}, got {c!r})")
+            text.advance(text.pos + 1)
+            expect_row = True
+            continue
+        where = f"{path}:line {text.line} (row {start + len(offsets)})"
+        line, offset = text.line, text.byte
+        decoded = _decode_row(text, decoder, where)
+        if decoded is None:
+            return text.byte, text.line
+        record, end = decoded
+        to_chat(record, where)
+        text.advance(end)
+        offsets.append(offset)
+        lines.append(line)
+        sizes.append(text.byte - offset)
+        expect_row = False
+
+
+def _decode_row(text: _Text, decoder: json.JSONDecoder, where: str) -> tuple[Any, int] | None:
+    """(row, end) of the JSON value at text.pos, reading more text while it may be
+    incomplete; None when the file ends inside it."""
+    while True:
+        try:
+            return decoder.raw_decode(text.buf, text.pos)
+        except json.JSONDecodeError as e:
+            # an error well before the end of what is buffered is real, except an
+            # unterminated string, whose rest may simply not be read yet
+            margin = 1 if text.eof else 16
+            if not (e.msg.startswith("Unterminated string") or e.pos >= len(text.buf) - margin):
+                at = text.byte + len(text.buf[text.pos : e.pos].encode("utf-8"))
+                raise ExtractError(f"{where}: malformed JSON ({e.msg} at byte {at})") from e
+            if text.eof:
+                return None
+            if len(text.buf) - text.pos > MAX_ROW_BYTES:
+                raise ExtractError(f"{where}: a row longer than {MAX_ROW_BYTES >> 20} MiB (or "
+                                   "malformed JSON)") from e
+            text.refill(at_least=len(text.buf) - text.pos)  # doubles: parsing stays linear
+
+
+def _index_parquet(path: str, start: int) -> _File:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -181,6 +384,7 @@ def _index_parquet(path: str) -> _File:
     row = 0
     for batch in table.to_batches():
         for record in batch.to_pylist():
-            to_chat(record, f"{path}:parquet row {row}")
+            to_chat(record, f"{path}:parquet row {row} (row {start + row})")
             row += 1
-    return _File(path, digest.hexdigest(), "parquet", list(range(row)), list(range(row)))
+    rows = array("q", range(row))
+    return _File(path, digest.hexdigest(), "parquet", rows, rows)

@@ -1,11 +1,14 @@
 """Load the target model through transformers and expose the parts extract needs.
 
-Owns: config/tokenizer/model loading, finding the decoder stack whether the checkpoint loads
-as a CausalLM (`model.model.layers`) or the multimodal wrapper
-(`model.model.language_model.layers`), the guard that keeps CPU runs out of GPU-only
-kernels (fla, causal_conv1d), and the target's provenance. Never writes the store.
+Owns: config/tokenizer/model loading from a transformers checkpoint or a GGUF file (see
+gguf.py), finding the decoder stack whether the checkpoint loads as a CausalLM
+(`model.model.layers`) or the multimodal wrapper (`model.model.language_model.layers`), the
+guard that keeps CPU runs out of GPU-only kernels (fla, causal_conv1d), the target's
+provenance, and the tokenizer's spare special tokens (mask token candidates). Never writes
+the store.
 """
 
+import copy
 import hashlib
 import json
 import sys
@@ -16,6 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from dflash_train.extract import gguf
 from dflash_train.extract.errors import ExtractError
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
 
@@ -60,11 +64,20 @@ def load_config(name_or_path: str):
     from transformers import AutoConfig
 
     if not Path(name_or_path).exists() and not _looks_like_hub_id(name_or_path):
-        raise ExtractError(f"--model {name_or_path}: no such directory")
+        raise ExtractError(f"--model {name_or_path}: no such directory or .gguf file")
+    path = gguf.find_gguf(name_or_path)
     try:
+        if path is not None:
+            return gguf.read_config(path)
         return AutoConfig.from_pretrained(name_or_path)
     except Exception as e:  # hub / json / unknown model_type all raise different types
         raise ExtractError(f"--model {name_or_path}: cannot read its config ({e})") from e
+
+
+def from_pretrained_args(name_or_path: str) -> tuple[str, dict]:
+    """Where from_pretrained reads `--model` from, and the extra arguments it needs."""
+    path = gguf.find_gguf(name_or_path)
+    return gguf.reader_arguments(path) if path is not None else (name_or_path, {})
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -74,10 +87,17 @@ def _looks_like_hub_id(name: str) -> bool:
 def target_info(name_or_path: str, config, revision: str | None = None) -> TargetInfo:
     """The target's provenance. The config hash covers the architecture only, not where the
     files were read from; a local path is recorded absolute, so resuming from another working
-    directory or with a relative spelling is the same target."""
+    directory or with a relative spelling is the same target. A GGUF target is recorded as
+    its file, with the file's content hash as its revision."""
     text = text_config(config)
     blob = json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str).encode()
-    if Path(name_or_path).exists():
+    path = gguf.find_gguf(name_or_path)
+    if path is not None:
+        if revision is not None:
+            raise ExtractError(f"--revision {revision} names a hub revision; a .gguf target "
+                               "is identified by its content hash instead (drop --revision)")
+        name_or_path, revision = str(path), gguf.revision(path)
+    elif Path(name_or_path).exists():
         name_or_path = str(Path(name_or_path).resolve())
     return TargetInfo(
         name_or_path=name_or_path, revision=revision, model_type=config.model_type,
@@ -95,8 +115,9 @@ def _architecture(config: dict) -> dict:
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
+    where, kwargs = from_pretrained_args(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     except Exception as e:  # missing files / bad json raise different types
         raise ExtractError(f"--model {name_or_path}: cannot load its tokenizer ({e})") from e
     if not getattr(tokenizer, "is_fast", False):
@@ -104,6 +125,16 @@ def load_tokenizer(name_or_path: str):
     if not tokenizer.chat_template:
         raise ExtractError(f"--model {name_or_path}: the tokenizer has no chat template")
     return tokenizer
+
+
+def spare_special_ids(tokenizer) -> list[int]:
+    """Ids of the tokenizer's special tokens that no chat renders, ascending: not bos / eos /
+    pad / unk and not written by the chat template (mask token candidates; see
+    drafter.config.default_mask_token_id)."""
+    template = tokenizer.chat_template or ""
+    used = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    return sorted(i for i, token in tokenizer.added_tokens_decoder.items()
+                  if token.special and i not in used and token.content not in template)
 
 
 def tokenizer_files(tokenizer, tmp_dir: str) -> dict[str, bytes]:
@@ -164,6 +195,10 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = load_config(name_or_path)
+    info = target_info(name_or_path, config, revision)
+    where, kwargs = from_pretrained_args(name_or_path)
+    if kwargs:  # GGUF: no hub revision; its config parsed once (from_pretrained edits a copy)
+        kwargs["config"], revision = copy.deepcopy(config), None
     if load_as == "multimodal" and getattr(config, "text_config", None) is None:
         raise ExtractError(f"--model {name_or_path}: {config.model_type} has no multimodal "
                            "wrapper; use --load-as causal-lm")
@@ -174,7 +209,7 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        model = cls.from_pretrained(name_or_path, dtype=dtype, revision=revision)
+        model = cls.from_pretrained(where, dtype=dtype, revision=revision, **kwargs)
     except Exception as e:  # missing weights, unknown architecture, out of memory, ...
         raise ExtractError(f"--model {name_or_path}: cannot load as {load_as} ({e})") from e
     finally:
@@ -188,5 +223,5 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
                            "or model.model.language_model.layers")
     return Target(
         model=model, decoder=decoder, lm_head=model.get_output_embeddings(),
-        info=target_info(name_or_path, config, revision), kernels=kernels_used(model, device),
+        info=info, kernels=kernels_used(model, device),
     )

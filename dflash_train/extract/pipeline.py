@@ -32,6 +32,7 @@ from dflash_train.extract.loading import (
     load_target,
     load_tokenizer,
     resolve_dtype,
+    spare_special_ids,
     target_info,
     tokenizer_files,
     tokenizer_info,
@@ -110,7 +111,9 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     if not 0 <= rank < world_size:
         raise ExtractError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
     cfg = with_default_data(cfg, echo)
-    source = open_source(cfg.data)
+    source = open_source(cfg.data, allow_truncated=cfg.allow_truncated)
+    for note in source.notes:
+        echo(note)
     config = load_config(cfg.model)
     info = target_info(cfg.model, config, cfg.revision)
     layer_ids = resolve_layer_ids(cfg.layers, info.num_hidden_layers)
@@ -276,7 +279,9 @@ def _mask_token_id(cfg: ExtractConfig, info, tokenizer) -> int | None:
     mask = cfg.mask_token_id
     if mask is None:
         mask = default_mask_token_id(info.model_type, info.vocab_size,
-                                     getattr(tokenizer, "mask_token_id", None))
+                                     getattr(tokenizer, "mask_token_id", None),
+                                     tokenizer_size=len(tokenizer),
+                                     spare_special_ids=spare_special_ids(tokenizer))
     if mask is not None and not 0 <= mask < info.vocab_size:
         raise ExtractError(f"--mask-token-id {mask} is outside the target vocabulary "
                            f"(size {info.vocab_size})")

@@ -89,3 +89,37 @@ def test_describe_names_the_layer_mix_and_heads():
     line = DrafterConfig.qwen3_6_27b().describe()
     assert line.startswith("5 layers (4 sliding (window 2048) + 1 full), 32 query / 8 kv heads")
     assert "target layers [1, 16, 31, 46, 61]" in line
+
+
+def test_default_mask_token_prefers_tokenizer_then_published_then_a_spare_row_or_token():
+    from dflash_train.drafter.config import default_mask_token_id
+
+    # the tokenizer's own mask token wins, then the published id for the model type
+    assert default_mask_token_id("qwen3", 151936, 7, tokenizer_size=151669) == 7
+    assert default_mask_token_id("qwen3", 151936, None, tokenizer_size=151669) == 151669
+    # any other padded vocabulary: the first row past the tokenizer (z-lab's added token)
+    assert default_mask_token_id("mistral", 32768, None, tokenizer_size=32000) == 32000
+    # no spare row (SmolLM2, Llama 3): the last special token no chat renders
+    assert default_mask_token_id("llama", 49152, None, tokenizer_size=49152,
+                                 spare_special_ids=[3, 9, 16]) == 16
+    # spare ids past the model's rows are not tokens it can embed
+    assert default_mask_token_id("llama", 100, None, tokenizer_size=101,
+                                 spare_special_ids=[5, 100]) == 5
+    assert default_mask_token_id("llama", 100, None, tokenizer_size=100) is None
+
+
+def test_a_llama_target_lends_its_grouped_query_heads_to_the_drafter():
+    from dflash_train.train.config import ModelConfig
+    from dflash_train.train.loop import shape_drafter
+
+    smollm2 = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+               "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+               "max_position_embeddings": 8192, "tie_word_embeddings": True}
+    cfg = shape_drafter(smollm2, 16, [1, 7, 14, 20, 27], ModelConfig())
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size) == (576, 1536, 49152)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.rope_theta == 100000.0 and cfg.rms_norm_eps == 1e-5
+    assert cfg.layer_types == ["full_attention"] * cfg.num_hidden_layers
+    assert cfg.num_target_layers == 30 and cfg.mask_token_id == 16
