@@ -49,6 +49,8 @@ class _File:
     """Per row: 1-based line number where it starts (parquet: the row index), for messages."""
     sizes: array = field(default_factory=lambda: array("q"))
     """json-array: per row, its length in bytes."""
+    empty_skipped: list[int] = field(default_factory=list)
+    """Lines of ShareGPT rows with no turn at all, left out (no text to train on)."""
 
 
 class ChatSource:
@@ -153,8 +155,8 @@ def _messages(messages: Any, where: str) -> Chat:
 
 def _conversations(turns: Any, where: str) -> Chat:
     if not isinstance(turns, list) or not turns:
-        raise ExtractError(f"{where}: 'conversations' must be a non-empty list (ShareGPT "
-                           "dumps hold empty ones: filter them out)")
+        raise ExtractError(f"{where}: 'conversations' must be a list of turns "
+                           "({\"from\": ..., \"value\": ...})")
     chat = []
     for j, t in enumerate(turns):
         if not isinstance(t, dict) or "from" not in t or "value" not in t:
@@ -181,6 +183,11 @@ def open_source(paths: list[str], *, allow_truncated: bool = False) -> ChatSourc
         f, note = _index_file(p, start, allow_truncated)
         files.append(f)
         notes += [note] if note else []
+        if f.empty_skipped:
+            shown = ", ".join(map(str, f.empty_skipped[:5]))
+            more = ", ..." if len(f.empty_skipped) > 5 else ""
+            notes.append(f"{p}: left out {len(f.empty_skipped)} ShareGPT rows with an empty "
+                         f"'conversations' list (lines {shown}{more})")
         start += len(f.locators)
     source = ChatSource(files, notes)
     if source.num_rows == 0:
@@ -217,7 +224,7 @@ def _first_byte(path: str) -> bytes:
 
 def _index_jsonl(path: str, start: int) -> _File:
     digest = hashlib.sha256()
-    offsets, lines = array("q"), array("q")
+    offsets, lines, empty = array("q"), array("q"), []
     offset = 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
@@ -231,11 +238,22 @@ def _index_jsonl(path: str, start: int) -> _File:
                                        f"at column {e.start + 1})") from e
                 except json.JSONDecodeError as e:
                     raise ExtractError(f"{where}: malformed JSON ({e})") from e
-                to_chat(record, where)
-                offsets.append(offset)
-                lines.append(lineno)
+                if _empty_conversation(record):
+                    empty.append(lineno)
+                else:
+                    to_chat(record, where)
+                    offsets.append(offset)
+                    lines.append(lineno)
             offset += len(raw)
-    return _File(path, digest.hexdigest(), "jsonl", offsets, lines)
+    return _File(path, digest.hexdigest(), "jsonl", offsets, lines, empty_skipped=empty)
+
+
+def _empty_conversation(record: Any) -> bool:
+    """ShareGPT dumps (ShareGPT_V3 among them) hold rows whose conversation has no turn:
+    nothing to train on, and filtering a 125 MB array by hand is no fix, so they are skipped
+    and counted; any other malformed row is still an error."""
+    return (isinstance(record, dict) and "messages" not in record
+            and record.get("conversations") == [])
 
 
 class _Text:
@@ -295,12 +313,12 @@ def _index_json_array(path: str, start: int, allow_truncated: bool) -> tuple[_Fi
     """Index a JSON array of rows as a stream; (file, note about a cut kept, or None)."""
     digest = hashlib.sha256()
     offsets, lines, sizes = array("q"), array("q"), array("q")
-    text = _Text(path, digest)
+    text, empty = _Text(path, digest), []
     try:
-        cut = _scan_array(text, start, offsets, lines, sizes)
+        cut = _scan_array(text, start, offsets, lines, sizes, empty)
     finally:
         text.close()
-    f = _File(path, digest.hexdigest(), "json-array", offsets, lines, sizes)
+    f = _File(path, digest.hexdigest(), "json-array", offsets, lines, sizes, empty)
     if cut is None:
         return f, None
     byte, line = cut
@@ -312,8 +330,8 @@ def _index_json_array(path: str, start: int, allow_truncated: bool) -> tuple[_Fi
     return f, f"{what}; using those {len(offsets)} rows (--allow-truncated)"
 
 
-def _scan_array(text: _Text, start: int, offsets: array, lines: array, sizes: array
-                ) -> tuple[int, int] | None:
+def _scan_array(text: _Text, start: int, offsets: array, lines: array, sizes: array,
+                empty: list[int]) -> tuple[int, int] | None:
     """Validate and locate every row of the array; (byte, line) of a cut, None if whole."""
     decoder = json.JSONDecoder()
     path = text.path
@@ -343,12 +361,15 @@ def _scan_array(text: _Text, start: int, offsets: array, lines: array, sizes: ar
         if decoded is None:
             return text.byte, text.line
         record, end = decoded
-        to_chat(record, where)
         text.advance(end)
+        expect_row = False
+        if _empty_conversation(record):
+            empty.append(line)
+            continue
+        to_chat(record, where)
         offsets.append(offset)
         lines.append(line)
         sizes.append(text.byte - offset)
-        expect_row = False
 
 
 def _decode_row(text: _Text, decoder: json.JSONDecoder, where: str) -> tuple[Any, int] | None:

@@ -104,8 +104,30 @@ def test_a_bad_turn_is_an_error_naming_the_row(tmp_path, turn, needle):
     assert needle in str(e.value)
 
 
-def test_an_empty_conversation_is_refused_like_empty_messages(tmp_path):
-    rows = sharegpt_rows() + [{"id": "e", "conversations": []}]
+@pytest.mark.parametrize("layout", ["jsonl", "array"])
+def test_empty_conversations_are_left_out_counted_and_named(tmp_path, layout):
+    # ShareGPT_V3 holds rows with no turn (its row 71 is the first): nothing to train on
+    rows = sharegpt_rows()
+    rows = [rows[0], {"id": "e1", "conversations": []}, *rows[1:3],
+            {"id": "e2", "conversations": []}, rows[3]]
+    path = tmp_path / f"e.{'jsonl' if layout == 'jsonl' else 'json'}"
+    if layout == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        empty_lines = [2, 5]
+    else:
+        raw = write_array(path, rows)
+        empty_lines = [raw[: raw.index(f'"id": "{i}"'.encode())].count(b"\n")
+                       for i in ("e1", "e2")]
+    source = open_source([str(path)])
+    kept = [r for r in rows if r["conversations"]]
+    assert read_all(source) == expected_chats(kept)
+    assert len(source.notes) == 1
+    assert "left out 2 ShareGPT rows with an empty 'conversations' list" in source.notes[0]
+    assert f"(lines {empty_lines[0]}, {empty_lines[1]})" in source.notes[0]
+
+
+def test_conversations_that_are_not_a_list_are_refused_naming_the_row(tmp_path):
+    rows = sharegpt_rows() + [{"id": "e", "conversations": "hello"}]
     (tmp_path / "e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ExtractError, match=r"e.jsonl:line 5 \(row 4\): 'conversations' must"):
         open_source([str(tmp_path / "e.jsonl")])
