@@ -135,7 +135,7 @@ def _does_not_loop(sample) -> bool:
     return repeated <= LOOP_FREE_SHARE * total
 
 
-def _save_untrained(train_cfg, out: Path) -> str:
+def save_untrained(train_cfg, out: Path) -> str:
     """The drafter train starts from: same config, same seed, no step taken."""
     import torch
 
@@ -200,7 +200,7 @@ def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh run each time; the stores above are resumed
     train_cfg = _train_config(cfg, train_store, run_dir)
-    untrained = _save_untrained(train_cfg, out / "untrained")
+    untrained = save_untrained(train_cfg, out / "untrained")
     result = train(train_cfg, echo=echo)
     echo(f"trained {result.steps} steps, final loss {result.final_loss:.3f}")
 

