@@ -25,6 +25,7 @@ from dflash_train.extract.claims import exclusive as _exclusive
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.data import ChatSource, open_source
 from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.kernels import missing_kernels_note
 from dflash_train.extract.layers import resolve_layer_ids
 from dflash_train.extract.loading import (
     Target,
@@ -151,6 +152,9 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     target = load_target(cfg.model, device=str(device), dtype=dtype, load_as=cfg.load_as,
                          revision=cfg.revision, progress=cfg.progress)
     meta.created_with.kernels = target.kernels
+    note = missing_kernels_note(config, device)
+    if note and rank == 0:
+        echo(note)
     try:
         return _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids, mine,
                            scanned, bpt, rank, world_size)
