@@ -6,6 +6,11 @@ Owns the meaning of a `--device` value only; never moves a tensor.
 import torch
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+DEFAULT_DEVICE = "auto"
+"""Every stage's default: the same command runs on a GPU machine and on a laptop."""
+DEVICE_HELP = "Torch device: auto (cuda when torch sees one, else cpu), cpu, cuda or cuda:N."
+"""The rule, as each command's --help states it."""
+RANKS_HELP = " Under torchrun each rank of a node takes its own card."
 
 
 def resolve_device(name: str, error: type[Exception], rank: int = 0) -> torch.device:

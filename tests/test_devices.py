@@ -37,3 +37,44 @@ def test_unusable_devices_raise_the_stage_error(monkeypatch, name, needle):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(StageError, match=needle):
         resolve_device(name, StageError)
+
+
+def _help(command: str) -> str:
+    from click.testing import CliRunner
+
+    from dflash_train.cli import main
+
+    result = CliRunner().invoke(main, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())  # click wraps the help text
+
+
+@pytest.mark.parametrize("command", ["extract", "train", "eval"])
+def test_every_stage_defaults_to_auto_and_says_the_rule_in_its_help(command):
+    from dflash_train.evaluate.pipeline import EvalConfig
+    from dflash_train.extract.config import ExtractConfig
+    from dflash_train.train.config import RunConfig
+
+    defaults = {"extract": ExtractConfig(model="m", data=[], out="o").device,
+                "train": RunConfig().device, "eval": EvalConfig(store="s", checkpoints=[]).device}
+    assert defaults[command] == "auto"
+    text = _help(command)
+    assert "Torch device: auto (cuda when torch sees one, else cpu)" in text
+    assert "[default: auto]" in text.split("--device", 1)[1].split("--", 1)[0]
+
+
+def test_extract_without_device_runs_where_auto_points_with_the_dtype_of_that_device(tmp_path):
+    from dflash_train.assets.tiny import make_chats, save_qwen3, write_jsonl
+    from dflash_train.extract.config import ExtractConfig
+    from dflash_train.extract.pipeline import run_extract
+    from dflash_train.store_schema import open_store
+
+    model = save_qwen3(tmp_path / "m")
+    data = write_jsonl(tmp_path / "d.jsonl", make_chats(3))
+    cfg = ExtractConfig(model=str(model), data=[data], out=str(tmp_path / "hs.zarr"),
+                        layers="0,1,2", progress=False)
+    run_extract(cfg, echo=lambda *_: None)
+    meta = open_store(cfg.out).meta
+    cuda = torch.cuda.is_available()
+    assert meta.created_with.device == ("cuda" if cuda else "cpu")
+    assert meta.hidden_dtype == ("bfloat16" if cuda else "float32")

@@ -10,6 +10,7 @@ import json
 import click
 
 from dflash_train.blocks import BlockError
+from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP
 from dflash_train.drafter import DrafterError
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import EvalSettings
@@ -48,8 +49,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--blocks-per-forward", default=_DEFAULTS.blocks_per_forward,
               show_default=True, type=click.IntRange(1),
               help="Blocks per sequence per drafter forward (--mode all).")
-@click.option("--device", default="auto", show_default=True,
-              help="Torch device: auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
+@click.option("--device", default=DEFAULT_DEVICE, show_default=True, help=DEVICE_HELP)
 @click.option("--dtype", default="auto", show_default=True,
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Drafter compute dtype; auto = bf16 on CUDA, fp32 on CPU.")

@@ -126,6 +126,19 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
     return [line(header), *map(line, rows)]
 
 
+def _streak_rows(metrics: list[dict], slots: int) -> list[list[str]]:
+    """One row per streak length up to the longest any column reached; the empty tail (a
+    weak drafter leaves most of 0..B-1 at zero) folds into one row of zeros."""
+    hists = [m["streak_hist"] for m in metrics]
+    longest = max((s for h in hists for s, n in enumerate(h) if n), default=0)
+    rows = [[str(s), *[str(h[s]) if s < len(h) else "" for h in hists]]
+            for s in range(longest + 1)]
+    if longest < slots:
+        span = str(slots) if longest + 1 == slots else f"{longest + 1}..{slots}"
+        rows.append([span, *["0"] * len(hists)])
+    return rows
+
+
 def format_table(report: dict) -> str:
     """The side-by-side text table: summary, tree acceptance, per-slot rates, histogram."""
     cols = _columns(report)
@@ -182,11 +195,7 @@ def format_table(report: dict) -> str:
     out += _grid(["slot", *names], rows)
 
     out += ["", "streak histogram (blocks)"]
-    rows = []
-    for s in range(slots + 1):
-        rows.append([str(s), *[str(m["streak_hist"][s]) if s < len(m["streak_hist"]) else ""
-                               for _, m in cols]])
-    out += _grid(["streak", *names], rows)
+    out += _grid(["streak", *names], _streak_rows([m for _, m in cols], slots))
 
     check = report.get("online_check")
     if check:

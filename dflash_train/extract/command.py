@@ -8,6 +8,7 @@ import os
 
 import click
 
+from dflash_train.devices import DEVICE_HELP, RANKS_HELP
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.errors import ExtractError
 from dflash_train.store_schema import StoreError
@@ -56,11 +57,11 @@ def _rank_and_world() -> tuple[int, int]:
 @click.option("--shard-tokens", default=_DEFAULTS.shard_tokens, show_default=True,
               type=click.IntRange(8), help="Tokens per stored shard (unit of crash-safe commit).")
 @click.option("--device", default=_DEFAULTS.device, show_default=True,
-              help="cuda (each torchrun rank takes its own card), cuda:N, cpu (tiny models) "
-                   "or auto.")
+              help=DEVICE_HELP + RANKS_HELP)
 @click.option("--dtype", default=_DEFAULTS.dtype, show_default=True,
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-              help="Compute and storage dtype; auto = bf16 on CUDA, fp32 on CPU.")
+              help="Compute and storage dtype; auto = bf16 where --device resolves to "
+                   "CUDA, fp32 on CPU.")
 @click.option("--load-as", default=_DEFAULTS.load_as, show_default=True,
               type=click.Choice(["causal-lm", "multimodal"]),
               help="Load the checkpoint as CausalLM or as its multimodal wrapper.")

@@ -35,8 +35,9 @@ class ExtractConfig:
     """Source rows per part; the unit of resume and of sharding across ranks."""
     shard_tokens: int = 1024
     """Tokens per stored shard: the unit of crash-safe commits."""
-    device: str = "cuda"
-    """Torch device; "cpu" for tiny models (GPU-only kernels are then never used)."""
+    device: str = "auto"
+    """Torch device, as dflash_train.devices resolves it: auto = cuda when torch sees one,
+    else cpu (on cpu the GPU-only kernels are never used)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Compute and storage dtype of hidden states; auto = bf16 on CUDA, fp32 on CPU."""
     load_as: Literal["causal-lm", "multimodal"] = "causal-lm"

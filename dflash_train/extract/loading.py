@@ -21,6 +21,7 @@ from torch import nn
 
 from dflash_train.extract import gguf
 from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.kernels import silence_fallback_notes
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
 
 LoadAs = Literal["causal-lm", "multimodal"]
@@ -192,6 +193,7 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
                 revision: str | None = None, progress: bool = True) -> Target:
     """Load the target for inference and find its decoder and lm_head."""
     guard_kernels(device)
+    silence_fallback_notes()  # their advice is wrong on CPU; pipeline says it once on CUDA
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = load_config(name_or_path)

@@ -25,6 +25,7 @@ from dflash_train.extract.claims import exclusive as _exclusive
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.data import ChatSource, open_source
 from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.kernels import missing_kernels_note
 from dflash_train.extract.layers import resolve_layer_ids
 from dflash_train.extract.loading import (
     Target,
@@ -51,6 +52,7 @@ from dflash_train.extract.prepare import (
     prompt_fits,
     regenerate_items,
     render_rows,
+    shrink_total,
 )
 from dflash_train.extract.verifier import verifier_topk
 from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
@@ -96,6 +98,19 @@ class Summary:
             "store complete" if self.store_complete else "store not complete yet "
             "(other ranks still running, or re-run the same command to resume)",
         ]
+
+
+@dataclass
+class Bars:
+    """The progress bars of one rank: generated tokens (--regenerate), forwarded tokens."""
+
+    generate: tqdm | None
+    forward: tqdm
+
+    def close(self) -> None:
+        for bar in (self.generate, self.forward):
+            if bar is not None:
+                bar.close()
 
 
 def _listed(where: list[str], limit: int = 5) -> str:
@@ -154,6 +169,9 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     target = load_target(cfg.model, device=str(device), dtype=dtype, load_as=cfg.load_as,
                          revision=cfg.revision, progress=cfg.progress)
     meta.created_with.kernels = target.kernels
+    note = missing_kernels_note(config, device)
+    if note and rank == 0:
+        echo(note)
     try:
         return _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids, mine,
                            scanned, bpt, rank, world_size)
@@ -180,19 +198,27 @@ def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
         _write_frozen_rows(store, target, tok_files)
 
     summary = Summary(cfg.out, bytes_per_token=bpt)
-    total = sum(len(i.input_ids) for i in scanned) + (
-        cfg.max_new_tokens * len(scanned) if cfg.regenerate else 0)
-    bar = tqdm(total=total, unit="tok", unit_scale=True, disable=not cfg.progress,
-               desc=f"extract rank {rank}/{world_size}")
+    # Token budgets per row; each bar's total shrinks as rows turn out shorter (eos before
+    # max-new-tokens, truncation) or already committed, so rate and ETA stay true.
+    planned = {i.row: len(i.input_ids) + (cfg.max_new_tokens if cfg.regenerate else 0)
+               for i in scanned}
+    where = f"rank {rank}/{world_size}"
+    bars = Bars(
+        generate=tqdm(total=cfg.max_new_tokens * len(scanned), unit="tok", unit_scale=True,
+                      disable=not cfg.progress, desc=f"generate {where}", position=0)
+        if cfg.regenerate else None,
+        forward=tqdm(total=sum(planned.values()), unit="tok", unit_scale=True,
+                     disable=not cfg.progress, desc=f"extract {where}",
+                     position=1 if cfg.regenerate else 0))
     writer = BackgroundWriter()
     try:
         for part in mine:
             with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
                 _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
-                              writer, bar, summary)
+                              writer, bars, planned, summary)
                 writer.wait()  # the claim must outlive the part's last write
     finally:
-        bar.close()
+        bars.close()
         writer.close()
     summary.store_complete = _complete(cfg.out)
     return summary
@@ -308,12 +334,15 @@ def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]
 
 
 def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
-                  layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter, bar,
-                  summary: Summary) -> None:
+                  layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter,
+                  bars: Bars, planned: dict[int, int], summary: Summary) -> None:
     pw = store.part_writer(part.index, part.row_start, part.row_stop, FLUSH_SHARDS)
+    budget = sum(planned.get(row, 0) for row in range(part.row_start, part.row_stop))
     if pw.complete:
         summary.parts_already_complete.append(part.index)
-        bar.update(0)
+        shrink_total(bars.forward, budget)
+        prompts = sum(row in planned for row in range(part.row_start, part.row_stop))
+        shrink_total(bars.generate, prompts * cfg.max_new_tokens)
         return
     first = pw.next_row
     done = _committed_lengths(store, part.index) if first > part.row_start else []
@@ -327,8 +356,9 @@ def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, t
         for p in prompts:
             if p.row >= first:
                 prompt_fits(p, cfg, counts)
-        todo = regenerate_items(target.model, tokenizer, fitting, cfg, first)
+        todo = regenerate_items(target.model, tokenizer, fitting, cfg, first, bars.generate)
     todo = [k for i in todo if (k := apply_length_policy(i, cfg, counts)) is not None]
+    shrink_total(bars.forward, budget - sum(len(i.input_ids) for i in todo))
     summary.counts.add(counts)
     summary.skipped += [source.where(row) for row in counts.skipped_rows]
     # plan over done + todo, exactly as an uninterrupted run would batch this part
@@ -342,7 +372,7 @@ def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, t
         n = sum(len(s) for s in samples)
         summary.samples += len(samples)
         summary.tokens += n
-        bar.update(n)
+        bars.forward.update(n)
     writer.finish(pw)
     summary.parts_done.append(part.index)
 

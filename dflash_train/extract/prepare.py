@@ -88,22 +88,47 @@ def render_rows(source: ChatSource, tokenizer, rows: range, cfg: ExtractConfig) 
 
 
 def regenerate_items(model, tokenizer, prompts: list[Item], cfg: ExtractConfig,
-                     first_row: int) -> list[Item]:
-    """Prompt + greedy continuation for every prompt whose row >= first_row."""
+                     first_row: int, bar=None) -> list[Item]:
+    """Prompt + greedy continuation for every prompt whose row >= first_row, in row order.
+
+    Generation batches take the part's prompts shortest first: prompts are left-padded to the
+    longest of their batch, and similar lengths waste little of that (the order depends on the
+    part's prompts only, so a resumed run generates in the same batches). `bar` (a tqdm bar)
+    counts generated tokens; its total is the token budget and shrinks by what rows that end
+    early, or batches done before, will never generate.
+    """
     if cfg.max_new_tokens < 1:
         raise ExtractError("--max-new-tokens must be >= 1 with --regenerate")
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
-    lengths = [len(p.input_ids) + cfg.max_new_tokens for p in prompts]
-    out = []
+    order = sorted(prompts, key=lambda p: (len(p.input_ids), p.row))
+    lengths = [len(p.input_ids) + cfg.max_new_tokens for p in order]
+    made: dict[int, Item] = {}
     for batch in plan_batches(lengths, cfg.batch_tokens):
-        chosen = [prompts[i] for i in batch]
-        if chosen[-1].row < first_row:
+        chosen = [order[i] for i in batch]
+        if max(p.row for p in chosen) < first_row:
+            shrink_total(bar, len(chosen) * cfg.max_new_tokens)  # committed by an earlier run
             continue
         news = greedy_continuations(model, [p.input_ids for p in chosen],
-                                    max_new_tokens=cfg.max_new_tokens, eos_ids=eos, pad_id=pad)
+                                    max_new_tokens=cfg.max_new_tokens, eos_ids=eos, pad_id=pad,
+                                    on_step=None if bar is None else _counter(bar))
         for p, new in zip(chosen, news, strict=True):
             if p.row >= first_row:
-                out.append(Item(p.row, p.input_ids + new,
-                                [False] * len(p.input_ids) + [True] * len(new)))
-    return out
+                made[p.row] = Item(p.row, p.input_ids + new,
+                                   [False] * len(p.input_ids) + [True] * len(new))
+    return [made[row] for row in sorted(made)]
+
+
+def shrink_total(bar, tokens: int) -> None:
+    """Take from a bar's total what will never be counted."""
+    if bar is not None and tokens:
+        bar.total -= tokens
+        bar.refresh()
+
+
+def _counter(bar):
+    def on_step(generated: int, freed: int) -> None:
+        shrink_total(bar, freed)
+        bar.update(generated)
+
+    return on_step

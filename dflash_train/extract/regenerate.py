@@ -1,12 +1,20 @@
 """Replace responses by the target's own greedy continuation (`--regenerate`).
 
-Owns batched greedy generation with the KV cache. Offline replay equals live speculative
-decoding only on the target's own greedy text (docs/reference.md §6): the generated ids are used
-as they are, never detokenized and re-tokenized. Never writes the store.
+Owns batched greedy generation with the KV cache, and counting its progress step by step.
+Offline replay equals live speculative decoding only on the target's own greedy text
+(docs/reference.md §6), so the generated ids are used as they are, never detokenized and
+re-tokenized. Never writes the store.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.generation.streamers import BaseStreamer
+
+OnStep = Callable[[int, int], None]
+"""Called after every decoding step with (tokens added to rows still running, budget freed by
+rows that ended on eos in that step: max_new_tokens minus the tokens they produced)."""
 
 
 def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
@@ -18,9 +26,33 @@ def eos_token_ids(model: nn.Module, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
+class _StepCounter(BaseStreamer):
+    """What generate hands a streamer, turned into OnStep calls: first the prompts (ignored),
+    then each step's next token per row (finished rows get padding, not counted)."""
+
+    def __init__(self, rows: int, max_new_tokens: int, eos_ids: list[int], on_step: OnStep):
+        self.running = torch.ones(rows, dtype=torch.bool)
+        self.steps, self.max_new_tokens = 0, max_new_tokens
+        self.eos = torch.tensor(eos_ids, dtype=torch.long)
+        self.on_step = on_step
+
+    def put(self, value: torch.Tensor) -> None:
+        if value.dim() > 1:
+            return
+        self.steps += 1
+        live = int(self.running.sum())
+        ended = self.running & torch.isin(value.long(), self.eos)
+        self.running &= ~ended
+        self.on_step(live, int(ended.sum()) * (self.max_new_tokens - self.steps))
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
 def greedy_continuations(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
-                         eos_ids: list[int], pad_id: int) -> list[list[int]]:
+                         eos_ids: list[int], pad_id: int,
+                         on_step: OnStep | None = None) -> list[list[int]]:
     """Greedy new tokens for each prompt, up to and including the first eos."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -34,6 +66,8 @@ def greedy_continuations(model: nn.Module, prompts: list[list[int]], *, max_new_
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
         pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+        streamer=None if on_step is None else _StepCounter(len(prompts), max_new_tokens,
+                                                           eos_ids, on_step),
     )
     continuations = []
     for row in out[:, width:].tolist():

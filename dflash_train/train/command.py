@@ -2,6 +2,7 @@
 
 import click
 
+from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP, RANKS_HELP
 from dflash_train.drafter import DrafterError
 from dflash_train.store_schema import StoreError
 from dflash_train.train.config import load_config
@@ -39,7 +40,7 @@ _FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items
 @click.option("--anchors-per-seq", type=click.IntRange(1),
               help="Blocks per sequence per epoch.  [default: 512]")
 @click.option("--layers", type=click.IntRange(1), help="Drafter decoder layers.  [default: 5]")
-@click.option("--device", help="cuda, cuda:1, cpu ...  [default: auto]")
+@click.option("--device", help=f"{DEVICE_HELP}{RANKS_HELP}  [default: {DEFAULT_DEVICE}]")
 @click.option("--seed", type=int, help="Seed of weights, anchors and noise.  [default: 0]")
 @click.option("--set", "sets", multiple=True, metavar="SECTION.FIELD=VALUE",
               help="Any other setting, e.g. --set optim.weight_decay=0.01 (repeatable).")

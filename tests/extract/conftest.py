@@ -50,8 +50,9 @@ def run_extract_cfg(model: str, data: str, out: str, **overrides):
                     batch_tokens=96, layers="0,1,2", progress=False)
     settings.update(overrides)
     rank, world = settings.pop("rank", 0), settings.pop("world_size", 1)
+    echo = settings.pop("echo", lambda *_: None)
     cfg = ExtractConfig(model=model, data=[data], out=out, **settings)
-    return run_extract(cfg, rank=rank, world_size=world, echo=lambda *_: None)
+    return run_extract(cfg, rank=rank, world_size=world, echo=echo)
 
 
 def store_samples(url: str) -> list:
