@@ -38,6 +38,7 @@ def context_codec(name: str):
 def context_bytes_per_token(url: str) -> tuple[float, float]:
     """(stored context bytes / token, raw context bytes / token) of a local store."""
     from dflash_train.store_schema import open_store
+    from dflash_train.store_schema.layout import storage_dtype
 
     store = open_store(url)
     root = Path(url)
@@ -45,7 +46,8 @@ def context_bytes_per_token(url: str) -> tuple[float, float]:
                  for f in (root / "parts" / f"{p.index:05d}" / "context").rglob("*")
                  if f.is_file() and f.name != "zarr.json")
     m = store.meta
-    raw = m.num_context_layers * m.target.hidden_size * np.dtype(np.uint16).itemsize
+    raw = m.num_context_layers * m.target.hidden_size * \
+        np.dtype(storage_dtype(m.hidden_dtype)).itemsize  # fp32 stores (CPU extract) too
     return stored / store.num_tokens, raw
 
 
