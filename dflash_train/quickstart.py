@@ -8,11 +8,19 @@ looping target's loops easily; this shows the gain is not only that) -> print th
 that do the same on a real model. Every stage is the same entry point its CLI command calls
 (run_extract, train, run_eval); this module never re-implements a stage and never reads or
 writes anything outside `out`.
+
+Extract and train run as one process per usable core (at most MAX_RANKS), each on one torch
+thread: the ranks `dflash extract` and `dflash train` take under torchrun (extract: disjoint
+parts; train: DDP over gloo, which trains what one process trains). A 3M-parameter model's
+ops are too small for torch's intra-op threads to share well: two threads on two cores did
+less than two ranks, and far less whenever anything else ran beside them.
 """
 
+import os
 import shutil
+import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -33,6 +41,12 @@ The same on a real target (one GPU machine for extract; any GPU for train and ev
 
 (omit --data to extract the embedded coding prompts this quickstart used)"""
 
+
+MAX_RANKS = 4
+"""Most processes a stage runs in (more would split each training batch too thinly)."""
+TRAIN_ROWS_PER_PART = 256
+HELD_OUT_ROWS_PER_PART = 32
+"""Rows per extract part: every rank gets parts of both stores (a part is one rank's unit)."""
 
 LOOP_FREE_SHARE = 0.2
 """An answer "does not loop" when at most this share of its 4-grams repeat an earlier one
@@ -99,15 +113,101 @@ def _first_rows(src: Path, dst: Path, n: int) -> str:
     return str(dst)
 
 
-def _extract(target: str, data: str, out: str, cfg: QuickstartConfig, echo) -> None:
-    from dflash_train.extract.config import ExtractConfig
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def stage_ranks() -> int:
+    """Processes a stage runs in: one per usable core, at most MAX_RANKS."""
+    return max(1, min(MAX_RANKS, usable_cores()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, queue, stage, args: tuple) -> None:
+    """One rank of a stage (a spawned process): the environment torchrun would give it."""
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    echo = (lambda line: queue.put(("echo", str(line)))) if rank == 0 else (lambda *_: None)
+    try:
+        result = stage(rank, world, *args, echo=echo)
+    except Exception as e:
+        try:
+            queue.put(("error", e))
+        except Exception:  # an exception that does not pickle: the traceback still shows it
+            pass
+        raise  # a non-zero exit: the other ranks are stopped instead of waiting on this one
+    if rank == 0:
+        queue.put(("result", result))
+
+
+def in_ranks(stage, *args, echo=print, world: int | None = None):
+    """stage(rank, world, *args, echo=...) in `world` spawned ranks; rank 0's result.
+
+    Rank 0's echo lines reach `echo` as they come; the first error a rank raised is raised
+    here as itself. One rank runs in this process, on torch's default threads."""
+    world = stage_ranks() if world is None else world
+    if world == 1:
+        return stage(0, 1, *args, echo=echo)
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    procs = mp.start_processes(_rank_main, args=(world, _free_port(), queue, stage, args),
+                               nprocs=world, join=False, start_method="spawn")
+    got: dict = {}
+
+    def drain() -> None:
+        while not queue.empty():
+            kind, value = queue.get()
+            if kind == "echo":
+                echo(value)
+            else:
+                got.setdefault(kind, value)
+
+    try:
+        while not procs.join(timeout=0.2):
+            drain()
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        drain()
+        if "error" in got:
+            raise got["error"] from None
+        raise
+    drain()
+    return got.get("result")
+
+
+def _extract_rank(rank: int, world: int, jobs: list, echo) -> None:
+    """This rank's parts of every store in `jobs` (ExtractConfigs); bars on rank 0 only."""
     from dflash_train.extract.pipeline import run_extract
 
-    summary = run_extract(ExtractConfig(
-        model=target, data=[data], out=out, device="cpu", regenerate=True,
-        max_new_tokens=cfg.max_new_tokens, rows_per_part=256, shard_tokens=4096,
-        progress=cfg.progress), echo=echo)
-    echo(summary.lines()[0])
+    for job in jobs:
+        run_extract(replace(job, progress=job.progress and rank == 0), rank=rank,
+                    world_size=world, echo=echo)
+
+
+def _extract_job(target: str, data: str, out: str, rows_per_part: int,
+                 cfg: QuickstartConfig):
+    from dflash_train.extract.config import ExtractConfig
+
+    return ExtractConfig(model=target, data=[data], out=out, device="cpu", regenerate=True,
+                         max_new_tokens=cfg.max_new_tokens, rows_per_part=rows_per_part,
+                         shard_tokens=4096, progress=cfg.progress)
+
+
+def _train_rank(rank: int, world: int, train_cfg, echo):
+    from dflash_train.train.loop import train
+
+    return train(train_cfg, echo=echo)
 
 
 def response_loop_share(url: str) -> float:
@@ -168,7 +268,7 @@ def _train_config(cfg: QuickstartConfig, store: str, run_dir: Path):
 def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
     """Extract -> untrained drafter -> train -> eval on the embedded target; see module doc."""
     from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-    from dflash_train.train.loop import train
+    from dflash_train.store_schema import open_store
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,8 +288,16 @@ def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
     held_data = _first_rows(prompt_file("held_out"), out / "held_out_prompts.jsonl",
                             cfg.held_out_prompts)
     train_store, held_store = str(out / "train.zarr"), str(out / "held_out.zarr")
-    _extract(target, train_data, train_store, cfg, echo)
-    _extract(target, held_data, held_store, cfg, echo)
+    world = stage_ranks()
+    in_ranks(_extract_rank, [_extract_job(target, train_data, train_store, TRAIN_ROWS_PER_PART,
+                                          cfg),
+                             _extract_job(target, held_data, held_store,
+                                          HELD_OUT_ROWS_PER_PART, cfg)],
+             echo=echo, world=world)
+    for url in (train_store, held_store):
+        store = open_store(url)
+        echo(f"extracted {store.num_samples} samples, {store.num_tokens} tokens into {url}"
+             + (f" ({world} processes)" if world > 1 else ""))
     loops = response_loop_share(train_store)
     echo(f"target's responses: {loops:.1%} of their 4-grams repeat an earlier one")
 
@@ -201,8 +309,9 @@ def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
         shutil.rmtree(run_dir)  # a fresh run each time; the stores above are resumed
     train_cfg = _train_config(cfg, train_store, run_dir)
     untrained = save_untrained(train_cfg, out / "untrained")
-    result = train(train_cfg, echo=echo)
-    echo(f"trained {result.steps} steps, final loss {result.final_loss:.3f}")
+    result = in_ranks(_train_rank, train_cfg, echo=echo, world=world)
+    echo(f"trained {result.steps} steps, final loss {result.final_loss:.3f}"
+         + (f" ({world} DDP ranks)" if world > 1 else ""))
 
     lap("train")
     echo("\n[3/3] eval: untrained vs trained drafter on the held-out store")
@@ -268,8 +377,9 @@ def quickstart(**options) -> None:
     """Run extract -> train -> eval on the embedded tiny target (CPU, a few minutes).
 
     The target is a tiny Qwen3.5 hybrid trained on the standard library's source; the
-    prompts ask it to continue held-out stdlib code. Prints the untrained and the trained
-    drafter side by side, then the commands for a real model.
+    prompts ask it to continue held-out stdlib code. Extract and train run as one
+    single-threaded process per core (at most 4), as torchrun ranks would. Prints the
+    untrained and the trained drafter side by side, then the commands for a real model.
     """
     from dflash_train.drafter import DrafterError
     from dflash_train.evaluate.errors import EvalError

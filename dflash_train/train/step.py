@@ -60,7 +60,9 @@ def make_blocks(
         mask = batch.loss_mask[row, :n]
         gen = anchor_generator(seed, epoch, sample_uid(ref))
         per_seq.append(sample_anchors(mask, anchors_per_seq, gen))
-    rows = len(per_seq)
+    # a rank with no sample in this step (data.empty_batch) still has one row: no anchors
+    rows = len(batch.lengths)
+    per_seq += [torch.zeros(0, dtype=torch.long)] * (rows - len(per_seq))
     k = -(-max([1] + [a.numel() for a in per_seq]) // pad_blocks_to) * pad_blocks_to
     out = Blocks(
         anchors=torch.ones(rows, k, dtype=torch.long),

@@ -41,3 +41,22 @@ def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding):
     wb = load_drafter(latest_checkpoint(tmp_path / "two")).state_dict()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_rank_with_no_sample_in_a_step_still_steps(synthetic_store, tmp_path):
+    # one sample per global batch: rank 1 never has one, yet must join every all-reduce
+    args = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "1",
+            "--anchors-per-seq", "4", "--max-steps", "3", "--no-progress",
+            "--set", "loader.prefetch_batches=0", "--set", "run.log_every=1"]
+    one = CliRunner().invoke(main, ["train", "--out", str(tmp_path / "one"), *args])
+    assert one.exit_code == 0, one.output
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "dflash_train", "train", "--out", str(tmp_path / "two"), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    logs = {run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").open()]
+            for run in ("one", "two")}
+    assert [r["samples"] for r in logs["one"]] == [1, 1, 1]
+    for a, b in zip(logs["one"], logs["two"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), logs
