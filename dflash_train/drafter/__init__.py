@@ -2,8 +2,11 @@
 
 - `config.py`: `DrafterConfig` (the architecture, field for field config.json) and
   `default_target_layer_ids`, the one home of the layer-id formula (docs/reference.md §2).
-- `masks.py`: block positions a..a+B-1 and who-sees-whom, as a dense SDPA mask and as a
-  flex-attention BlockMask evaluated from one shared predicate.
+- `masks.py`: block positions a..a+B-1 and who-sees-whom, as a dense SDPA mask, as the
+  split masks (context keys, own-block keys) and as a flex-attention BlockMask, all
+  evaluated from one shared predicate.
+- `split_attention.py`: attention over exactly the keys a block may see, recomputing its
+  probabilities in backward (the CPU training path).
 - `model.py`: `DFlashDrafter`. `forward(context, context_lengths, block_ids, anchors)` is
   the one multi-block forward that training and evaluation share; `extend_context` +
   `draft_block` are the live single-block forward over a context KV cache. The target's

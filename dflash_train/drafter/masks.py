@@ -11,8 +11,9 @@ queries are the blocks only (context tokens are never queries). Block k is
   (query pos - key pos for causal layers), as z-lab and vLLM window them;
 - never another block.
 
-One predicate, `_visible`, states these rules; the dense mask (SDPA, any device) and the
-flex-attention mask (CUDA training) both evaluate it, so they cannot drift apart. This
+One predicate, `_visible`, states these rules; the dense mask (SDPA, the reference), the
+split masks (context keys and own-block keys scored apart, CPU training) and the
+flex-attention mask (CUDA training) all evaluate it, so they cannot drift apart. This
 module never touches weights.
 """
 
@@ -122,6 +123,54 @@ def dense_mask(layout: BlockLayout, causal: bool, window: int | None) -> torch.T
         window=window,
     )
     return visible.unsqueeze(1)
+
+
+def context_span(layout: BlockLayout, window: int | None) -> tuple[int, int]:
+    """[start, stop): the context positions some query of `layout` may see. Every key
+    outside is masked for every query, so a split forward scores only these (a host sync)."""
+    if not layout.anchors.numel():
+        return 0, 0
+    seen = torch.minimum(layout.anchors, layout.context_lengths[:, None])
+    stop = min(layout.context_len, int(seen.max()))
+    start = 0 if window is None else max(0, int(layout.anchors.min()) - window + 1)
+    return min(start, stop), stop
+
+
+def context_mask(layout: BlockLayout, causal: bool, window: int | None,
+                 span: tuple[int, int]) -> torch.Tensor:
+    """[N, K, B, stop-start] bool: which context keys start..stop-1 each block slot sees."""
+    n, k = layout.anchors.shape
+    kv_pos = torch.arange(*span, device=layout.anchors.device)
+    zero = torch.zeros((), dtype=torch.long, device=kv_pos.device)
+    visible = _visible(
+        q_block=zero,
+        q_pos=layout.query_positions()[:, :, None],
+        q_anchor=layout.query_anchors()[:, :, None],
+        kv_is_ctx=torch.ones((), dtype=torch.bool, device=kv_pos.device),
+        kv_block=zero,
+        kv_pos=kv_pos[None, None, :],
+        ctx_len=layout.context_lengths[:, None, None],
+        causal=causal,
+        window=window,
+    )
+    return visible.view(n, k, layout.block_size, span[1] - span[0])
+
+
+def own_block_mask(layout: BlockLayout, causal: bool, window: int | None) -> torch.Tensor:
+    """[N, K, B, B] bool: which slots of its own block each block slot sees."""
+    positions = block_position_ids(layout.anchors, layout.block_size)  # [N, K, B]
+    block = torch.zeros((), dtype=torch.long, device=positions.device)
+    return _visible(
+        q_block=block,
+        q_pos=positions[..., :, None],
+        q_anchor=layout.anchors[..., None, None],
+        kv_is_ctx=torch.zeros((), dtype=torch.bool, device=positions.device),
+        kv_block=block,
+        kv_pos=positions[..., None, :],
+        ctx_len=layout.context_lengths[:, None, None, None],
+        causal=causal,
+        window=window,
+    ).expand(*positions.shape, positions.shape[-1])  # q_pos is unused by full layers
 
 
 def flex_block_mask(layout: BlockLayout, causal: bool, window: int | None,

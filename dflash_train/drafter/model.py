@@ -9,12 +9,18 @@ the published checkpoint's (`fc`, `hidden_norm`, `layers.N.*`, `norm`).
 The target's `embed_tokens` and `lm_head` are borrowed, frozen: attached as non-persistent
 buffers, so they are never in the state_dict, never trained, never saved.
 
+Blocks never see each other, so the multi-block forward may run them in chunks
+(`chunk_blocks`), each recomputed in backward: activation memory then follows the chunk, not
+the batch, and no value changes. Off CUDA the default attention (`split`) scores each block
+slot against the keys it may see only (split_attention.py), not every block's keys.
+
 This module never reads files or builds datasets; it never decides which tokens are
 anchors or what the labels are.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,10 +33,20 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.errors import DrafterError
-from dflash_train.drafter.masks import BlockLayout, dense_mask, flex_block_mask
+from dflash_train.drafter.masks import (
+    BlockLayout,
+    context_mask,
+    context_span,
+    dense_mask,
+    flex_block_mask,
+    own_block_mask,
+)
+from dflash_train.drafter.split_attention import split_attention
 
-AttentionBackend = Literal["auto", "flex", "dense"]
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionBackend = Literal["auto", "flex", "dense", "split"]
+KeysValues = tuple[torch.Tensor, torch.Tensor]
+Attend = Callable[[torch.Tensor, KeysValues, KeysValues], torch.Tensor]
+"""attend(queries, context (keys, values), the blocks' own (keys, values)) -> outputs."""
 
 _compiled_flex: Callable | None = None
 
@@ -108,10 +124,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
         q = apply_rope(q, *rope)
-        k, v = self.keys_values(x, rope)
-        k = torch.cat([context_kv[0], k], dim=2)
-        v = torch.cat([context_kv[1], v], dim=2)
-        out = attend(q, k, v)
+        out = attend(q, context_kv, self.keys_values(x, rope))
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -196,6 +209,12 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("target_lm_head", None, persistent=False)
         self.gradient_checkpointing = False
         """Recompute each layer in backward instead of keeping its activations (training)."""
+        self.chunk_blocks: int | None = None
+        """Most blocks (summed over the sequences) one pass through the layers takes; a
+        forward of more runs them in chunks, each recomputed in backward when it needs
+        gradients, so activation memory follows this, not the batch. None: all at once.
+        Not under FSDP2: it gathers weights per layer call, so ranks would have to agree on
+        their number of chunks."""
         self.reset_parameters()
         if embed_tokens is not None or lm_head is not None:
             self.attach_target_head(embed_tokens, lm_head)
@@ -267,8 +286,11 @@ class DFlashDrafter(nn.Module):
         positions of the anchor tokens. Block k sees context < anchors[:, k] and itself
         (masks.py). Padding blocks may use any anchor and are simply ignored by the caller.
         attention: "flex" (flex_attention, compiled on CUDA; on CPU eager and forward
-        only), "dense" (SDPA with a bool mask), "auto" = flex on CUDA, dense elsewhere.
-        Compiled flex recompiles per distinct (T, K): pad batches to a few fixed shapes.
+        only), "dense" (SDPA with a bool mask over every key, the reference), "split"
+        (each slot scored against only the context and own-block keys it may see),
+        "auto" = flex on CUDA, split elsewhere. Compiled flex recompiles per distinct
+        (T, K): pad batches to a few fixed shapes. Blocks never see each other, so
+        `chunk_blocks` may split them into chunks without changing any value.
         """
         n, k, b = block_ids.shape
         if b != self.config.block_size:
@@ -277,18 +299,53 @@ class DFlashDrafter(nn.Module):
         if anchors.shape != (n, k):
             raise DrafterError(f"anchors shape {tuple(anchors.shape)} != blocks {(n, k)}")
         ctx = self.project_context(context)
+        ctx_rope = self._rope(torch.arange(ctx.shape[1], device=ctx.device)[None], ctx.dtype)
+        if attention == "auto":
+            attention = "flex" if ctx.device.type == "cuda" else "split"
+        if attention not in _ATTENDS:
+            raise DrafterError(f"attention must be one of auto, {', '.join(_ATTENDS)}; "
+                               f"got {attention!r}")
+        rows, cols = chunk_shape(n, k, self.chunk_blocks)
+        if (rows, cols) == (n, k):
+            return self._blocks(ctx, ctx_rope, context_lengths, block_ids, anchors, attention)
+        # Only a chunk's inputs stay for backward, which runs it again. torch's checkpoint
+        # would build a graph per chunk and drop it: its small autograd nodes then sit in the
+        # holes of the chunk's freed activations, and glibc took fresh heap for every chunk
+        # (peak RSS 1.5-1.7x).
+        recompute = torch.is_grad_enabled()
+        trainable = [p for p in self.parameters() if p.requires_grad] if recompute else []
+        rows_out = []
+        for r in range(0, n, rows):
+            seqs, parts = slice(r, r + rows), []
+            for c in range(0, k, cols):
+                run = functools.partial(self._blocks, ctx_rope=ctx_rope,
+                                        context_lengths=context_lengths[seqs],
+                                        block_ids=block_ids[seqs, c:c + cols],
+                                        anchors=anchors[seqs, c:c + cols], attention=attention)
+                parts.append(_Recomputed.apply(run, ctx[seqs], *trainable) if recompute
+                             else run(ctx[seqs]))
+            rows_out.append(torch.cat(parts, dim=1))
+        return torch.cat(rows_out, dim=0)
+
+    def _blocks(
+        self,
+        ctx: torch.Tensor,
+        ctx_rope: tuple[torch.Tensor, torch.Tensor],
+        context_lengths: torch.Tensor,
+        block_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        attention: Literal["flex", "dense", "split"],
+    ) -> torch.Tensor:
+        """`forward` of some blocks over the projected context ctx [N, T, H]."""
+        n, k, b = block_ids.shape
         layout = BlockLayout.build(anchors, context_lengths, ctx.shape[1], b)
-        dtype = ctx.dtype
-        block_rope = self._rope(layout.query_positions(), dtype)
-        ctx_rope = self._rope(torch.arange(ctx.shape[1], device=ctx.device)[None], dtype)
-        use_flex = attention == "flex" or (attention == "auto" and ctx.device.type == "cuda")
+        block_rope = self._rope(layout.query_positions(), ctx.dtype)
         attends: dict[tuple[bool, int | None], Attend] = {}
         x = self._embed(block_ids).flatten(1, 2)
         for i, layer in enumerate(self.layers):
             rule = (self.config.layer_is_causal(i), self.config.layer_window(i))
             if rule not in attends:
-                attends[rule] = _flex_attend(layout, *rule) if use_flex else _dense_attend(
-                    dense_mask(layout, *rule))
+                attends[rule] = _ATTENDS[attention](layout, *rule)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, ctx, block_rope, attends[rule], ctx_rope,
                                use_reentrant=False)
@@ -332,14 +389,81 @@ class DFlashDrafter(nn.Module):
         x = self._embed(block_ids)
         for i, layer in enumerate(self.layers):
             rule = (self.config.layer_is_causal(i), self.config.layer_window(i))
-            attend = _dense_attend(dense_mask(layout, *rule))
+            attend = _dense_attend(layout, *rule)
             x = layer(x, (cache.keys[i], cache.values[i]), rope, attend)
         return self.norm(x)
 
 
-def _dense_attend(mask: torch.Tensor) -> Attend:
-    def attend(q, k, v):
+class _Recomputed(torch.autograd.Function):
+    """run(context) with no graph in forward; backward runs it again to differentiate it
+    with respect to the context and the given parameters (their grads flow on to their
+    AccumulateGrad nodes, where DDP's hooks are)."""
+
+    @staticmethod
+    def forward(ctx, run, context, *params):
+        ctx.run = run
+        device = context.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device),
+                        torch.is_autocast_enabled(device))
+        ctx.save_for_backward(context, *params)
+        return run(context)
+
+    @staticmethod
+    def backward(ctx, grad):
+        context, *params = ctx.saved_tensors
+        device, dtype, enabled = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            context = context.detach().requires_grad_(ctx.needs_input_grad[1])
+            out = ctx.run(context)
+        wanted = [t for t, needed in zip([context, *params], ctx.needs_input_grad[1:],
+                                         strict=True) if needed]
+        got = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        return None, *(next(got) if needed else None for needed in ctx.needs_input_grad[1:])
+
+
+def chunk_shape(n: int, k: int, most_blocks: int | None) -> tuple[int, int]:
+    """(sequences, blocks per sequence) of one chunk of an [n, k] forward that runs at most
+    `most_blocks` blocks at once: all sequences, fewer of their blocks; one block of fewer
+    sequences when even that is too many."""
+    if most_blocks is None or n * k <= most_blocks:
+        return n, k
+    cols = max(1, most_blocks // n)
+    return min(n, max(1, most_blocks // cols)), cols
+
+
+def _cat_keys(context_kv: KeysValues, block_kv: KeysValues) -> KeysValues:
+    """Keys and values in the key order of masks.py: [context | block_0 | ... | block_K-1]."""
+    return (torch.cat([context_kv[0], block_kv[0]], dim=2),
+            torch.cat([context_kv[1], block_kv[1]], dim=2))
+
+
+def _dense_attend(layout: BlockLayout, causal: bool, window: int | None) -> Attend:
+    mask = dense_mask(layout, causal, window)
+
+    def attend(q, context_kv, block_kv):
+        k, v = _cat_keys(context_kv, block_kv)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return attend
+
+
+def _split_attend(layout: BlockLayout, causal: bool, window: int | None) -> Attend:
+    """The dense result without its masked work: each slot is scored against the context
+    keys some query of the batch may see and its own block's B keys only. The dense path
+    also scores every other block's keys, [K*B, K*B] per head, all of them masked."""
+    n, k = layout.anchors.shape
+    b = layout.block_size
+    start, stop = context_span(layout, window)
+    hide = ~torch.cat([context_mask(layout, causal, window, (start, stop)),
+                       own_block_mask(layout, causal, window)], dim=-1)[:, None, None]
+
+    def attend(q, context_kv, block_kv):
+        kv_heads, d = context_kv[0].shape[1], q.shape[-1]
+        q = q.view(n, kv_heads, -1, k, b, d)  # grouped-query heads as [kv heads, group]
+        kc, vc = (t[:, :, None, start:stop] for t in context_kv)
+        kb, vb = (t.view(n, kv_heads, 1, k, b, d) for t in block_kv)
+        out = split_attention(q, kc, vc, kb, vb, hide)
+        return out.flatten(1, 2).flatten(2, 3)
 
     return attend
 
@@ -354,7 +478,13 @@ def _flex_attend(layout: BlockLayout, causal: bool, window: int | None) -> Atten
             _compiled_flex = torch.compile(flex_attention)
         run = _compiled_flex
 
-    def attend(q, k, v):
+    def attend(q, context_kv, block_kv):
+        k, v = _cat_keys(context_kv, block_kv)
         return run(q, k, v, block_mask=block_mask, enable_gqa=True)
 
     return attend
+
+
+_ATTENDS: dict[str, Callable[[BlockLayout, bool, int | None], Attend]] = {
+    "dense": _dense_attend, "split": _split_attend, "flex": _flex_attend,
+}

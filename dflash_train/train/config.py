@@ -108,6 +108,18 @@ class OptimConfig:
                 self.max_steps)
 
 
+DEFAULT_CHUNK_BLOCKS = 256
+"""run.chunk_blocks off CUDA when unset: ~0.4 GB of activations at width 64, ~2 GB at width
+576 over 512-token rows, and no slower than all at once (docs/benchmarks.md)."""
+
+
+def resolve_chunk_blocks(run: "RunConfig", cuda: bool) -> int | None:
+    """The drafter's `chunk_blocks` for this run: None runs every block at once."""
+    if run.chunk_blocks is None:
+        return None if cuda or run.fsdp else DEFAULT_CHUNK_BLOCKS
+    return run.chunk_blocks or None
+
+
 @dataclass
 class RunConfig:
     """Where the run lives and how it is kept."""
@@ -134,6 +146,13 @@ class RunConfig:
     """Shard weights, gradients and optimiser state over ranks with FSDP2 instead of DDP."""
     gradient_checkpointing: bool = False
     """Recompute drafter layers in backward to save activation memory."""
+    chunk_blocks: int | None = None
+    """Most blocks (summed over a batch's sequences) one pass through the drafter takes; a
+    batch of more runs in chunks, each recomputed in backward, so activation memory follows
+    this, not batch_tokens x anchors_per_seq (fp32: ~1 MB a block at width 64, ~10 MB at
+    width 576 over 512-token rows). Same values, ~1.3x the compute once chunked. None:
+    DEFAULT_CHUNK_BLOCKS off CUDA, unchunked on CUDA (flex kernels compile per shape) and
+    under FSDP; 0: never chunk."""
     progress: bool = True
     """Show a progress bar."""
     tensorboard: bool = False
@@ -145,6 +164,13 @@ class RunConfig:
         require(self.anchors_per_seq >= 1, "run.anchors_per_seq", ">= 1", self.anchors_per_seq)
         require(self.pad_blocks_to is None or self.pad_blocks_to >= 1, "run.pad_blocks_to",
                 ">= 1", self.pad_blocks_to)
+        require(self.chunk_blocks is None or self.chunk_blocks >= 0, "run.chunk_blocks",
+                ">= 0 (0 never chunks)", self.chunk_blocks)
+        # FSDP2 gathers a layer's weights on every call: ranks whose batches need different
+        # numbers of chunks would wait on each other's gathers forever.
+        require(not (self.fsdp and self.chunk_blocks), "run.chunk_blocks",
+                "0 or unset with --fsdp (ranks may run different numbers of chunks)",
+                self.chunk_blocks)
         require(self.checkpoint_every >= 1, "run.checkpoint_every", ">= 1",
                 self.checkpoint_every)
         require(self.keep_checkpoints >= 0, "run.keep_checkpoints", ">= 0 (0 keeps all)",

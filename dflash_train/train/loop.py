@@ -41,7 +41,7 @@ from dflash_train.train.checkpoint import (
     restore_trainer,
     save_checkpoint,
 )
-from dflash_train.train.config import ModelConfig, TrainConfig, to_toml
+from dflash_train.train.config import ModelConfig, TrainConfig, resolve_chunk_blocks, to_toml
 from dflash_train.train.data import StoreLoader, empty_batch, weights_text
 from dflash_train.train.errors import TrainError
 from dflash_train.train.noise import noise_std_at
@@ -257,6 +257,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                              rows["lm_head"].to(device, head_dtype))
     model.to(device)
     model.gradient_checkpointing = cfg.run.gradient_checkpointing
+    model.chunk_blocks = resolve_chunk_blocks(cfg.run, device.type == "cuda")
     model.train()
     layer_rms = None
     if cfg.noise.kind != "none" and not cfg.noise.absolute:

@@ -7,6 +7,7 @@ import torch
 
 from dflash_train.blocks import block_position_ids
 from dflash_train.drafter import BlockLayout, dense_mask, flex_block_mask
+from dflash_train.drafter.masks import context_mask, context_span, own_block_mask
 
 B = 4
 RULES = list(itertools.product([False, True], [None, 3, 6]))  # (causal, window)
@@ -123,3 +124,42 @@ def test_flex_block_mask_skips_and_fuses_the_right_tiles(compiled):
             out[s, qt, idx[s, 0, qt, :num[s, 0, qt]]] = True
     assert torch.equal(full, all_visible)
     assert torch.equal(partial, any_visible & ~all_visible)
+
+
+def _split_as_dense(layout: BlockLayout, causal: bool, window: int | None) -> torch.Tensor:
+    """The split masks scattered back to the dense [N, K*B, T + K*B] key order."""
+    n, k = layout.anchors.shape
+    t = layout.context_len
+    start, stop = context_span(layout, window)
+    out = torch.zeros(n, k * B, t + k * B, dtype=torch.bool)
+    out[:, :, start:stop] = context_mask(layout, causal, window, (start, stop)).flatten(1, 2)
+    own = own_block_mask(layout, causal, window)  # [N, K, B, B]
+    for blk in range(k):
+        out[:, blk * B:(blk + 1) * B, t + blk * B:t + (blk + 1) * B] = own[:, blk]
+    return out
+
+
+@pytest.mark.parametrize("causal, window", RULES)
+def test_split_masks_are_the_dense_mask_without_its_always_hidden_keys(causal, window):
+    for seed in range(3):
+        layout = _layout(seed)
+        assert torch.equal(_split_as_dense(layout, causal, window),
+                           dense_mask(layout, causal, window)[:, 0])
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_context_span_covers_every_context_key_any_query_sees(window):
+    for seed in range(3):
+        layout = _layout(seed)
+        start, stop = context_span(layout, window)
+        seen = dense_mask(layout, False, window)[:, 0, :, :layout.context_len].any(1).any(0)
+        visible = seen.nonzero().flatten()
+        assert not seen[:start].any() and not seen[stop:].any()
+        # it ends right after the last key seen; a window may start it before the first one
+        assert visible.numel() == 0 or (start <= int(visible[0]) and stop == int(visible[-1]) + 1)
+
+
+def test_context_span_is_empty_when_every_block_is_anchored_at_0():
+    layout = BlockLayout.build(torch.tensor([[0, 0]]), torch.tensor([5]), 5, B)
+    assert context_span(layout, None) == (0, 0)
+    assert context_mask(layout, False, None, (0, 0)).shape == (1, 2, B, 0)

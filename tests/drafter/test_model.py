@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import dflash_train.drafter.masks as masks
 from dflash_train.drafter import ContextCache, DrafterError
+from dflash_train.drafter.model import chunk_shape
 
 from .conftest import MASK_ID, VOCAB, random_batch, tiny_drafter
 
@@ -349,3 +350,76 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert len(calls) == 2  # the layer really ran again in backward
     for name in plain:
         torch.testing.assert_close(recomputed[name], plain[name], rtol=1e-5, atol=1e-6)
+
+
+def _outputs_and_grads(model, batch, attention, chunk_blocks=None):
+    model.zero_grad()
+    model.chunk_blocks = chunk_blocks
+    hidden = model(*batch, attention=attention)
+    probe = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(9))
+    (hidden * probe).sum().backward()  # every output counts, with unrelated weights
+    return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("overrides", [{}, {"is_causal": True}, {"sliding_window": 3},
+                                       {"block_size": 16, "sliding_window": 20}],
+                         ids=["sliding+full", "causal", "window-3", "b16"])
+def test_split_and_chunked_forwards_equal_the_dense_mask_path(overrides):
+    # The dense SDPA mask over every key is the reference; fp32, ragged sequences (one
+    # shorter than the padded context), several anchor counts, sliding and full layers.
+    model = tiny_drafter(1, **overrides).train()
+    for k in (1, 7):
+        batch = random_batch(model, k, n=3, t=24, k=k, lengths=[24, 17, 9])
+        want, want_grads = _outputs_and_grads(model, batch, "dense")
+        # chunks of 4: all 3 sequences x 1 block; of 2: 2 sequences x 1 block, then 1
+        for attention, chunk in (("split", None), ("split", 4), ("dense", 2)):
+            got, grads = _outputs_and_grads(model, batch, attention, chunk)
+            torch.testing.assert_close(got, want, **SAME, msg=f"{attention} {chunk} k={k}")
+            for name, grad in grads.items():
+                scale = want_grads[name].abs().max()
+                torch.testing.assert_close(grad, want_grads[name], rtol=1e-4,
+                                           atol=1e-5 * scale, msg=f"{name} {attention} {chunk}")
+        with torch.no_grad():
+            model.chunk_blocks = 2
+            torch.testing.assert_close(model(*batch), want, **SAME)
+
+
+def test_chunk_shape_tiles_the_blocks_within_the_bound():
+    assert chunk_shape(3, 10, None) == (3, 10)
+    assert chunk_shape(3, 10, 30) == (3, 10)
+    for n, k, most in [(3, 10, 7), (3, 10, 2), (5, 1, 3), (1, 9, 4), (4, 4, 1)]:
+        rows, cols = chunk_shape(n, k, most)
+        assert 1 <= rows <= n and 1 <= cols <= k and rows * cols <= most, (n, k, most)
+    assert chunk_shape(3, 10, 7) == (3, 2)  # all sequences first, then fewer of their blocks
+
+
+def test_a_chunked_forward_keeps_only_its_inputs_for_backward():
+    model = tiny_drafter(0).train()
+    calls = []
+    model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+
+    def saved_bytes(k, chunk_blocks):
+        model.chunk_blocks = chunk_blocks
+        batch = random_batch(model, 0, n=2, t=24, k=k)
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        calls.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = model(*batch)
+        hidden.sum().backward()
+        return sum(storages.values()) - sum(p.numel() * 4 for p in model.parameters())
+
+    whole = saved_bytes(16, None)
+    assert len(calls) == 1
+    few, many = saved_bytes(4, 4), saved_bytes(16, 4)
+    assert len(calls) == 2 * 8  # 8 chunks of 2 sequences x 2 blocks, each run again
+    assert many < 1.2 * few and many < 0.2 * whole, (few, many, whole)
+
+
+def test_an_unknown_attention_is_refused(model):
+    with pytest.raises(DrafterError, match="attention must be one of"):
+        model(*random_batch(model, 0), attention="sparse")

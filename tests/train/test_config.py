@@ -4,7 +4,13 @@ import tomllib
 
 import pytest
 
-from dflash_train.train.config import config_from_dict, load_config, to_toml
+from dflash_train.train.config import (
+    DEFAULT_CHUNK_BLOCKS,
+    config_from_dict,
+    load_config,
+    resolve_chunk_blocks,
+    to_toml,
+)
 from dflash_train.train.errors import TrainError
 
 
@@ -33,6 +39,7 @@ from dflash_train.train.errors import TrainError
     ("loader.store_weights", "0,0", "--weights (loader.store_weights)"),
     ("model.num_hidden_layers", "0", "--layers (model.num_hidden_layers)"),
     ("model.head_dim", "0", "model.head_dim"),
+    ("run.chunk_blocks", "-1", "run.chunk_blocks"),
 ])
 def test_out_of_range_settings_are_refused_naming_the_field(key, value, named):
     with pytest.raises(TrainError) as e:
@@ -43,7 +50,7 @@ def test_out_of_range_settings_are_refused_naming_the_field(key, value, named):
 @pytest.mark.parametrize(("key", "value"), [
     ("optim.warmup_ratio", "1"), ("optim.warmup_ratio", "0"), ("optim.grad_clip", "0"),
     ("optim.betas", "0,0.999"), ("loader.store_weights", "0,1"), ("loader.max_length", "3"),
-    ("run.keep_checkpoints", "0"), ("optim.min_lr_ratio", "1"),
+    ("run.keep_checkpoints", "0"), ("optim.min_lr_ratio", "1"), ("run.chunk_blocks", "0"),
 ])
 def test_boundary_values_are_accepted(key, value):
     load_config(None, {key: value})
@@ -68,3 +75,20 @@ def test_saved_toml_reads_back_to_the_same_config_even_a_non_default_none():
                              "model.head_dim": "8"})
     assert cfg.noise.stats_max_tokens is None  # its default is not None
     assert config_from_dict(tomllib.loads(to_toml(cfg))) == cfg
+
+
+def test_chunk_blocks_defaults_to_chunks_off_cuda_only():
+    def resolved(value, cuda):
+        return resolve_chunk_blocks(load_config(None, {"run.chunk_blocks": value}).run, cuda)
+
+    assert resolved("none", cuda=False) == DEFAULT_CHUNK_BLOCKS
+    assert resolved("none", cuda=True) is None  # compiled flex would recompile per chunk
+    assert resolved("0", cuda=False) is None and resolved("0", cuda=True) is None
+    assert resolved("64", cuda=False) == resolved("64", cuda=True) == 64
+
+
+def test_chunks_under_fsdp_are_refused_and_fsdp_runs_unchunked():
+    with pytest.raises(TrainError, match=r"^run.chunk_blocks must be 0 or unset with --fsdp"):
+        load_config(None, {"run.fsdp": "true", "run.chunk_blocks": "64"})
+    run = load_config(None, {"run.fsdp": "true"}).run
+    assert resolve_chunk_blocks(run, cuda=False) is None

@@ -212,6 +212,24 @@ def test_padding_batches_and_blocks_leaves_the_loss_unchanged(synthetic_store, t
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
 
 
+def test_chunked_blocks_train_what_one_pass_trains(synthetic_store, tmp_path):
+    # 4 blocks a chunk: every batch (~5 sequences x 8 anchors) runs in many chunks, each
+    # recomputed in backward; the losses and weights are those of one pass over all blocks.
+    whole = train(_cfg(synthetic_store, tmp_path / "a", **{"optim.max_steps": 3,
+                                                           "run.chunk_blocks": 0}))
+    chunked = train(_cfg(synthetic_store, tmp_path / "b", **{"optim.max_steps": 3,
+                                                             "run.chunk_blocks": 4}))
+    logs = [[json.loads(line) for line in (tmp_path / run / "log.jsonl").open()]
+            for run in ("a", "b")]
+    assert min(r["blocks"] for r in logs[1]) > 4
+    assert [r["loss"] for r in logs[0]] == pytest.approx([r["loss"] for r in logs[1]],
+                                                          rel=1e-5)
+    a = load_drafter(whole.checkpoint).state_dict()
+    b = load_drafter(chunked.checkpoint).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
 QWEN3_6_27B_TARGET = {  # the config.json Qwen3.6-27B ships (multimodal wrapper)
     "model_type": "qwen3_5",
     "text_config": dict(model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64,
