@@ -9,7 +9,8 @@ tokens of a target of that width), then trains `--steps` steps of `dflash train`
 (`train()` itself: loader, noise statistics, drafter, loss, optimiser) in a fresh process and
 reports the median step time of the steps after the first and that process's peak RSS
 (VmHWM, not ru_maxrss, which Linux carries from a big parent across fork + exec). `--set`
-passes settings as `dflash train --set` does, e.g. --set run.chunk_blocks=0. `--threads`
+passes settings as `dflash train --set` does, e.g. --set run.chunk_blocks=0 or
+--set run.attention=dense (the reference path: every block's keys under one mask). `--threads`
 sets torch's intra-op threads (on a shared machine 1 thread is steadier). Not a test.
 """
 

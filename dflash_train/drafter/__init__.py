@@ -43,7 +43,7 @@ from dflash_train.drafter.config import (
 )
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.masks import BlockLayout, dense_mask, flex_block_mask
-from dflash_train.drafter.model import ContextCache, DFlashDrafter
+from dflash_train.drafter.model import ContextCache, DFlashDrafter, dense_attend
 
 __all__ = [
     "DRAFTER_SUBDIR",
@@ -55,6 +55,7 @@ __all__ = [
     "DrafterError",
     "build_block_ids",
     "default_target_layer_ids",
+    "dense_attend",
     "dense_mask",
     "export_checkpoint",
     "flex_block_mask",

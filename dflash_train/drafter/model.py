@@ -389,7 +389,7 @@ class DFlashDrafter(nn.Module):
         x = self._embed(block_ids)
         for i, layer in enumerate(self.layers):
             rule = (self.config.layer_is_causal(i), self.config.layer_window(i))
-            attend = _dense_attend(layout, *rule)
+            attend = dense_attend(layout, *rule)
             x = layer(x, (cache.keys[i], cache.values[i]), rope, attend)
         return self.norm(x)
 
@@ -437,7 +437,9 @@ def _cat_keys(context_kv: KeysValues, block_kv: KeysValues) -> KeysValues:
             torch.cat([context_kv[1], block_kv[1]], dim=2))
 
 
-def _dense_attend(layout: BlockLayout, causal: bool, window: int | None) -> Attend:
+def dense_attend(layout: BlockLayout, causal: bool, window: int | None) -> Attend:
+    """One SDPA over the context and every block's keys under the dense mask (the reference
+    every other path is tested against)."""
     mask = dense_mask(layout, causal, window)
 
     def attend(q, context_kv, block_kv):
@@ -486,5 +488,5 @@ def _flex_attend(layout: BlockLayout, causal: bool, window: int | None) -> Atten
 
 
 _ATTENDS: dict[str, Callable[[BlockLayout, bool, int | None], Attend]] = {
-    "dense": _dense_attend, "split": _split_attend, "flex": _flex_attend,
+    "dense": dense_attend, "split": _split_attend, "flex": _flex_attend,
 }

@@ -21,7 +21,7 @@ from dflash_train.drafter import (
     ContextCache,
     DFlashDrafter,
     build_block_ids,
-    dense_mask,
+    dense_attend,
 )
 
 
@@ -72,17 +72,12 @@ class BlockDrafter:
         ids = build_block_ids(anchor_tokens.to(self.device).long(), cfg.mask_token_id, b)
         rope = m._rope(layout.query_positions(), m.fc.weight.dtype)
         x = m._embed(ids).flatten(1, 2)  # [N, K*B, H]
-        masks: dict[tuple[bool, int | None], torch.Tensor] = {}
+        attends = {}
         for i, layer in enumerate(m.layers):
             rule = (cfg.layer_is_causal(i), cfg.layer_window(i))
-            if rule not in masks:
-                masks[rule] = dense_mask(layout, *rule)
-            mask = masks[rule]
-
-            def attend(q, kk, v, mask=mask):
-                return F.scaled_dot_product_attention(q, kk, v, attn_mask=mask, enable_gqa=True)
-
-            x = layer(x, (cache.keys[i], cache.values[i]), rope, attend)
+            if rule not in attends:
+                attends[rule] = dense_attend(layout, *rule)
+            x = layer(x, (cache.keys[i], cache.values[i]), rope, attends[rule])
         return m.norm(x).view(n, k, b, -1)
 
     @torch.no_grad()

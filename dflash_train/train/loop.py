@@ -185,6 +185,9 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     if device.type == "cuda":
         # NCCL object collectives (the resume agreement) place buffers on the current device
         torch.cuda.set_device(device)
+    elif cfg.run.attention == "flex":
+        raise TrainError(f"run.attention flex trains on CUDA only (flex_attention has no "
+                         f"backward on {device.type}); use split or dense")
     precision = cfg.run.precision
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     run_dir = Path(cfg.run.out_dir)
@@ -348,7 +351,8 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                 dist.all_reduce(denominator)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 hidden = forward_model(context, batch.lengths.to(device),
-                                       blocks.block_ids.to(device), blocks.anchors.to(device))
+                                       blocks.block_ids.to(device), blocks.anchors.to(device),
+                                       attention=cfg.run.attention)
                 # DDP and FSDP average gradients over ranks; each rank's share of the global
                 # weighted sum is scaled back up so the result is the single-process gradient.
                 loss = block_loss(hidden, blocks, model.target_lm_head, cfg.loss,

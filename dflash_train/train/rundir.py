@@ -41,6 +41,7 @@ RUN_MANAGEMENT_FIELDS = frozenset({
     "run.tensorboard",
     "run.fsdp",  # shards the same computation; proven equal to DDP / one process
     "run.gradient_checkpointing",  # recomputes activations in backward, same values
+    "run.attention",  # the same attention computed another way, same values up to rounding
     "run.chunk_blocks",  # the same blocks in chunks, recomputed in backward, same values
     "loader.prefetch_batches",  # read-ahead and readers: the plan is fixed by seed and offsets
     "loader.workers",

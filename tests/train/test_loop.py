@@ -206,8 +206,13 @@ def test_padding_batches_and_blocks_leaves_the_loss_unchanged(synthetic_store, t
     losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "log.jsonl").open()]
               for run in ("a", "b")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-    a = load_drafter(plain.checkpoint).state_dict()
-    b = load_drafter(padded.checkpoint).state_dict()
+    _assert_same_weights(plain.checkpoint, padded.checkpoint)
+
+
+def _assert_same_weights(a_checkpoint, b_checkpoint) -> None:
+    """Two runs' drafters agree up to float rounding, tensor by tensor."""
+    a, b = load_drafter(a_checkpoint).state_dict(), load_drafter(b_checkpoint).state_dict()
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
 
@@ -224,10 +229,32 @@ def test_chunked_blocks_train_what_one_pass_trains(synthetic_store, tmp_path):
     assert min(r["blocks"] for r in logs[1]) > 4
     assert [r["loss"] for r in logs[0]] == pytest.approx([r["loss"] for r in logs[1]],
                                                           rel=1e-5)
-    a = load_drafter(whole.checkpoint).state_dict()
-    b = load_drafter(chunked.checkpoint).state_dict()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    _assert_same_weights(whole.checkpoint, chunked.checkpoint)
+
+
+def test_dense_attention_trains_what_split_attention_trains(synthetic_store, tmp_path,
+                                                            monkeypatch):
+    # run.attention reaches the drafter: the dense reference path and the split path (the
+    # CPU default) give the same losses and weights, and flex is refused off CUDA up front.
+    import dflash_train.drafter.model as drafter_model
+
+    built = []
+    for name, build in list(drafter_model._ATTENDS.items()):
+        monkeypatch.setitem(drafter_model._ATTENDS, name,
+                            lambda *a, name=name, build=build: built.append(name) or build(*a))
+    runs = {}
+    for name in ("dense", "split"):
+        runs[name] = train(_cfg(synthetic_store, tmp_path / name, **{
+            "optim.max_steps": 3, "run.attention": name}))
+        assert set(built) == {name}
+        built.clear()
+    logs = {name: [json.loads(line)["loss"] for line in (tmp_path / name / "log.jsonl").open()]
+            for name in runs}
+    assert logs["dense"] == pytest.approx(logs["split"], rel=1e-5)
+    _assert_same_weights(runs["dense"].checkpoint, runs["split"].checkpoint)
+    with pytest.raises(TrainError, match="flex trains on CUDA only"):
+        train(_cfg(synthetic_store, tmp_path / "flex", **{"run.attention": "flex"}))
+    assert not (tmp_path / "flex").exists()
 
 
 QWEN3_6_27B_TARGET = {  # the config.json Qwen3.6-27B ships (multimodal wrapper)
