@@ -77,8 +77,9 @@ class QuickstartConfig:
     """Loss decay over block slots; low, so the few steps go where acceptance starts."""
     batch_tokens: int = 4096
     """Padded tokens per training batch."""
-    anchors_per_seq: int = 32
-    """Blocks per sequence per epoch."""
+    anchors_per_seq: int = 24
+    """Blocks per sequence per epoch. 24 trains in 0.63x the time of 32 to the same held-out
+    tau (1.311 vs 1.307; 16: 0.51x, 1.305), measured side by side on one pair of stores."""
     seed: int = 0
     """Seeds the drafter's initial weights, the data order and the anchors."""
     progress: bool = True
@@ -261,7 +262,7 @@ def _train_config(cfg: QuickstartConfig, store: str, run_dir: Path):
         optim=OptimConfig(lr=cfg.lr, epochs=cfg.epochs, max_steps=cfg.max_steps),
         run=RunConfig(out_dir=str(run_dir), seed=cfg.seed, device="cpu",
                       anchors_per_seq=cfg.anchors_per_seq, checkpoint_every=10**9,
-                      # Rows of ~130 tokens and 32 anchors: the dense mask's scores are
+                      # Rows of ~180 tokens and 24 anchors: the dense mask's scores are
                       # small, one SDPA beats the split path, and nothing needs chunks.
                       attention="dense", chunk_blocks=0,
                       keep_checkpoints=1, log_every=10, progress=cfg.progress),

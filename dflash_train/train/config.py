@@ -150,7 +150,7 @@ class RunConfig:
     """The drafter's attention. split: each block slot is scored against only the keys it
     may see (its context and its own block); dense: one SDPA over every block's keys under a
     mask, whose scores grow with anchors squared, but faster for short rows and few anchors
-    (the quickstart: 1.35x); flex: flex_attention, CUDA only; auto: flex on CUDA, split
+    (the quickstart's shape: 1.35x); flex: flex_attention, CUDA only; auto: flex on CUDA, split
     elsewhere. Same values up to float rounding (tests/drafter/test_model.py)."""
     chunk_blocks: int | None = None
     """Most blocks (summed over a batch's sequences) one pass through the drafter takes; a
