@@ -41,11 +41,13 @@ from scripts.prepare_smollm2 import CONVERTED, SHAREGPT, default_cache  # noqa: 
 
 @dataclass
 class RealTargetConfig:
-    """One benchmark run; `PRESETS` names the two sizes."""
+    """One benchmark run; `PRESETS` names the two sizes. The full one is sized to fit 90
+    minutes on 2 cores: extract costs ~7 ms a token here (generation, then the capture
+    forward: both mostly the 135M-parameter matmuls), training ~4 s a step."""
 
-    train_prompts: int = 1200
+    train_prompts: int = 320
     """First-turn ShareGPT prompts the target answers for the train store."""
-    held_out_prompts: int = 48
+    held_out_prompts: int = 32
     """Held-out prompts (never in the train set) the checkpoints are compared on."""
     max_prompt_chars: int = 1000
     """Longer first turns are left out (bounds the prompt tokens and the time per row)."""
@@ -53,9 +55,9 @@ class RealTargetConfig:
     """Tokens the target generates per prompt (--regenerate)."""
     drafter_layers: tuple[int, ...] = (1, 3)
     """Drafter depths trained side by side."""
-    steps: int = 1500
+    steps: int = 200
     """Optimiser steps per drafter."""
-    eval_every: int = 250
+    eval_every: int = 50
     """Checkpoint (and evaluate) every this many steps."""
     lr: float = 3e-3
     """Peak learning rate (AdamW, warmup then cosine)."""
@@ -63,8 +65,9 @@ class RealTargetConfig:
     """Loss decay over block slots."""
     batch_tokens: int = 4096
     """Padded tokens per training batch."""
-    anchors_per_seq: int = 32
-    """Blocks per sequence per epoch."""
+    anchors_per_seq: int = 16
+    """Blocks per sequence per epoch. A step's cost is mostly the 49,152-word lm_head over
+    every block slot: 16 anchors take ~4 s a step here, 32 ~7.4 s."""
     fidelity_prompts: int = 8
     """Held-out prompts decoded live (--online) and compared with offline replay."""
     seed: int = 0
@@ -192,8 +195,8 @@ def evaluate(held: str, checkpoints: dict[int, str]) -> tuple[dict, float]:
     for step, column in zip(checkpoints, outcome.report["checkpoints"], strict=True):
         offline = column["offline"]
         by_step[step] = {"tau": offline["mean_tau"], "tau_ci95": offline.get("tau_ci95"),
-                         "slot_accepted": offline.get("slot_accepted"),
-                         "slot_accuracy": offline.get("slot_accuracy")}
+                         "slot_accepted": offline["cond_accept"],
+                         "slot_accuracy": offline["slot_accuracy"]}
     return by_step, time.perf_counter() - start
 
 
@@ -239,8 +242,9 @@ def markdown(results: dict) -> str:
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     for d in depths:
         last = results["drafters"][d]["eval"][str(max(steps))]
-        slots = ", ".join(f"{a:.2f}" for a in (last["slot_accepted"] or [])[:8])
-        lines.append(f"\n{d} per-slot acceptance at the last step (slots 1-8): {slots}")
+        slots = ", ".join("-" if a is None else f"{a:.2f}" for a in last["slot_accepted"][:8])
+        lines.append(f"\n{d} at the last step, P(slot accepted | the earlier ones were), "
+                     f"slots 1-8: {slots}")
     lines.append("\nstage seconds: " + ", ".join(f"{k} {v:.0f}"
                                                  for k, v in results["seconds"].items()))
     for name, s in results["stores"].items():
