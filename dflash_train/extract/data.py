@@ -6,8 +6,10 @@ numbered in order). A row is `{"messages": [{"role", "content"}]}`, ShareGPT's
 is validated when the source is opened, so a bad line stops the run before anything is
 written. A JSON array is read as a stream (memory: the largest row plus a read block, and
 three integers per row); one cut off mid-row (a download that stopped) is refused unless
-`allow_truncated`, which keeps the complete rows before the cut. Never tokenizes and never
-touches a model.
+`allow_truncated`, which keeps the complete rows before the cut. Each row's bytes are
+fingerprinted when indexed and checked when the row is read again, so a file edited while
+extract runs is refused instead of mixed into the store under its old hash. Never tokenizes
+and never touches a model.
 """
 
 import codecs
@@ -49,8 +51,12 @@ class _File:
     """Per row: 1-based line number where it starts (parquet: the row index), for messages."""
     sizes: array = field(default_factory=lambda: array("q"))
     """json-array: per row, its length in bytes."""
+    row_digests: array = field(default_factory=lambda: array("q"))
+    """jsonl / json-array: per row, a 64-bit hash of its bytes, checked when read again."""
     empty_skipped: list[int] = field(default_factory=list)
     """Lines of ShareGPT rows with no turn at all, left out (no text to train on)."""
+    leading_replies_dropped: int = 0
+    """ShareGPT rows whose leading assistant turns were dropped (see _conversations)."""
 
 
 class ChatSource:
@@ -93,17 +99,18 @@ class ChatSource:
         return to_chat(record, self.where(row))
 
     def _record(self, f: _File, i: int) -> Any:
-        if f.kind == "jsonl":
-            with open(f.path, "rb") as fh:
-                fh.seek(f.locators[i])
-                return json.loads(fh.readline())
-        if f.kind == "json-array":
-            with open(f.path, "rb") as fh:
-                fh.seek(f.locators[i])
-                return json.loads(fh.read(f.sizes[i]))
-        if f.path not in self._tables:
-            self._tables[f.path] = pq.read_table(f.path)
-        return self._tables[f.path].slice(f.locators[i], 1).to_pylist()[0]
+        if f.kind == "parquet":
+            if f.path not in self._tables:
+                if _file_sha256(f.path) != f.sha256:
+                    raise ExtractError(_changed(f.path))
+                self._tables[f.path] = pq.read_table(f.path)
+            return self._tables[f.path].slice(f.locators[i], 1).to_pylist()[0]
+        with open(f.path, "rb") as fh:
+            fh.seek(f.locators[i])
+            raw = fh.readline() if f.kind == "jsonl" else fh.read(f.sizes[i])
+        if _row_digest(raw) != f.row_digests[i]:
+            raise ExtractError(_changed(f.path, f.lines[i]))
+        return json.loads(raw)
 
     def _locate(self, row: int) -> tuple[_File, int]:
         if not 0 <= row < self.num_rows:
@@ -112,6 +119,24 @@ class ChatSource:
             if row >= start:
                 return f, row - start
         raise AssertionError("unreachable")
+
+
+def _row_digest(raw: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big", signed=True)
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _changed(path: str, line: int | None = None) -> str:
+    at = f" (the row at line {line} no longer holds the bytes it held)" if line else ""
+    return (f"{path}: the file changed after extract read it{at}; a store holds one version "
+            "of its input: finish editing it, then extract into a new --out")
 
 
 def to_chat(record: Any, where: str) -> Chat:
@@ -124,16 +149,30 @@ def to_chat(record: Any, where: str) -> Chat:
     if "conversations" in record:
         return _conversations(record["conversations"], where)
     if "prompt" in record and "response" in record:
-        prompt, response = record["prompt"], record["response"]
-        if not isinstance(prompt, str) or not isinstance(response, str):
-            raise ExtractError(f"{where}: 'prompt' and 'response' must be strings")
-        chat = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+        prompt = _text(record["prompt"], where, "'prompt'")
+        response = _text(record["response"], where, "'response'")
+        system = record.get("system")
+        system = None if system is None else _text(system, where, "'system'")
+        chat = [{"role": "system", "content": system}] if system else []
         return chat + [{"role": "user", "content": prompt},
                        {"role": "assistant", "content": response}]
     raise ExtractError(
         f"{where}: a row needs 'messages' (chat), 'conversations' (ShareGPT) or 'prompt' and "
         f"'response'; got keys {sorted(record)}"
     )
+
+
+def _text(value: Any, where: str, what: str) -> str:
+    """`value` if it is text a tokenizer can take: a str with no lone surrogate (JSON's
+    "\\ud800" escape, or the bytes ED A0 80 that json.loads lets through as one)."""
+    if not isinstance(value, str):
+        raise ExtractError(f"{where}: {what} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ExtractError(f"{where}: {what} is not UTF-8 text (a lone surrogate "
+                           f"U+{ord(value[e.start]):04X} at character {e.start})") from e
+    return value
 
 
 def _messages(messages: Any, where: str) -> Chat:
@@ -147,14 +186,20 @@ def _messages(messages: Any, where: str) -> Chat:
             raise ExtractError(
                 f"{where}: message {j} has unknown role {m['role']!r}; expected one of {ROLES}"
             )
-        if not isinstance(m["content"], str):
-            raise ExtractError(f"{where}: message {j} content must be a string")
+        _text(m["content"], where, f"message {j} content")
         chat.append({k: v for k, v in m.items() if v is not None})
+    first = next((m["role"] for m in chat if m["role"] != "system"), None)
+    if first == "assistant":
+        raise ExtractError(f"{where}: the chat opens with an assistant turn, with no user turn "
+                           "before it to answer; start it with the user's message")
     return chat
 
 
 def _conversations(turns: Any, where: str) -> Chat:
-    if not isinstance(turns, list) or not turns:
+    """ShareGPT turns as a chat. Leading assistant turns are dropped: ShareGPT_V3 splits long
+    conversations into rows, and 6,358 of its 17,545 rows open with a reply to a turn in
+    another row; FastChat-style trainers drop that reply too. A row of replies only is []."""
+    if not isinstance(turns, list):
         raise ExtractError(f"{where}: 'conversations' must be a list of turns "
                            "({\"from\": ..., \"value\": ...})")
     chat = []
@@ -165,10 +210,10 @@ def _conversations(turns: Any, where: str) -> Chat:
         if role is None:
             raise ExtractError(f"{where}: conversation turn {j} is from unknown speaker "
                                f"{t['from']!r}; expected one of {tuple(SHAREGPT_ROLES)}")
-        if not isinstance(t["value"], str):
-            raise ExtractError(f"{where}: conversation turn {j} value must be a string")
+        _text(t["value"], where, f"conversation turn {j} value")
         chat.append({"role": role, "content": t["value"]})
-    return chat
+    opening = next((j for j, m in enumerate(chat) if m["role"] != "assistant"), len(chat))
+    return chat[opening:]
 
 
 def open_source(paths: list[str], *, allow_truncated: bool = False) -> ChatSource:
@@ -181,13 +226,23 @@ def open_source(paths: list[str], *, allow_truncated: bool = False) -> ChatSourc
     files, notes, start = [], [], 0
     for p in paths:
         f, note = _index_file(p, start, allow_truncated)
+        twin = next((g for g in files if g.sha256 == f.sha256), None)
+        if twin is not None:
+            same = "is" if twin.path == f.path else f"holds the same bytes as {twin.path}"
+            raise ExtractError(f"--data {p} {same}, given before: every row would be "
+                               "extracted twice (pass each file once)")
         files.append(f)
         notes += [note] if note else []
+        if f.leading_replies_dropped:
+            notes.append(f"{p}: dropped the opening assistant turns of "
+                         f"{f.leading_replies_dropped} ShareGPT rows (replies to a turn that "
+                         "is not in the row)")
         if f.empty_skipped:
             shown = ", ".join(map(str, f.empty_skipped[:5]))
             more = ", ..." if len(f.empty_skipped) > 5 else ""
-            notes.append(f"{p}: left out {len(f.empty_skipped)} ShareGPT rows with an empty "
-                         f"'conversations' list (lines {shown}{more})")
+            notes.append(f"{p}: left out {len(f.empty_skipped)} ShareGPT rows with no turn to "
+                         f"learn from (an empty 'conversations' list, or replies only; lines "
+                         f"{shown}{more})")
         start += len(f.locators)
     source = ChatSource(files, notes)
     if source.num_rows == 0:
@@ -224,13 +279,13 @@ def _first_byte(path: str) -> bytes:
 
 def _index_jsonl(path: str, start: int) -> _File:
     digest = hashlib.sha256()
-    offsets, lines, empty = array("q"), array("q"), []
+    f = _File(path, "", "jsonl", array("q"), array("q"))
     offset = 0
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             digest.update(raw)
             if raw.strip():
-                where = f"{path}:line {lineno} (row {start + len(offsets)})"
+                where = f"{path}:line {lineno} (row {start + len(f.locators)})"
                 try:
                     record = json.loads(raw)
                 except UnicodeDecodeError as e:
@@ -238,22 +293,34 @@ def _index_jsonl(path: str, start: int) -> _File:
                                        f"at column {e.start + 1})") from e
                 except json.JSONDecodeError as e:
                     raise ExtractError(f"{where}: malformed JSON ({e})") from e
-                if _empty_conversation(record):
-                    empty.append(lineno)
-                else:
-                    to_chat(record, where)
-                    offsets.append(offset)
-                    lines.append(lineno)
+                except RecursionError as e:
+                    raise ExtractError(_too_deep(where)) from e
+                _add_row(f, record, raw, offset, lineno, where)
             offset += len(raw)
-    return _File(path, digest.hexdigest(), "jsonl", offsets, lines, empty_skipped=empty)
+    f.sha256 = digest.hexdigest()
+    return f
 
 
-def _empty_conversation(record: Any) -> bool:
-    """ShareGPT dumps (ShareGPT_V3 among them) hold rows whose conversation has no turn:
-    nothing to train on, and filtering a 125 MB array by hand is no fix, so they are skipped
-    and counted; any other malformed row is still an error."""
-    return (isinstance(record, dict) and "messages" not in record
-            and record.get("conversations") == [])
+def _add_row(f: _File, record: Any, raw: bytes, offset: int, line: int, where: str) -> None:
+    """Validate a row and index it. ShareGPT rows with no turn to learn from (ShareGPT_V3
+    holds 126 empty ones, and rows of replies only) are skipped and counted, not refused:
+    filtering a 125 MB array by hand is no fix. Any other malformed row is an error."""
+    chat = to_chat(record, where)
+    sharegpt = "messages" not in record and "conversations" in record
+    if sharegpt and len(chat) < len(record["conversations"]) and chat:
+        f.leading_replies_dropped += 1
+    if not chat:
+        f.empty_skipped.append(line)
+        return
+    f.locators.append(offset)
+    f.lines.append(line)
+    f.row_digests.append(_row_digest(raw))
+    if f.kind == "json-array":
+        f.sizes.append(len(raw))
+
+
+def _too_deep(where: str) -> str:
+    return f"{where}: JSON nested deeper than the parser's recursion limit; flatten the row"
 
 
 class _Text:
@@ -312,26 +379,26 @@ class _Text:
 def _index_json_array(path: str, start: int, allow_truncated: bool) -> tuple[_File, str | None]:
     """Index a JSON array of rows as a stream; (file, note about a cut kept, or None)."""
     digest = hashlib.sha256()
-    offsets, lines, sizes = array("q"), array("q"), array("q")
-    text, empty = _Text(path, digest), []
+    f = _File(path, "", "json-array", array("q"), array("q"))
+    text = _Text(path, digest)
     try:
-        cut = _scan_array(text, start, offsets, lines, sizes, empty)
+        cut = _scan_array(text, start, f)
     finally:
         text.close()
-    f = _File(path, digest.hexdigest(), "json-array", offsets, lines, sizes, empty)
+    f.sha256 = digest.hexdigest()
     if cut is None:
         return f, None
     byte, line = cut
+    rows = len(f.locators)
     what = (f"{path}: the JSON array is cut off at byte {byte} (line {line}) after "
-            f"{len(offsets)} complete rows")
+            f"{rows} complete rows")
     if not allow_truncated:
         raise ExtractError(f"{what}; the file is incomplete (download it again), or pass "
-                           f"--allow-truncated to use those {len(offsets)} rows")
-    return f, f"{what}; using those {len(offsets)} rows (--allow-truncated)"
+                           f"--allow-truncated to use those {rows} rows")
+    return f, f"{what}; using those {rows} rows (--allow-truncated)"
 
 
-def _scan_array(text: _Text, start: int, offsets: array, lines: array, sizes: array,
-                empty: list[int]) -> tuple[int, int] | None:
+def _scan_array(text: _Text, start: int, f: _File) -> tuple[int, int] | None:
     """Validate and locate every row of the array; (byte, line) of a cut, None if whole."""
     decoder = json.JSONDecoder()
     path = text.path
@@ -342,7 +409,7 @@ def _scan_array(text: _Text, start: int, offsets: array, lines: array, sizes: ar
         c = text.peek()
         if c == "":
             return text.byte, text.line
-        if c == "]" and (not expect_row or not offsets):
+        if c == "]" and (not expect_row or not f.locators):
             text.advance(text.pos + 1)
             if text.peek():
                 raise ExtractError(f"{path}:line {text.line}: data after the JSON array "
@@ -351,25 +418,20 @@ def _scan_array(text: _Text, start: int, offsets: array, lines: array, sizes: ar
         if not expect_row:
             if c != ",":
                 raise ExtractError(f"{path}:line {text.line}: malformed JSON (expected ',' or "
-                                   f"']' after row {start + len(offsets) - 1}, got {c!r})")
+                                   f"']' after row {start + len(f.locators) - 1}, got {c!r})")
             text.advance(text.pos + 1)
             expect_row = True
             continue
-        where = f"{path}:line {text.line} (row {start + len(offsets)})"
+        where = f"{path}:line {text.line} (row {start + len(f.locators)})"
         line, offset = text.line, text.byte
         decoded = _decode_row(text, decoder, where)
         if decoded is None:
             return text.byte, text.line
         record, end = decoded
+        raw = text.buf[text.pos:end].encode("utf-8")
         text.advance(end)
         expect_row = False
-        if _empty_conversation(record):
-            empty.append(line)
-            continue
-        to_chat(record, where)
-        offsets.append(offset)
-        lines.append(line)
-        sizes.append(text.byte - offset)
+        _add_row(f, record, raw, offset, line, where)
 
 
 def _decode_row(text: _Text, decoder: json.JSONDecoder, where: str) -> tuple[Any, int] | None:
@@ -378,6 +440,8 @@ def _decode_row(text: _Text, decoder: json.JSONDecoder, where: str) -> tuple[Any
     while True:
         try:
             return decoder.raw_decode(text.buf, text.pos)
+        except RecursionError as e:
+            raise ExtractError(_too_deep(where)) from e
         except json.JSONDecodeError as e:
             # an error well before the end of what is buffered is real, except an
             # unterminated string, whose rest may simply not be read yet
@@ -394,10 +458,7 @@ def _decode_row(text: _Text, decoder: json.JSONDecoder, where: str) -> tuple[Any
 
 
 def _index_parquet(path: str, start: int) -> _File:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
+    sha256 = _file_sha256(path)
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a corrupt file
@@ -408,4 +469,4 @@ def _index_parquet(path: str, start: int) -> _File:
             to_chat(record, f"{path}:parquet row {row} (row {start + row})")
             row += 1
     rows = array("q", range(row))
-    return _File(path, digest.hexdigest(), "parquet", rows, rows)
+    return _File(path, sha256, "parquet", rows, rows)

@@ -77,9 +77,10 @@ def test_every_peer_role_name_maps_to_a_chat_role():
     names = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
              "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
              "system": "system"}
-    for name, role in names.items():
-        chat = to_chat({"conversations": [{"from": name, "value": "x"}]}, "r")
-        assert chat == [{"role": role, "content": "x"}], name
+    for name, role in names.items():  # after a user turn: an opening reply is dropped
+        turns = [{"from": "human", "value": "q"}, {"from": name, "value": "x"}]
+        chat = to_chat({"conversations": turns}, "r")
+        assert chat == [{"role": "user", "content": "q"}, {"role": role, "content": "x"}], name
 
 
 def test_messages_win_over_conversations_in_a_row_holding_both():
@@ -122,8 +123,8 @@ def test_empty_conversations_are_left_out_counted_and_named(tmp_path, layout):
     kept = [r for r in rows if r["conversations"]]
     assert read_all(source) == expected_chats(kept)
     assert len(source.notes) == 1
-    assert "left out 2 ShareGPT rows with an empty 'conversations' list" in source.notes[0]
-    assert f"(lines {empty_lines[0]}, {empty_lines[1]})" in source.notes[0]
+    assert "left out 2 ShareGPT rows with no turn to learn from" in source.notes[0]
+    assert f"lines {empty_lines[0]}, {empty_lines[1]})" in source.notes[0]
 
 
 def test_conversations_that_are_not_a_list_are_refused_naming_the_row(tmp_path):

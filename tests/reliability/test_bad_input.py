@@ -60,7 +60,7 @@ CASES = [
          ("--max-length", "24")),
     Case("empty_dataset", "empty.jsonl", ("empty.jsonl", "no rows")),
     Case("parquet_wrong_dtype", "wrong_dtype.parquet",
-         ("wrong_dtype.parquet:parquet row 0", "'prompt' and 'response' must be strings")),
+         ("wrong_dtype.parquet:parquet row 0", "'prompt' must be a string, got int")),
     Case("tokenizer_without_chat_template", "one_overlong_prompt.jsonl",
          ("--model {model}", "no chat template"), model="no_template_model"),
     Case("model_path_missing", "one_overlong_prompt.jsonl",
