@@ -9,7 +9,8 @@ What is read, per weight file (*.safetensors; *.bin when there is none): its nam
 a safetensors file's whole header (every tensor's name, dtype, shape and byte offsets), and
 SAMPLES windows of the tensor data: the first, middle and last 1 MiB plus 16 evenly spaced
 64 KiB windows, 4 MiB in all (a file under that is read whole). On the 11 ~5 GB shards of a
-27B target that is ~44 MiB of reads, seconds at worst on a cold network disk.
+27B target that is ~44 MiB in 19 reads per file: measured 12-17 ms per cold 5 GB shard on a
+local virtio disk and 45-75 ms of hashing for 11 shards, against 7 s to sha256 one whole shard.
 
 It tells a replaced, retrained or re-quantized checkpoint from the original (its headers or
 its sampled bytes differ, which any new training or conversion changes everywhere) and names a
