@@ -109,6 +109,8 @@ def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetSta
     names = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size"]
     if any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want)):
         names.append("revision")  # a GGUF's content hash: another file at the same path
+    if got.weights_sha256 is not None and want.weights_sha256 is not None:
+        names.append("weights_sha256")  # other weights (a store before fingerprints: unchecked)
     wrong = [f"{f}: --model {getattr(got, f)}, store {getattr(want, f)}"
              for f in names if getattr(got, f) != getattr(want, f)]
     if wrong:

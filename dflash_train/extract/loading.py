@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dflash_train.extract import gguf
+from dflash_train.extract import gguf, weights
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.kernels import silence_fallback_notes
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
@@ -89,21 +89,27 @@ def target_info(name_or_path: str, config, revision: str | None = None) -> Targe
     """The target's provenance. The config hash covers the architecture only, not where the
     files were read from; a local path is recorded absolute, so resuming from another working
     directory or with a relative spelling is the same target. A GGUF target is recorded as
-    its file, with the file's content hash as its revision."""
+    its file, with the file's content hash as its revision and weights fingerprint; a local
+    directory's weights are fingerprinted by weights.py; a hub id has no fingerprint (its
+    --revision names it)."""
     text = text_config(config)
     blob = json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str).encode()
     path = gguf.find_gguf(name_or_path)
+    weights_sha256 = None
     if path is not None:
         if revision is not None:
             raise ExtractError(f"--revision {revision} names a hub revision; a .gguf target "
                                "is identified by its content hash instead (drop --revision)")
         name_or_path, revision = str(path), gguf.revision(path)
+        weights_sha256 = revision.removeprefix(gguf.REVISION_PREFIX)
     elif Path(name_or_path).exists():
         name_or_path = str(Path(name_or_path).resolve())
+        weights_sha256 = weights.fingerprint(name_or_path)
     return TargetInfo(
         name_or_path=name_or_path, revision=revision, model_type=config.model_type,
         num_hidden_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
         vocab_size=text.vocab_size, config_sha256=hashlib.sha256(blob).hexdigest(),
+        weights_sha256=weights_sha256,
     )
 
 

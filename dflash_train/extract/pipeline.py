@@ -63,6 +63,7 @@ from dflash_train.store_schema import (
     Store,
     StoreError,
     StoreMeta,
+    TargetInfo,
     create_store,
     open_store,
 )
@@ -164,7 +165,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
                "rows_per_part": cfg.rows_per_part, "overlong": cfg.overlong,
                "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None, **cfg.extra},
     )
-    _refuse_different_store(cfg.out, meta)
+    _refuse_different_store(cfg.out, meta, echo if rank == 0 else lambda *_: None)
 
     target = load_target(cfg.model, device=str(device), dtype=dtype, load_as=cfg.load_as,
                          revision=cfg.revision, progress=cfg.progress)
@@ -284,7 +285,7 @@ def _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, hidden_bytes, w
         echo(f"  ... {len(parts) - 8} more")
 
 
-def _refuse_different_store(out: str, meta: StoreMeta) -> None:
+def _refuse_different_store(out: str, meta: StoreMeta, echo=print) -> None:
     """Fail before loading the model if `out` holds something other than this store."""
     if "://" in out and not out.startswith("file://"):
         return  # checked by create_store once the model is loaded
@@ -295,10 +296,28 @@ def _refuse_different_store(out: str, meta: StoreMeta) -> None:
         raise ExtractError(f"--out {out} exists and is not a directory")
     if not any(path.iterdir()):
         return
-    diffs = open_store(out).meta.mismatches(meta)
+    stored = open_store(out).meta
+    _refuse_other_weights(out, stored.target, meta.target, echo)
+    diffs = stored.mismatches(meta)
     if diffs:
         raise ExtractError(f"--out {out} holds a store made differently; refusing to mix "
                            "them (use another --out):\n  " + "\n  ".join(diffs))
+
+
+def _refuse_other_weights(out: str, stored: TargetInfo, wanted: TargetInfo, echo) -> None:
+    """The one-line refusal of a resume onto other weights (replaced at the same path or
+    not); a store from before weights fingerprints is only noted (checked by its path)."""
+    if stored.weights_sha256 is None:
+        if wanted.weights_sha256 is not None:
+            echo(f"note: --out {out} records no weights fingerprint (made by an older dflash); "
+                 f"its target is checked by path only ({stored.name_or_path})")
+        return
+    if wanted.weights_sha256 not in (None, stored.weights_sha256):
+        raise ExtractError(
+            f"--out {out} was extracted from other weights than --model {wanted.name_or_path} "
+            f"(weights fingerprint {stored.weights_sha256[:12]}... != "
+            f"{wanted.weights_sha256[:12]}...): the checkpoint was replaced or retrained; "
+            "resume with the original weights, or extract into another --out")
 
 
 def _mask_token_id(cfg: ExtractConfig, info, tokenizer) -> int | None:

@@ -42,6 +42,7 @@ def info(path: str, as_json: bool) -> None:
         f"store          {path}  (schema v{meta.schema_version}, {state})",
         f"target         {t.name_or_path} ({t.model_type}, {t.num_hidden_layers} layers, "
         f"hidden {t.hidden_size}, vocab {t.vocab_size})",
+        f"weights        {_weights(t)}",
         f"context layers {meta.context_layer_ids}  dtype {meta.hidden_dtype}  "
         f"verifier top-{meta.top_k}",
         f"source         {', '.join(meta.source.paths)}  rows {meta.source.num_rows}  "
@@ -86,7 +87,19 @@ def validate_cmd(path: str, no_data: bool, require_complete: bool) -> None:
         verdict += [f"not complete ({unfinished})"] if unfinished else []
         click.echo(f"{path}: {'; '.join(verdict)}", err=True)
         sys.exit(1)
+    try:
+        click.echo(f"target weights {_weights(open_store(path).meta.target)}")
+    except StoreError:  # validate just read it; only a store removed since lands here
+        pass
     click.echo(f"{path}: ok")
+
+
+def _weights(target) -> str:
+    """The target's weights fingerprint as `store info` and `store validate` report it."""
+    if target.weights_sha256 is None:
+        return ("not fingerprinted (made before weights fingerprints, or from a hub id): "
+                "resume, train and eval know its target by path only")
+    return f"sha256 {target.weights_sha256}"
 
 
 def _unfinished(path: str) -> str | None:

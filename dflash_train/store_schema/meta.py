@@ -22,6 +22,11 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     config_sha256: str
+    weights_sha256: str | None = None
+    """The weights' identity: a transformers directory's sampled fingerprint
+    (extract/weights.py), a GGUF file's whole-content sha256. When both sides of a comparison
+    have one it replaces the path (a copy elsewhere is the same target, other weights at the
+    same path are not); a store made before it existed (None) is checked by path."""
 
 
 @dataclass
@@ -107,11 +112,14 @@ class StoreMeta:
             raise StoreError(f"store provenance is malformed or incomplete: {e}") from e
 
     def mismatches(self, other: "StoreMeta") -> list[str]:
-        """'field: this != other' for every differing field, created_with excepted."""
+        """'field: this != other' for every differing field, created_with excepted. The
+        target is its weights fingerprint where both have one, else its path."""
         a, b = self.to_dict(), other.to_dict()
         a.pop("created_with")
         b.pop("created_with")
-        return [f"{k}: {va!r} != {vb!r}" for k, va, vb in _diff(a, b)]
+        both = self.target.weights_sha256 is not None and other.target.weights_sha256 is not None
+        ignored = "target.name_or_path" if both else "target.weights_sha256"
+        return [f"{k}: {va!r} != {vb!r}" for k, va, vb in _diff(a, b) if k != ignored]
 
 
     def target_mismatches(self, other: "StoreMeta") -> list[str]:

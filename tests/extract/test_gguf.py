@@ -64,6 +64,7 @@ def test_identity_is_the_file_and_its_content_hash_whichever_way_it_is_named(tin
     by_dir = target_info(str(tiny[0]).rsplit("/", 1)[0], load_config(gguf_path))
     assert by_file == by_dir
     assert by_file.revision == f"gguf-sha256:{digest}" and by_file.name_or_path == gguf_path
+    assert by_file.weights_sha256 == digest  # the same whole-file hash, not a sampled one
     assert (by_file.model_type, by_file.num_hidden_layers, by_file.hidden_size,
             by_file.vocab_size) == ("llama", 4, 64, LLAMA["vocab_size"])
     with pytest.raises(ExtractError, match="--revision v1 names a hub revision"):
@@ -80,9 +81,12 @@ def test_a_gguf_swapped_in_at_the_same_path_is_another_target(tiny, tmp_path):
     run_extract_cfg(str(model), str(data), out)
     first = open_store(out).meta.target
     write_tiny_gguf(model, seed=1)  # same architecture, other weights, same path
-    with pytest.raises(ExtractError, match=r"target\.revision: 'gguf-sha256:[0-9a-f]{64}' != "):
+    with pytest.raises(ExtractError, match=r"was extracted from other weights than --model "
+                       r".*model\.gguf \(weights fingerprint [0-9a-f]{12}\.\.\. != "):
         run_extract_cfg(str(model), str(data), out)
     assert open_store(out).meta.target == first
+    again = run_extract_cfg(tiny[0], str(data), out)  # the original bytes, at another path
+    assert again.parts_already_complete == [0] and again.parts_done == []
 
     from dflash_train.evaluate.errors import EvalError
     from dflash_train.evaluate.online import load_online_target

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_train.store_schema import StoreError, create_store, open_store, validate
+from dflash_train.store_schema import StoreError, StoreMeta, create_store, open_store, validate
 from dflash_train.store_schema.layout import _SCAN_BLOCK
 from tests.store_schema.conftest import (
     HIDDEN,
@@ -134,6 +134,20 @@ def test_reopening_with_other_provenance_names_every_difference(tmp_path):
     same = make_meta()
     same.created_with.device = "cuda:3"
     assert create_store(url, same).meta.target.name_or_path == "tiny"
+
+
+def test_the_target_is_its_weights_fingerprint_where_both_have_one_else_its_path():
+    here, there = make_meta(weights_sha256="a" * 64), make_meta(name_or_path="/copy",
+                                                                 weights_sha256="a" * 64)
+    assert here.mismatches(there) == [] and here.target_mismatches(there) == []
+    retrained = make_meta(weights_sha256="b" * 64)  # same path, other weights
+    assert retrained.target_mismatches(here) == [
+        f"target.weights_sha256: {'b' * 64!r} != {'a' * 64!r}"]
+    old = StoreMeta.from_dict({**make_meta().to_dict(), "target": {
+        k: v for k, v in make_meta().to_dict()["target"].items() if k != "weights_sha256"}})
+    assert old.target.weights_sha256 is None  # a store from before the field still reads
+    assert old.mismatches(here) == []  # the path decides, as it did
+    assert old.mismatches(there) == ["target.name_or_path: 'tiny' != '/copy'"]
 
 
 def test_a_directory_that_is_not_a_store_is_refused(tmp_path):

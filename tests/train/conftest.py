@@ -28,10 +28,11 @@ def next_token(x: torch.Tensor) -> torch.Tensor:
 
 
 def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: str = "tiny",
-                unfinished: int = 0):
-    """`unfinished`: the last parts are written but never finished (extraction cut short)."""
+                unfinished: int = 0, weights: str | None = None):
+    """`unfinished`: the last parts are written but never finished (extraction cut short);
+    `weights`: the target's weights fingerprint (None: a store made before them)."""
     meta = StoreMeta(
-        target=TargetInfo(name, None, "qwen3", 4, HIDDEN, VOCAB, "c" * 64),
+        target=TargetInfo(name, None, "qwen3", 4, HIDDEN, VOCAB, "c" * 64, weights),
         tokenizer=TokenizerInfo("t" * 64, None, False),
         source=SourceInfo(["synthetic"], ["s" * 64], 256, True, rows),
         created_with=CreatedWith("test", torch.__version__, "-", "cpu", "torch"),
