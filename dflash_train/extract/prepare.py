@@ -16,7 +16,13 @@ from dflash_train.extract.data import ChatSource
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.plan import plan_batches
 from dflash_train.extract.regenerate import eos_token_ids, greedy_continuations
-from dflash_train.extract.render import render_chat, render_prompt
+from dflash_train.extract.render import (
+    chat_within,
+    longest_token_chars,
+    prompt_chat,
+    render_chat,
+    render_prompt,
+)
 
 
 @dataclass
@@ -74,16 +80,27 @@ def prompt_fits(item: Item, cfg: ExtractConfig, counts: Counts) -> Item | None:
 
 
 def render_rows(source: ChatSource, tokenizer, rows: range, cfg: ExtractConfig) -> list[Item]:
-    """Rendered chats (or, with regenerate, prompts with an empty mask) for `rows`."""
+    """Rendered chats (or, with regenerate, prompts with an empty mask) for `rows`.
+
+    A chat is cut to what its first max_length tokens can hold before it is rendered
+    (render.chat_within), so one huge row costs what max_length allows."""
     items = []
+    max_chars = (cfg.max_length + 16) * longest_token_chars(tokenizer)
     for row in rows:
         chat, where = source.chat(row), source.where(row)
         if cfg.regenerate:
+            chat, _ = chat_within(prompt_chat(chat), max_chars)
             ids = render_prompt(tokenizer, chat, thinking=cfg.enable_thinking, where=where)
             items.append(Item(row, ids, [False] * len(ids)))
-        else:
-            r = render_chat(tokenizer, chat, thinking=cfg.enable_thinking, where=where)
-            items.append(Item(row, r.input_ids, r.loss_mask))
+            continue
+        chat, cut = chat_within(chat, max_chars)
+        if cut and not any(m["role"] == "assistant" for m in chat):
+            # every assistant token lies past max_length: the length policy skips the row
+            ids = render_prompt(tokenizer, chat, thinking=cfg.enable_thinking, where=where)
+            items.append(Item(row, ids, [False] * len(ids)))
+            continue
+        r = render_chat(tokenizer, chat, thinking=cfg.enable_thinking, where=where)
+        items.append(Item(row, r.input_ids, r.loss_mask))
     return items
 
 

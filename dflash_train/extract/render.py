@@ -68,6 +68,33 @@ def render_chat(tokenizer, chat: Chat, *, thinking: bool, where: str) -> Rendere
     return Rendered(list(enc["input_ids"]), mask)
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for: its longest vocabulary entry (byte-level
+    BPE spells each byte as one character, SentencePiece each character as one, so no token
+    decodes to more characters than its entry has)."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def chat_within(chat: Chat, max_chars: int) -> tuple[Chat, bool]:
+    """(`chat` cut after `max_chars` characters of content, whether anything was cut).
+
+    With max_chars = (max_length + 16) x longest_token_chars, the first max_length tokens of
+    the cut chat are those of the whole one: they cover at most max_length x that many
+    characters, all before the cut. So a row's cost is bounded by max_length, not by its
+    size, and a cut chat is always longer than max_length (the length policy then truncates
+    or skips it as it would the whole)."""
+    kept, used = [], 0
+    for message in chat:
+        room = max_chars - used
+        if len(message["content"]) > room:
+            if room > 0:
+                kept.append({**message, "content": message["content"][:room]})
+            return kept, True
+        kept.append(message)
+        used += len(message["content"])
+    return kept, False
+
+
 def prompt_chat(chat: Chat) -> Chat:
     """The turns before the last assistant turn (all turns if the chat ends with another)."""
     last = max((i for i, m in enumerate(chat) if m["role"] == "assistant"), default=None)

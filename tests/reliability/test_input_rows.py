@@ -153,3 +153,39 @@ def test_sharegpt_opening_replies_are_dropped_and_counted(tmp_path):
                for n in source.notes)
     assert any("left out 1 ShareGPT rows with no turn to learn from" in n and "lines 2)" in n
                for n in source.notes)
+
+
+@pytest.mark.parametrize("regenerate", [False, True])
+@pytest.mark.parametrize("huge", ["response", "prompt"])
+def test_one_huge_row_costs_what_max_length_allows(tmp_path, monkeypatch, regenerate, huge):
+    # A 0.7 MB turn with --max-length 64 used to be rendered and tokenized whole (a 60 MB line
+    # took 13.5 GB). Now no text the tokenizer sees is much longer than 64 tokens can be, and
+    # the sample is the one the whole row gives.
+    from dflash_train.assets.tiny import build_tokenizer
+    from dflash_train.extract import prepare
+    from dflash_train.extract.config import ExtractConfig
+    from dflash_train.extract.prepare import Counts, apply_length_policy, render_rows
+
+    long_text = " ".join(["alpha beta", "gamma"] * 40_000)  # ~0.7 MB
+    row = {"prompt": long_text if huge == "prompt" else "short question",
+           "response": long_text if huge == "response" else "short answer"}
+    path = tmp_path / "huge.jsonl"
+    write_jsonl(path, [PAIRS[0], row])
+    source = open_source([str(path)])
+    tokenizer = build_tokenizer()
+    cfg = ExtractConfig(model="m", data=[str(path)], out="o", max_length=64,
+                        regenerate=regenerate)
+    seen = []
+    encode = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__",
+                        lambda self, text, **kw: seen.append(len(text)) or encode(self, text, **kw))
+    bounded = [apply_length_policy(i, cfg, Counts()) for i in render_rows(source, tokenizer,
+                                                                           range(2), cfg)]
+    assert max(seen) < 80 * max(map(len, tokenizer.get_vocab())) + 1000
+    monkeypatch.setattr(prepare, "chat_within", lambda chat, _: (chat, False))
+    whole = [apply_length_policy(i, cfg, Counts()) for i in render_rows(source, tokenizer,
+                                                                         range(2), cfg)]
+    if not (regenerate and huge == "response"):  # (a regenerated response is never read)
+        assert max(seen) > len(long_text)  # the reference did render the whole row
+    assert bounded == whole
+    assert (bounded[1] is None) == (huge == "prompt")  # no assistant token within 64
