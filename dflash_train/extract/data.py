@@ -5,7 +5,7 @@ numbered in order). A row is `{"messages": [{"role", "content"}]}`, ShareGPT's
 `{"conversations": [{"from", "value"}]}` or `{"prompt", "response"[, "system"]}`. Every row
 is validated when the source is opened, so a bad line stops the run before anything is
 written. A JSON array is read as a stream (memory: the largest row plus a read block, and
-three integers per row); one cut off mid-row (a download that stopped) is refused unless
+four integers per row); one cut off mid-row (a download that stopped) is refused unless
 `allow_truncated`, which keeps the complete rows before the cut. Each row's bytes are
 fingerprinted when indexed and checked when the row is read again, so a file edited while
 extract runs is refused instead of mixed into the store under its old hash. Never tokenizes
@@ -54,7 +54,7 @@ class _File:
     row_digests: array = field(default_factory=lambda: array("q"))
     """jsonl / json-array: per row, a 64-bit hash of its bytes, checked when read again."""
     empty_skipped: list[int] = field(default_factory=list)
-    """Lines of ShareGPT rows with no turn at all, left out (no text to train on)."""
+    """Lines of ShareGPT rows with no turn to learn from (none, or replies only), left out."""
     leading_replies_dropped: int = 0
     """ShareGPT rows whose leading assistant turns were dropped (see _conversations)."""
 
