@@ -109,9 +109,11 @@ def first_turn_prompts(sharegpt: Path, cfg: RealTargetConfig) -> tuple[list[str]
             break
         try:
             chat = source.chat(row)
+            opening = (source.record(row).get("conversations") or [{}])[0].get("from")
         except Exception:  # noqa: BLE001 - a row our reader refuses is simply not drawn
             continue
-        if not chat or chat[0]["role"] != "user":
+        # a row that opens with a reply is a fragment: its first user turn is mid-conversation
+        if not chat or chat[0]["role"] != "user" or opening not in ("human", "user"):
             continue
         text = chat[0]["content"].strip()
         if not text or len(text) > cfg.max_prompt_chars or text in seen:
@@ -162,27 +164,36 @@ def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int):
     )
 
 
-def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int) -> dict:
-    """Untrained drafter + a run with a checkpoint every eval_every steps; their paths."""
+def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
+                  reuse: bool = False) -> dict:
+    """Untrained drafter + a run with a checkpoint every eval_every steps; their paths.
+    `reuse`: a finished run of the same settings is evaluated again instead of retrained
+    (its seconds are then the sum of its logged step times)."""
     from dflash_train.quickstart import save_untrained
     from dflash_train.train.checkpoint import checkpoint_dir
     from dflash_train.train.loop import train
 
     run_dir = out / f"run_{layers}L"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # fixed budget from scratch every time
     train_cfg = train_config(cfg, store, run_dir, layers)
-    untrained = save_untrained(train_cfg, out / f"untrained_{layers}L")
-    start = time.perf_counter()
-    result = train(train_cfg)
-    seconds = time.perf_counter() - start
-    steps = list(range(cfg.eval_every, result.steps + 1, cfg.eval_every))
-    if not steps or steps[-1] != result.steps:
-        steps.append(result.steps)
-    checkpoints = {0: untrained, **{s: str(checkpoint_dir(run_dir, s)) for s in steps[:-1]},
-                   result.steps: str(result.checkpoint)}
-    return {"checkpoints": checkpoints, "train_seconds": seconds, "steps": result.steps,
-            "final_loss": result.final_loss}
+    log = run_dir / "log.jsonl"
+    if reuse and (checkpoint_dir(run_dir, cfg.steps) / "COMPLETE").exists():
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        seconds, steps, final_loss = (sum(r["step_s"] for r in records), records[-1]["step"],
+                                      records[-1]["loss"])
+        untrained = str(out / f"untrained_{layers}L")
+    else:
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # fixed budget from scratch every time
+        untrained = save_untrained(train_cfg, out / f"untrained_{layers}L")
+        start = time.perf_counter()
+        result = train(train_cfg)
+        seconds, steps, final_loss = time.perf_counter() - start, result.steps, result.final_loss
+    saved = list(range(cfg.eval_every, steps + 1, cfg.eval_every))
+    if not saved or saved[-1] != steps:
+        saved.append(steps)
+    checkpoints = {0: untrained, **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}
+    return {"checkpoints": checkpoints, "train_seconds": seconds, "steps": steps,
+            "final_loss": final_loss}
 
 
 def evaluate(held: str, checkpoints: dict[int, str]) -> tuple[dict, float]:
@@ -245,6 +256,9 @@ def markdown(results: dict) -> str:
         slots = ", ".join("-" if a is None else f"{a:.2f}" for a in last["slot_accepted"][:8])
         lines.append(f"\n{d} at the last step, P(slot accepted | the earlier ones were), "
                      f"slots 1-8: {slots}")
+    if results.get("reused_runs"):
+        lines.append("\n(runs reused: train seconds are the sum of their logged step times; "
+                     "extract seconds are those of resuming complete stores)")
     lines.append("\nstage seconds: " + ", ".join(f"{k} {v:.0f}"
                                                  for k, v in results["seconds"].items()))
     for name, s in results["stores"].items():
@@ -276,7 +290,8 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
+def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path,
+        reuse_runs: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seconds = {}
     clock = time.perf_counter()
@@ -293,7 +308,7 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
                                           held_store, cfg)
     drafters = {}
     for layers in cfg.drafter_layers:
-        trained = train_drafter(cfg, train_store, out, layers)
+        trained = train_drafter(cfg, train_store, out, layers, reuse_runs)
         seconds[f"train_{layers}L"] = trained["train_seconds"]
         by_step, seconds[f"eval_{layers}L"] = evaluate(held_store, trained["checkpoints"])
         drafters[f"{layers}L"] = {"eval": {str(s): v for s, v in by_step.items()},
@@ -304,6 +319,7 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
     seconds["fidelity"] = check.pop("seconds")
     results = {"preset": preset, "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg),
                "seconds": seconds, "drafters": drafters, "fidelity": check,
+               "reused_runs": reuse_runs,
                "stores": {"train": store_sizes(train_store),
                           "held_out": store_sizes(held_store)}}
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -320,13 +336,17 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=default_cache(),
                         help="Where scripts/prepare_smollm2.py keeps the model and data.")
     parser.add_argument("--steps", type=int, default=None, help="Override the step budget.")
+    parser.add_argument("--reuse-runs", action="store_true",
+                        help="Evaluate finished runs of the same settings again instead of "
+                             "retraining them (their time: the sum of logged step times).")
     args = parser.parse_args()
     preset = "quick" if args.quick else "full"
     cfg = PRESETS[preset]
     if args.steps:
         cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
     out = args.out or args.cache / f"real_target_{preset}"
-    results = run(cfg, preset, out.expanduser().resolve(), args.cache.expanduser().resolve())
+    results = run(cfg, preset, out.expanduser().resolve(), args.cache.expanduser().resolve(),
+                  args.reuse_runs)
     print(markdown(results))
     print(f"written: {out}/results.json, results.md, tau_vs_steps.png")
 

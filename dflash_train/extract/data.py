@@ -90,13 +90,16 @@ class ChatSource:
 
     def chat(self, row: int) -> Chat:
         """The messages of `row`, normalised to [{role, content, ...}]."""
+        return to_chat(self.record(row), self.where(row))
+
+    def record(self, row: int) -> Any:
+        """`row` as the file holds it (validated when the source was opened)."""
         f, i = self._locate(row)
         try:
-            record = self._record(f, i)
+            return self._record(f, i)
         except OSError as e:  # the file changed or vanished since it was indexed
             raise ExtractError(f"{self.where(row)}: cannot read the input again "
                                f"({e.strerror or e})") from e
-        return to_chat(record, self.where(row))
 
     def _record(self, f: _File, i: int) -> Any:
         if f.kind == "parquet":
