@@ -22,7 +22,6 @@ store, and never deletes a directory that holds anything but a drafter's own fil
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from dflash_train.drafter.config import DEFAULT_BLOCK_SIZE, DrafterConfig
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.hashing import file_sha256
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -302,14 +302,6 @@ def check_checkpoint_whole(root: str | os.PathLike) -> None:
     if not drafter_record.is_file():
         raise DamagedFile(drafter_record, f"missing, though the checkpoint {root} records "
                           "checksums (its copy was cut short?); copy it again whole")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_checksums(directory: Path, names: list[str]) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import pyarrow.parquet as pq
 
 from dflash_train.extract.errors import ExtractError
+from dflash_train.hashing import file_sha256
 
 ROLES = ("system", "user", "assistant", "tool")
 """Message roles a chat may use; anything else is refused."""
@@ -104,7 +105,7 @@ class ChatSource:
     def _record(self, f: _File, i: int) -> Any:
         if f.kind == "parquet":
             if f.path not in self._tables:
-                if _file_sha256(f.path) != f.sha256:
+                if file_sha256(f.path) != f.sha256:
                     raise ExtractError(_changed(f.path))
                 self._tables[f.path] = pq.read_table(f.path)
             return self._tables[f.path].slice(f.locators[i], 1).to_pylist()[0]
@@ -126,14 +127,6 @@ class ChatSource:
 
 def _row_digest(raw: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big", signed=True)
-
-
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _changed(path: str, line: int | None = None) -> str:
@@ -461,7 +454,7 @@ def _decode_row(text: _Text, decoder: json.JSONDecoder, where: str) -> tuple[Any
 
 
 def _index_parquet(path: str, start: int) -> _File:
-    sha256 = _file_sha256(path)
+    sha256 = file_sha256(path)
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a corrupt file

@@ -9,17 +9,16 @@ writes anything.
 
 import copy
 import functools
-import hashlib
 import os
 from pathlib import Path
 
 from dflash_train.extract.errors import ExtractError
+from dflash_train.hashing import file_sha256
 
 MAGIC = b"GGUF"
 """The first four bytes of every GGUF file."""
 REVISION_PREFIX = "gguf-sha256:"
 """How a GGUF target's content hash is spelled in the store's target.revision."""
-_BLOCK = 8 << 20
 
 
 def find_gguf(name_or_path: str) -> Path | None:
@@ -64,11 +63,7 @@ def revision(path: Path) -> str:
 @functools.lru_cache(maxsize=8)
 def _sha256(key: tuple) -> str:
     # keyed by size, mtime and inode too: a file replaced at the same path is hashed again
-    digest = hashlib.sha256()
-    with open(key[0], "rb") as fh:
-        for block in iter(lambda: fh.read(_BLOCK), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(key[0])
 
 
 def read_config(path: Path):
