@@ -100,7 +100,7 @@ def is_held_out(text: str) -> bool:
 
 def first_turn_prompts(sharegpt: Path, cfg: RealTargetConfig) -> tuple[list[str], list[str]]:
     """(train, held-out) first user turns, deduplicated, in file order."""
-    from dflash_train.extract.data import open_source
+    from dflash_train.extract.data import open_source, to_chat
 
     source = open_source([str(sharegpt)], allow_truncated=True)
     train, held, seen = [], [], set()
@@ -108,8 +108,9 @@ def first_turn_prompts(sharegpt: Path, cfg: RealTargetConfig) -> tuple[list[str]
         if len(train) >= cfg.train_prompts and len(held) >= cfg.held_out_prompts:
             break
         try:
-            chat = source.chat(row)
-            opening = (source.record(row).get("conversations") or [{}])[0].get("from")
+            record = source.record(row)
+            chat = to_chat(record, source.where(row))
+            opening = (record.get("conversations") or [{}])[0].get("from")
         except Exception:  # noqa: BLE001 - a row our reader refuses is simply not drawn
             continue
         # a row that opens with a reply is a fragment: its first user turn is mid-conversation
