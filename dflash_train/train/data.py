@@ -31,6 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -65,6 +66,11 @@ class LoaderConfig:
     one longer sample still forms a batch of its own."""
     shuffle_buffer_tokens: int = 65536
     """Tokens held for shuffling samples; bounds the loader's memory with batch_tokens."""
+    grouping: Literal["random", "by_length"] = "by_length"
+    """How samples leaving the shuffle buffer form batches. random: drawn one at a time, so a
+    batch pads to the longest of random lengths. by_length: each time the buffer fills, its
+    samples are sorted by length, cut into batches and the batches shuffled, so rows of a
+    batch are of similar length and the budget carries real tokens, not padding."""
     part_window: int = 8
     """Parts opened at once; their read units are shuffled together."""
     max_length: int | None = None
@@ -91,6 +97,8 @@ class LoaderConfig:
     def __post_init__(self) -> None:
         for name in ("batch_tokens", "part_window", "pad_to"):
             require(getattr(self, name) >= 1, f"loader.{name}", ">= 1", getattr(self, name))
+        require(self.grouping in ("random", "by_length"), "loader.grouping",
+                "random or by_length", self.grouping)
         for name in ("shuffle_buffer_tokens", "prefetch_batches", "workers", "seed",
                      "unit_cache_tokens"):
             require(getattr(self, name) >= 0, f"loader.{name}", ">= 0", getattr(self, name))
@@ -165,11 +173,27 @@ def plan_epoch(
 ) -> Iterator[list[SampleRef]]:
     """The global batches of one epoch, from sample lengths only."""
     rng = np.random.default_rng([cfg.seed, epoch])
+    draw = _draw_random if cfg.grouping == "random" else _draw_by_length
+    buffer: list[SampleRef] = []
+    buffered = 0  # tokens in buffer
+    batch: list[SampleRef] = []
+    for refs in _shuffled_units(parts, cfg, rng):
+        for ref in refs:
+            buffer.append(ref)
+            buffered += ref.length
+            if buffered > cfg.shuffle_buffer_tokens:
+                batch, buffered = yield from draw(buffer, buffered, batch, cfg, rng)
+    batch, _ = yield from draw(buffer, buffered, batch, cfg, rng, keep=-1)
+    if batch:
+        yield batch
+
+
+def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
+                    rng: np.random.Generator) -> Iterator[list[SampleRef]]:
+    """Read units (runs of samples) in random order, a window of parts at a time; a store
+    weight repeats a unit or draws it with the weight's fractional chance."""
     weights = cfg.store_weights
     order = rng.permutation(len(parts))
-    buffer: list[SampleRef] = []
-    buffered = 0
-    batch: list[SampleRef] = []
     for w in range(0, len(order), cfg.part_window):
         units = []
         for store_i, part in (parts[i] for i in order[w : w + cfg.part_window]):
@@ -182,16 +206,40 @@ def plan_epoch(
                 units += [[SampleRef(store_i, part.index, s, int(lengths[s]), (a, b))
                            for s in range(a, b)]] * copies
         for u in rng.permutation(len(units)):
-            for ref in units[u]:
-                buffer.append(ref)
-                buffered += ref.length
-                while buffered > cfg.shuffle_buffer_tokens:
-                    ref_out = buffer.pop(int(rng.integers(len(buffer))))
-                    buffered -= ref_out.length
-                    batch = yield from _add(batch, ref_out, cfg.batch_tokens)
-    while buffer:
-        ref_out = buffer.pop(int(rng.integers(len(buffer))))
-        batch = yield from _add(batch, ref_out, cfg.batch_tokens)
+            yield units[u]
+
+
+def _draw_random(buffer: list[SampleRef], buffered: int, batch: list[SampleRef],
+                 cfg: LoaderConfig, rng: np.random.Generator, keep: int | None = None):
+    """Move random samples of the buffer (`buffered` tokens) into the batch filling until it
+    holds at most `keep` tokens (default: the shuffle buffer's size); returns that batch and
+    the tokens left."""
+    keep = cfg.shuffle_buffer_tokens if keep is None else keep
+    while buffered > keep and buffer:
+        ref = buffer.pop(int(rng.integers(len(buffer))))
+        buffered -= ref.length
+        batch = yield from _add(batch, ref, cfg.batch_tokens)
+    return batch, buffered
+
+
+def _draw_by_length(buffer: list[SampleRef], buffered: int, batch: list[SampleRef],
+                    cfg: LoaderConfig, rng: np.random.Generator, keep: int | None = None):
+    """Empty the whole buffer into batches of samples sorted by length and yield them in
+    random order; no batch is left filling (`batch` is always empty here, `keep` unused:
+    the buffer is drawn only once it is full, or at the epoch's end)."""
+    by_length = sorted(buffer, key=lambda r: r.length)  # stable: ties keep the random order
+    buffer.clear()
+    batches = list(_pack(batch + by_length, cfg.batch_tokens))
+    for i in rng.permutation(len(batches)):
+        yield batches[i]
+    return [], 0
+
+
+def _pack(refs: list[SampleRef], budget: int) -> Iterator[list[SampleRef]]:
+    """Consecutive runs of refs, each within the padded-token budget."""
+    batch: list[SampleRef] = []
+    for ref in refs:
+        batch = yield from _add(batch, ref, budget)
     if batch:
         yield batch
 

@@ -29,6 +29,9 @@ def _keys(batches):
     return [(r.part, r.index) for b in batches for r in b]
 
 
+GROUPINGS = pytest.mark.parametrize("grouping", ["random", "by_length"])
+
+
 def _cfg(**kw):
     base = dict(batch_tokens=256, shuffle_buffer_tokens=300, part_window=2, seed=7,
                 prefetch_batches=0)
@@ -36,28 +39,34 @@ def _cfg(**kw):
     return LoaderConfig(**base)
 
 
-def test_every_committed_sample_of_complete_parts_comes_once_per_epoch(store_url):
-    loader = StoreLoader([store_url], _cfg())
+@GROUPINGS
+def test_every_committed_sample_of_complete_parts_comes_once_per_epoch(store_url, grouping):
+    loader = StoreLoader([store_url], _cfg(grouping=grouping))
     keys = _keys(loader.plan(0))
     assert sorted(keys) == [(p, i) for p in (0, 1) for i in range(40)]
 
 
-def test_ranks_read_disjoint_samples_that_cover_the_epoch(store_url):
-    plans = [_keys(StoreLoader([store_url], _cfg(), rank=r, world=2).plan(3)) for r in (0, 1)]
+@GROUPINGS
+def test_ranks_read_disjoint_samples_that_cover_the_epoch(store_url, grouping):
+    plans = [_keys(StoreLoader([store_url], _cfg(grouping=grouping), rank=r, world=2).plan(3))
+             for r in (0, 1)]
     assert plans[0] and plans[1]
     assert not set(plans[0]) & set(plans[1])
     assert sorted(plans[0] + plans[1]) == [(p, i) for p in (0, 1) for i in range(40)]
 
 
-def test_order_is_fixed_by_seed_and_epoch_and_changes_between_epochs(store_url):
-    loader = StoreLoader([store_url], _cfg())
-    assert _keys(loader.plan(1)) == _keys(StoreLoader([store_url], _cfg()).plan(1))
+@GROUPINGS
+def test_order_is_fixed_by_seed_and_epoch_and_changes_between_epochs(store_url, grouping):
+    loader = StoreLoader([store_url], _cfg(grouping=grouping))
+    again = StoreLoader([store_url], _cfg(grouping=grouping))
+    assert _keys(loader.plan(1)) == _keys(again.plan(1))
     assert _keys(loader.plan(1)) != _keys(loader.plan(2))
     assert _keys(loader.plan(1)) != sorted(_keys(loader.plan(1)))  # actually shuffled
 
 
-def test_batches_keep_the_padded_token_budget(store_url):
-    for batch in StoreLoader([store_url], _cfg(batch_tokens=200)).plan(0):
+@GROUPINGS
+def test_batches_keep_the_padded_token_budget(store_url, grouping):
+    for batch in StoreLoader([store_url], _cfg(batch_tokens=200, grouping=grouping)).plan(0):
         longest = max(r.length for r in batch)
         assert len(batch) == 1 or longest * len(batch) <= 200
 
@@ -80,8 +89,28 @@ def test_batches_hold_the_stored_samples_padded_with_no_loss(store_url):
     assert seen == 80
 
 
-def test_resume_skips_batches_without_changing_what_follows(store_url):
-    loader = StoreLoader([store_url], _cfg())
+def _padded_share(batches) -> float:
+    real = sum(r.length for b in batches for r in b)
+    return real / sum(max(r.length for r in b) * len(b) for b in batches)
+
+
+def test_by_length_batches_rows_of_similar_length_in_a_random_order(store_url):
+    whole = _cfg(shuffle_buffer_tokens=10**6, batch_tokens=400)  # one buffer holds the store
+    grouped = list(StoreLoader([store_url], whole).plan(0))
+    spans = sorted((min(r.length for r in b), max(r.length for r in b)) for b in grouped)
+    # sorted then cut: the batches' length ranges only touch, never interleave
+    assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))
+    firsts = [min(r.length for r in b) for b in grouped]
+    assert firsts != sorted(firsts), "the batches themselves must come in a random order"
+    random = list(StoreLoader([store_url], _cfg(shuffle_buffer_tokens=10**6, batch_tokens=400,
+                                                grouping="random")).plan(0))
+    assert _padded_share(grouped) > 0.85 and _padded_share(random) < 0.7
+    assert len(grouped) < len(random)  # the same samples in fewer padded batches
+
+
+@GROUPINGS
+def test_resume_skips_batches_without_changing_what_follows(store_url, grouping):
+    loader = StoreLoader([store_url], _cfg(grouping=grouping))
     full = [b.refs for b in loader.epoch(4)]
     resumed = [b.refs for b in loader.epoch(4, skip_batches=5)]
     assert len(full) > 5 and resumed == full[5:]
