@@ -66,11 +66,13 @@ class LoaderConfig:
     one longer sample still forms a batch of its own."""
     shuffle_buffer_tokens: int = 65536
     """Tokens held for shuffling samples; bounds the loader's memory with batch_tokens."""
-    grouping: Literal["random", "by_length"] = "by_length"
+    grouping: Literal["random", "by_length"] = "random"
     """How samples leaving the shuffle buffer form batches. random: drawn one at a time, so a
     batch pads to the longest of random lengths. by_length: each time the buffer fills, its
-    samples are sorted by length, cut into batches and the batches shuffled, so rows of a
-    batch are of similar length and the budget carries real tokens, not padding."""
+    samples are sorted by length, cut into batches and the batches shuffled, so a batch's
+    rows are of similar length and its budget holds more samples and fewer pads: more data
+    per step, fewer steps per epoch (measured on the quickstart's 6 epochs: 305 steps instead
+    of 455, and held-out tau 1.24 instead of 1.31, so it is not the default)."""
     part_window: int = 8
     """Parts opened at once; their read units are shuffled together."""
     max_length: int | None = None

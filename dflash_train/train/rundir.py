@@ -163,21 +163,12 @@ def find_resume_point(run_dir: Path) -> ResumePoint:
             damaged.append((path, str(e)))
             continue
         try:
-            config = config_from_dict(saved_before_grouping(read.config))
+            config = config_from_dict(read.config)
         except TrainError as e:
             raise TrainError(f"{path / CONFIG}: cannot read the run's saved config: {e}") from e
         return ResumePoint(path, read.drafter, read.trainer, read.provenance, config, damaged)
     raise TrainError(f"--resume: no checkpoint under {run_dir / CHECKPOINTS} reads whole; "
                      f"the newest: {damaged[0][1]}")
-
-
-def saved_before_grouping(config: dict[str, Any]) -> dict[str, Any]:
-    """A run saved before `loader.grouping` existed batched its samples at random: read its
-    config so, or a resume would take today's default and replay another plan unnoticed."""
-    loader = config.get("loader", {})
-    if "grouping" in loader:
-        return config
-    return {**config, "loader": {**loader, "grouping": "random"}}
 
 
 def set_aside(path: Path) -> Path:

@@ -95,11 +95,12 @@ def _padded_share(batches) -> float:
 
 
 def test_by_length_batches_rows_of_similar_length_in_a_random_order(store_url):
-    whole = _cfg(shuffle_buffer_tokens=10**6, batch_tokens=400)  # one buffer holds the store
+    whole = _cfg(shuffle_buffer_tokens=10**6, batch_tokens=400,  # one buffer holds the store
+                 grouping="by_length")
     grouped = list(StoreLoader([store_url], whole).plan(0))
     spans = sorted((min(r.length for r in b), max(r.length for r in b)) for b in grouped)
     # sorted then cut: the batches' length ranges only touch, never interleave
-    assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))
+    assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:], strict=False))
     firsts = [min(r.length for r in b) for b in grouped]
     assert firsts != sorted(firsts), "the batches themselves must come in a random order"
     random = list(StoreLoader([store_url], _cfg(shuffle_buffer_tokens=10**6, batch_tokens=400,

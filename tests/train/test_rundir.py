@@ -234,28 +234,6 @@ def test_a_run_saved_by_the_previous_version_resumes_its_own_drafter(synthetic_s
         assert torch.equal(resumed.state_dict()[k], expected[k]), k
 
 
-def test_a_run_saved_before_length_grouping_resumes_only_with_its_random_batches(
-        synthetic_store, tmp_path):
-    random = ["--set", "loader.grouping=random"]
-    whole = tmp_path / "whole"
-    assert CliRunner().invoke(main, _args(synthetic_store, whole, *random)).exit_code == 0
-    run = Path(shutil.copytree(whole, tmp_path / "run"))
-    shutil.rmtree(checkpoint_dir(run, STEPS))
-    old = checkpoint_dir(run, STEPS - 2)
-    (old / CHECKSUMS_NAME).unlink(missing_ok=True)  # config.toml is edited below
-    toml = old / "config.toml"
-    toml.write_text(toml.read_text().replace('grouping = "random"\n', ""))
-    assert "grouping" not in toml.read_text()
-    refused = CliRunner().invoke(main, _args(synthetic_store, run, "--resume"))
-    assert refused.exit_code == 1
-    assert "loader.grouping: 'random' -> 'by_length'" in refused.output
-    resumed = CliRunner().invoke(main, _args(synthetic_store, run, "--resume", *random))
-    assert resumed.exit_code == 0, resumed.output
-    expected = load_drafter(checkpoint_dir(whole, STEPS)).state_dict()
-    got = load_drafter(checkpoint_dir(run, STEPS)).state_dict()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
-
-
 def test_the_same_store_by_another_path_or_cwd_and_another_device_resume(synthetic_store,
                                                                         tmp_path, monkeypatch):
     store = Path(synthetic_store)
@@ -399,11 +377,10 @@ def test_a_resume_over_parts_that_changed_is_refused(tmp_path):
 
 def test_a_run_whose_last_step_was_a_periodic_checkpoint_is_complete(synthetic_store, tmp_path):
     out = tmp_path / "run"
-    # epochs of 11 and 10 batches at random grouping: the schedule's 2 x 11 steps overshoot
-    # the 21 taken
+    # epochs of 11 and 10 batches: the schedule's 2 x 11 steps overshoot the 21 taken
     args = ["train", "--store", synthetic_store, "--out", str(out), "--layers", "1",
             "--batch-tokens", "128", "--anchors-per-seq", "8", "--epochs", "2", "--no-progress",
-            "--set", "loader.prefetch_batches=0", "--set", "loader.grouping=random"]
+            "--set", "loader.prefetch_batches=0"]
     first = CliRunner().invoke(main, args)
     assert first.exit_code == 0, first.output
     last = complete_checkpoints(out)[-1]
