@@ -15,9 +15,11 @@ its COMPLETE marker and its own checksums.json), so a half-copied one is refused
 export and init_from alike. No weight holding NaN or Inf is ever written or loaded
 (check_finite, the one check every writer of weights and optimiser state calls).
 
-Owns reading/writing those files, atomically (temp dir + rename), and the rule of what an
-overwrite may replace. Never trains, never touches optimiser state, never reads the feature
-store, and never deletes a directory that holds anything but a drafter's own files.
+Owns reading/writing those files, atomically (temp dir + rename) and with the modes the
+user's umask gives new files (a serving engine running as another user must read them), and
+the rule of what an overwrite may replace. Never trains, never touches optimiser state, never
+reads the feature store, and never deletes a directory that holds anything but a drafter's
+own files.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ directory as one (z-lab / HF drafter directories hold none; a run directory hold
 config.toml too, so that is no mark)."""
 
 ARCHITECTURE = "DFlashDraftModel"
+PROC_STATUS = Path("/proc/self/status")
+"""Where Linux reports the process's umask without it being changed to read it."""
 
 # dflash_config / top-level fields that change the forward in ways this drafter does not
 # implement (DFlash2 selectors, logit scaling, attention sinks, ...): refused by name
@@ -491,20 +495,48 @@ def _check_keys(model: DFlashDrafter, state: Mapping[str, torch.Tensor], where: 
         raise DrafterError(f"{where}: weight {name} has shape {got}, config implies {want}")
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where the kernel reports it."""
+    try:  # Linux >= 4.7 lists it in /proc/self/status
+        for line in PROC_STATUS.read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    # Elsewhere the only way to read it is to set it: set the strictest mask and restore at
+    # once, so a file another thread creates in between is at worst too private.
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def new_file_modes() -> tuple[int, int]:
+    """(file, directory) permission bits the user's umask gives a newly created file and
+    directory (0644 / 0755 under umask 022). The temp dir and safetensors' file are
+    private (0700 / 0600) whatever the umask; a server running as another user or in a
+    container must be able to read an export, so its files get these instead."""
+    mask = current_umask()
+    return 0o666 & ~mask, 0o777 & ~mask
+
+
 def _write_dir_atomically(
     out_dir: Path, write: Callable[[Path], None], overwrite: bool
 ) -> Path:
     """Write into a sibling temp dir, then rename it into place: a crash never leaves a
     half-written drafter at `out_dir`. Only a directory check_output_dir accepts is
-    replaced."""
+    replaced. The directory and its files get the modes the umask gives new ones
+    (new_file_modes), set before the rename, so the published directory is never private."""
     check_output_dir(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         write(tmp)
+        file_mode, dir_mode = new_file_modes()
         for file in tmp.iterdir():
             with open(file, "rb") as handle:
+                os.fchmod(handle.fileno(), file_mode)
                 os.fsync(handle.fileno())
+        os.chmod(tmp, dir_mode)
         old = None
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{tmp.name}"

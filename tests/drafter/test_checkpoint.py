@@ -1,7 +1,10 @@
 """The serving directory format: round trip, published fields and key names, export."""
 
+import contextlib
 import hashlib
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -431,3 +434,43 @@ def test_export_refuses_to_write_over_its_own_source(tmp_path):
         with pytest.raises(DrafterError, match="is the checkpoint being exported"):
             export_checkpoint(ckpt, target, overwrite=True)
     assert _tree(ckpt) == before
+
+
+def _mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@contextlib.contextmanager
+def _umask(mask):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755),
+                                                       (0o077, 0o600, 0o700)])
+def test_saved_and_exported_drafters_get_the_modes_the_umask_gives(tmp_path, mask, file_mode,
+                                                                   dir_mode):
+    # A server running as another user (or in a container) reads the export: it must not
+    # stay as private as the temp dir and safetensors' own file (0700 / 0600) whatever the
+    # umask, nor be opener than the umask allows.
+    with _umask(mask):
+        saved = save_drafter(tiny_drafter(0), tmp_path / "saved")
+        exported = export_checkpoint(saved, tmp_path / "export")
+        again = export_checkpoint(saved, exported, overwrite=True)
+        (tmp_path / "plain").write_text("")  # what the umask gives any new file
+    assert _mode(tmp_path / "plain") == file_mode
+    for directory in (saved, exported, again):
+        assert _mode(directory) == dir_mode, directory
+        files = sorted(directory.iterdir())
+        assert len(files) >= 3
+        assert {p.name: _mode(p) for p in files} == {p.name: file_mode for p in files}
+
+
+def test_the_umask_is_read_where_the_kernel_does_not_report_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "PROC_STATUS", tmp_path / "no-proc")
+    with _umask(0o027):
+        assert checkpoint.new_file_modes() == (0o640, 0o750)
+        assert os.umask(0o027) == 0o027  # left as it was
