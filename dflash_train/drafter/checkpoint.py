@@ -15,9 +15,23 @@ its COMPLETE marker and its own checksums.json), so a half-copied one is refused
 export and init_from alike. No weight holding NaN or Inf is ever written or loaded
 (check_finite, the one check every writer of weights and optimiser state calls).
 
-Owns reading/writing those files, atomically (temp dir + rename), and the rule of what an
-overwrite may replace. Never trains, never touches optimiser state, never reads the feature
-store, and never deletes a directory that holds anything but a drafter's own files.
+Every directory we write ships `modeling_dflash_train.py` too, which config.json's auto_map
+names, so that transformers' `AutoModel.from_pretrained(dir, trust_remote_code=True)` works
+(z-lab's Hub repos ship their own module; naming one without shipping it made that call
+fail). It only re-exports AutoModelLoader, which returns load_drafter's DFlashDrafter: one
+implementation of the drafter, so it needs dflash-train installed and says so when it is
+not. Leaving auto_map out instead would have that call build transformers' plain Qwen3Model
+(fc and hidden_norm dropped, embed_tokens random), as AutoModel without remote code does
+anyway: model_type qwen3 is what vLLM, SGLang and z-lab's loader read, so it stays, and
+transformers' load report names the mismatch. vLLM and SGLang resolve the drafter by
+`architectures` (DFlashDraftModel) and never read auto_map or the module; z-lab's
+`DFlashDraftModel.from_pretrained` ignores both.
+
+Owns reading/writing those files, atomically (temp dir + rename) and with the modes the
+user's umask gives new files (a serving engine running as another user must read them), and
+the rule of what an overwrite may replace. Never trains, never touches optimiser state, never
+reads the feature store, and never deletes a directory that holds anything but a drafter's
+own files.
 """
 
 from __future__ import annotations
@@ -43,7 +57,10 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 CHECKSUMS_NAME = "checksums.json"
 """sha256 of every other file a drafter directory was written with."""
-OWN_FILES = (CONFIG_NAME, WEIGHTS_NAME, CHECKSUMS_NAME)
+LOADER_MODULE = "modeling_dflash_train"
+"""The module every drafter directory we write ships for transformers' AutoModel (auto_map)."""
+LOADER_NAME = f"{LOADER_MODULE}.py"
+OWN_FILES = (CONFIG_NAME, WEIGHTS_NAME, LOADER_NAME, CHECKSUMS_NAME)
 """Everything save_drafter / export write: the only files an overwrite may replace."""
 DRAFTER_SUBDIR = "drafter"
 """Where a training checkpoint keeps its drafter directory."""
@@ -59,6 +76,8 @@ directory as one (z-lab / HF drafter directories hold none; a run directory hold
 config.toml too, so that is no mark)."""
 
 ARCHITECTURE = "DFlashDraftModel"
+PROC_STATUS = Path("/proc/self/status")
+"""Where Linux reports the process's umask without it being changed to read it."""
 
 # dflash_config / top-level fields that change the forward in ways this drafter does not
 # implement (DFlash2 selectors, logit scaling, attention sinks, ...): refused by name
@@ -97,7 +116,7 @@ def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
     """config.json contents, the fields of the published z-lab DFlash checkpoints."""
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "auto_map": {"AutoModel": f"{LOADER_MODULE}.{AutoModelLoader.__name__}"},
         "model_type": "qwen3",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -238,7 +257,8 @@ def save_drafter(
     def write(tmp: Path) -> None:
         (tmp / CONFIG_NAME).write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        write_checksums(tmp, [CONFIG_NAME, WEIGHTS_NAME])
+        (tmp / LOADER_NAME).write_text(LOADER_SOURCE)
+        write_checksums(tmp, [CONFIG_NAME, WEIGHTS_NAME, LOADER_NAME])
 
     return _write_dir_atomically(Path(out_dir), write, overwrite)
 
@@ -398,6 +418,79 @@ def resolve_drafter_dir(path: str | os.PathLike, *, checked_whole: bool = False)
     )
 
 
+class AutoModelLoader:
+    """What transformers' `AutoModel.from_pretrained(directory, trust_remote_code=True)`
+    calls for a directory we wrote (its auto_map names LOADER_MODULE, which re-exports
+    this): load_drafter's DFlashDrafter, in eval mode, target head not attached. Takes what
+    a user passes AutoModel for a drafter, dtype (or torch_dtype; "auto" keeps the stored
+    one), device_map (one device) and subfolder, and refuses anything else by name rather
+    than ignore it (a quantization_config ignored would load something else than asked)."""
+
+    PASSED_BY_TRANSFORMERS = frozenset({
+        "config", "trust_remote_code", "adapter_kwargs", "_from_auto", "revision",
+        "code_revision", "cache_dir", "force_download", "local_files_only", "proxies", "token",
+    })
+    """Hub and remote-code bookkeeping AutoModel adds; meaningless for a local directory."""
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: str = "AutoModel") -> None:
+        """transformers records here which auto class loaded remote code; nothing to keep."""
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *model_args: Any, **kwargs: Any
+                        ) -> DFlashDrafter:
+        dtype = kwargs.pop("dtype", None)
+        dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
+        device = kwargs.pop("device_map", None)
+        subfolder = kwargs.pop("subfolder", None) or ""
+        unknown = sorted(set(kwargs) - cls.PASSED_BY_TRANSFORMERS)
+        if model_args or unknown:
+            shown = [repr(a) for a in model_args] + unknown
+            raise TypeError(f"{path}: loading a dflash-train drafter takes dtype, device_map "
+                            f"and subfolder only, not {', '.join(shown)}")
+        if isinstance(dtype, str):
+            name, dtype = dtype, None if dtype == "auto" else getattr(torch, dtype, None)
+            if name != "auto" and not isinstance(dtype, torch.dtype):
+                raise TypeError(f"{path}: dtype {name!r} is not a torch dtype")
+        if device == "auto" or isinstance(device, dict):
+            raise TypeError(f"{path}: device_map={device!r}: pass one device (e.g. 'cuda:0'); "
+                            "the drafter is small and is not split across devices")
+        directory = Path(path) / subfolder
+        if not directory.is_dir():
+            raise DrafterError(f"{directory}: not a local directory; a dflash-train drafter "
+                               "loads from disk (download it first, e.g. hf download)")
+        device = torch.device("cpu" if device is None else device)
+        return load_drafter(directory, dtype=dtype, device=device).eval()
+
+
+LOADER_SOURCE = f'''"""Lets transformers load this DFlash drafter, exported by dflash-train:
+
+    AutoModel.from_pretrained(this_directory, trust_remote_code=True)
+
+returns dflash-train's DFlashDrafter with these weights (checksums.json verified), as
+dflash_train.drafter.load_drafter does; it needs dflash-train installed. The target's
+embed_tokens and lm_head are not in this directory: attach them with attach_target_head.
+Serving engines (vLLM, SGLang) read config.json and the weights only, never this file;
+z-lab's dflash.model.DFlashDraftModel.from_pretrained(this_directory) loads them too.
+"""
+
+try:
+    from dflash_train.drafter.checkpoint import {AutoModelLoader.__name__}
+except ImportError as err:
+    raise ImportError(
+        f"{{__file__}}: this DFlash drafter was written by dflash-train and AutoModel loads it "
+        f"through dflash-train, which does not import here ({{err}}); install dflash-train, "
+        "or load the directory with z-lab's dflash.model.DFlashDraftModel.from_pretrained"
+    ) from err
+
+__all__ = ["{AutoModelLoader.__name__}"]
+'''
+"""The text of LOADER_NAME: a re-export of AutoModelLoader, so the drafter has one
+implementation. A plain import error would read as transformers' 'requires the following
+packages ... pip install dflash_train'; the import sits in a try block, which transformers'
+import check skips, so the error names what to do instead."""
+
+
 def export_checkpoint(
     src_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -491,20 +584,48 @@ def _check_keys(model: DFlashDrafter, state: Mapping[str, torch.Tensor], where: 
         raise DrafterError(f"{where}: weight {name} has shape {got}, config implies {want}")
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where the kernel reports it."""
+    try:  # Linux >= 4.7 lists it in /proc/self/status
+        for line in PROC_STATUS.read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    # Elsewhere the only way to read it is to set it: set the strictest mask and restore at
+    # once, so a file another thread creates in between is at worst too private.
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def new_file_modes() -> tuple[int, int]:
+    """(file, directory) permission bits the user's umask gives a newly created file and
+    directory (0644 / 0755 under umask 022). The temp dir and safetensors' file are
+    private (0700 / 0600) whatever the umask; a server running as another user or in a
+    container must be able to read an export, so its files get these instead."""
+    mask = current_umask()
+    return 0o666 & ~mask, 0o777 & ~mask
+
+
 def _write_dir_atomically(
     out_dir: Path, write: Callable[[Path], None], overwrite: bool
 ) -> Path:
     """Write into a sibling temp dir, then rename it into place: a crash never leaves a
     half-written drafter at `out_dir`. Only a directory check_output_dir accepts is
-    replaced."""
+    replaced. The directory and its files get the modes the umask gives new ones
+    (new_file_modes), set before the rename, so the published directory is never private."""
     check_output_dir(out_dir, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         write(tmp)
+        file_mode, dir_mode = new_file_modes()
         for file in tmp.iterdir():
             with open(file, "rb") as handle:
+                os.fchmod(handle.fileno(), file_mode)
                 os.fsync(handle.fileno())
+        os.chmod(tmp, dir_mode)
         old = None
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{tmp.name}"

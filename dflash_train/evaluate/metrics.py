@@ -2,7 +2,10 @@
 
 streak = number of leading slots 1..B-1 whose draft equals the label. A slot whose label is
 invalid (past the sequence end or outside the assistant text) ends the streak as a mismatch
-would: nothing beyond it can be verified offline. tau = streak + 1 (the bonus token).
+would: nothing beyond it can be verified offline. tau = the tokens the round commits: the
+streak plus the target's bonus token, except where the text ends right after the streak (an
+end-of-turn token or the token cap inside the accepted drafts): generation is over there
+and no bonus is produced, so tau = streak (`committed_lengths`, given the tokens left).
 
 Accumulators count integers only, so a store of any size evaluates streaming and results
 from several ranks merge exactly. This module never runs a model and never reads the store.
@@ -29,11 +32,19 @@ def streak_lengths(draft: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
     return ok[:, 1:].long().cumprod(dim=1).sum(dim=1)
 
 
+def committed_lengths(streak: torch.Tensor, tokens_left: torch.Tensor | None) -> torch.Tensor:
+    """tau per block [N]: the accepted drafts `streak` plus the bonus token, but never more
+    than the `tokens_left` [N] the text holds after the anchor (None: it always goes on)."""
+    tau = streak + 1
+    return tau if tokens_left is None else torch.minimum(tau, tokens_left.to(tau))
+
+
 def acceptance_lengths(
-    draft: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+    draft: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+    tokens_left: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """tau per block [N] = streak + 1, in 1..B."""
-    return streak_lengths(draft, labels, valid) + 1
+    """tau per block [N] in 1..B: committed_lengths of the streak."""
+    return committed_lengths(streak_lengths(draft, labels, valid), tokens_left)
 
 
 def agreement_counts(
@@ -101,7 +112,8 @@ class AcceptanceStats:
             raise BlockError(f"recall_at values must be >= 1, got {recall_at}")
         self.block_size = block_size
         self.recall_at = tuple(sorted(set(recall_at)))
-        self.taus = TauHistogram(block_size)
+        self.taus = TauHistogram(block_size)  # tau: tokens committed per block
+        self.streaks = TauHistogram(block_size)  # streak + 1: accepted drafts per block
         zeros = torch.zeros(block_size, dtype=torch.long)
         self.slot_valid = zeros.clone()  # valid labels per slot
         self.slot_correct = zeros.clone()  # top-1 == label, regardless of earlier slots
@@ -110,9 +122,11 @@ class AcceptanceStats:
         self.slot_recall = torch.zeros(len(self.recall_at), block_size, dtype=torch.long)
 
     def update(
-        self, draft_topk_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor
+        self, draft_topk_ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+        tokens_left: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Add blocks: draft ids [N, B, K] (rank 0 = the draft) or [N, B]; returns tau [N]."""
+        """Add blocks: draft ids [N, B, K] (rank 0 = the draft) or [N, B], and the tokens
+        the text holds after each anchor (committed_lengths); returns tau [N]."""
         if draft_topk_ids.dim() == 2:
             draft_topk_ids = draft_topk_ids.unsqueeze(-1)
         if draft_topk_ids.dim() != 3 or draft_topk_ids.shape[1] != self.block_size:
@@ -132,7 +146,9 @@ class AcceptanceStats:
         slots = torch.arange(self.block_size)
         hit = (ids == labels.unsqueeze(-1)) & valid.unsqueeze(-1)  # [N, B, K]
 
-        self.taus.update(streak + 1)
+        tau = committed_lengths(streak, tokens_left)
+        self.taus.update(tau)
+        self.streaks.update(streak + 1)
         self.slot_valid += valid.sum(0)
         self.slot_correct += hit[..., 0].sum(0)
         reached = (streak[:, None] >= slots - 1) & valid  # [N, B]
@@ -143,27 +159,32 @@ class AcceptanceStats:
         self.slot_accepted += accepted.sum(0)
         for i, r in enumerate(self.recall_at):
             self.slot_recall[i] += hit[..., :r].any(-1).sum(0)
-        return streak + 1
+        return tau
 
     def merge(self, other: "AcceptanceStats") -> None:
         """Add another accumulator's counts (same block size and recall_at)."""
         if (other.block_size, other.recall_at) != (self.block_size, self.recall_at):
             raise BlockError("cannot merge AcceptanceStats with a different block_size/recall_at")
         self.taus.merge(other.taus)
+        self.streaks.merge(other.streaks)
         for name in ("slot_valid", "slot_correct", "slot_reached", "slot_accepted", "slot_recall"):
             getattr(self, name).add_(getattr(other, name))
 
     def summary(self) -> dict:
-        """Plain dict: tau stats, streak histogram and per-slot lists for slots 1..B-1."""
-        taus = self.taus.summary()
-        mean_tau = taus["mean_tau"]
+        """Plain dict: tau stats, streak histogram and per-slot lists for slots 1..B-1.
+
+        mean_tau: tokens committed per block. mean_streak / streak_hist: accepted drafts
+        per block (a block the text ends in counts the drafts up to the end). Per slot k:
+        cond_accept = P(draft k accepted | drafts < k accepted and position a+k is text),
+        slot_accuracy = P(draft k == label | label valid), whatever came before."""
+        taus, streaks = self.taus.summary(), self.streaks.summary()
         return {
             "n_blocks": taus["n"],
-            "mean_tau": mean_tau,
-            "mean_streak": None if mean_tau is None else mean_tau - 1.0,
+            "mean_tau": taus["mean_tau"],
+            "mean_streak": None if streaks["mean_tau"] is None else streaks["mean_tau"] - 1.0,
             "tau_ci95": taus["tau_ci95"],
             "ci_method": "normal approximation, 95 %, blocks treated as independent",
-            "streak_hist": taus["tau_hist"],  # index s = streak s (tau s+1)
+            "streak_hist": streaks["tau_hist"],  # index s = streak s
             "slot_valid": self.slot_valid[1:].tolist(),
             "cond_accept": _ratios(self.slot_accepted[1:], self.slot_reached[1:]),
             "slot_accuracy": _ratios(self.slot_correct[1:], self.slot_valid[1:]),

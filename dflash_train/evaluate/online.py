@@ -11,9 +11,12 @@ committed sequence plus the block every round, with no cache: O(L^2) per prompt,
 the tiny targets of the tests and for spot checks. A cached loop is a later optimisation.
 
 Generation ends as extract's regeneration ends it: at the first end-of-turn token, after
-max_new_tokens new tokens, or when the sequence reaches the store's max_length. Drafts past
-that end do not count: a round's tau = drafts committed before the end + 1, which is
-exactly the offline tau of the same block (labels past the sequence end are invalid).
+max_new_tokens new tokens, or when the sequence reaches the store's max_length. A round's tau
+is the tokens it commits: the accepted drafts and the target's bonus token, cut at that end,
+so drafts past the end do not count and no bonus is counted when the end falls inside the
+accepted drafts. That is exactly the offline tau of the same block (replay.tokens_left).
+Every round drafts a full block, as serving engines do; z-lab's loop drafts as many slots as
+tokens are left near max_new_tokens (their last blocks can differ from ours there).
 
 Prompts are the stored samples' tokens before their first response token, so on a store
 made with `extract --regenerate` the generated text equals the stored text and offline
@@ -55,7 +58,7 @@ class Round:
 
     anchor: int
     tau: int
-    """Drafts committed before the end of generation + 1."""
+    """Tokens the round committed: accepted drafts, then the bonus, up to the end."""
     logp: torch.Tensor
     """[B, k] the drafter's per-slot top-k log-probs."""
     ids: torch.Tensor
@@ -141,15 +144,13 @@ def speculative_decode(target: TargetStates, drafter: BlockDrafter, prompt: list
         accepted = 0
         while accepted < b - 1 and draft[accepted] == verify[accepted]:
             accepted += 1
-        committed_drafts = 0
-        for j, token in enumerate(draft[:accepted] + [verify[accepted]]):
+        for token in draft[:accepted] + [verify[accepted]]:
             tokens.append(token)
             new += 1
-            committed_drafts += j < accepted
             if stop.done(token, new, len(tokens)):
                 done = True
                 break
-        run.rounds.append(Round(anchor, committed_drafts + 1, logp[0, 0], ids[0, 0]))
+        run.rounds.append(Round(anchor, len(tokens) - 1 - anchor, logp[0, 0], ids[0, 0]))
         if not done:
             # The verified positions a .. a+accepted now have target states; the bonus
             # token (the next anchor) does not until the next round verifies it.

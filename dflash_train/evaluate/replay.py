@@ -6,11 +6,15 @@ For each batch of stored sequences, every checkpoint drafts the same blocks:
   first response token, then a + tau). Sequential within a sequence, batched across the
   sequences of a batch step by step.
 A block's labels are the stored verifier argmax at a+k-1 (dflash_train.blocks.block_labels); its
-draft is the drafter's per-slot top-k. Metrics accumulate in `CheckpointResults`.
+draft is the drafter's per-slot top-k. Its tau is the tokens live decoding would commit there:
+the accepted drafts plus the target's bonus token, unless the stored text ends inside those
+drafts (the end-of-turn token or the token cap was drafted), where no bonus follows
+(`tokens_left`). Metrics accumulate in `CheckpointResults`.
 
-Offline tau equals live greedy speculative decoding only when the store holds the target's
-own greedy continuation (extract --regenerate); the store's agreement rate says how far it
-does. This module never loads the target model and never writes files.
+Offline tau equals live greedy speculative decoding (evaluate.online: a full block every
+round, as serving engines draft) only when the store holds the target's own greedy
+continuation (extract --regenerate); the store's agreement rate says how far it does. This
+module never loads the target model and never writes files.
 """
 
 from collections.abc import Callable, Iterable, Iterator
@@ -20,10 +24,15 @@ from typing import Literal
 import numpy as np
 import torch
 
-from dflash_train.blocks import block_labels, eligible_anchors, replay_anchors
+from dflash_train.blocks import block_label_mask, block_labels, eligible_anchors, replay_anchors
 from dflash_train.evaluate.damage import DamagePolicy
 from dflash_train.evaluate.drafting import BlockDrafter, select_rows
-from dflash_train.evaluate.metrics import AcceptanceStats, TauHistogram, agreement_counts
+from dflash_train.evaluate.metrics import (
+    AcceptanceStats,
+    TauHistogram,
+    agreement_counts,
+    committed_lengths,
+)
 from dflash_train.evaluate.tree import tree_acceptance_lengths
 from dflash_train.store_schema import Part, Sample, Store, read_guarded
 
@@ -201,9 +210,11 @@ class CheckpointResults:
     def add(self, blocks: list[tuple[EvalSample, int]], logp: torch.Tensor,
             ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> list[int]:
         """Score blocks (sample, anchor) with draft top-k [M, B, k] and labels [M, B]."""
-        taus = self.stats.update(ids, labels, valid).tolist()
+        left = tokens_left(blocks, self.block_size)
+        taus = self.stats.update(ids, labels, valid, left).tolist()
         tree = tree_acceptance_lengths(logp, ids, labels, valid, self.settings.tree_budgets)
         for b, hist in self.tree.items():
+            tree[b] = committed_lengths(tree[b] - 1, left)
             hist.update(tree[b])
         for m, (s, anchor) in enumerate(blocks):
             for name, value in (("part", s.part), ("sample", s.index),
@@ -251,22 +262,41 @@ class Agreement:
         return self.matches / self.total if self.total else None
 
 
-def labels_for(blocks: list[tuple[EvalSample, int]], block_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored verifier labels [M, B] and validity of blocks (sample, anchor)."""
-    labels, valid = [], []
+def _runs(blocks: list[tuple[EvalSample, int]]) -> Iterator[tuple[EvalSample, torch.Tensor]]:
+    """Consecutive blocks of one sample: (sample, anchors), so each costs one call."""
     start = 0
-    while start < len(blocks):  # one block_labels call per run of blocks of one sample
+    while start < len(blocks):
         sample = blocks[start][0]
         stop = start
         while stop < len(blocks) and blocks[stop][0] is sample:
             stop += 1
-        anchors = torch.tensor([a for _, a in blocks[start:stop]])
+        yield sample, torch.tensor([a for _, a in blocks[start:stop]])
+        start = stop
+
+
+def labels_for(blocks: list[tuple[EvalSample, int]], block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored verifier labels [M, B] and validity of blocks (sample, anchor)."""
+    labels, valid = [], []
+    for sample, anchors in _runs(blocks):
         lab, ok = block_labels(sample.top1[:, None], sample.loss_mask, anchors, block_size)
         labels.append(lab)
         valid.append(ok)
-        start = stop
     return torch.cat(labels), torch.cat(valid)
+
+
+def tokens_left(blocks: list[tuple[EvalSample, int]], block_size: int) -> torch.Tensor:
+    """Per block (sample, anchor) [M]: the tokens the text holds after the anchor before its
+    assistant turn ends, up to block_size. Live decoding ends the turn there (on its
+    end-of-turn token, or at the token cap where the stored generation stopped), so a round
+    at that anchor commits no more tokens than this: no bonus after drafts accepted up to
+    the end. Counts position a+B too (block_label_mask of B+1 slots), which decides whether
+    a fully accepted block is followed by a bonus."""
+    out = []
+    for sample, anchors in _runs(blocks):
+        text = block_label_mask(sample.loss_mask, anchors, block_size + 1)[:, 1:]
+        out.append(text.long().cumprod(dim=1).sum(dim=1))
+    return torch.cat(out)
 
 
 def draft_at(drafter: BlockDrafter, samples: list[EvalSample], anchors: list[torch.Tensor],

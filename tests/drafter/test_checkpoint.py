@@ -1,7 +1,11 @@
 """The serving directory format: round trip, published fields and key names, export."""
 
+import contextlib
 import hashlib
 import json
+import os
+import stat
+import sys
 
 import pytest
 import torch
@@ -74,6 +78,11 @@ NOT_WRITTEN = {"bos_token_id", "eos_token_id", "transformers_version"}
 # Fields we write beyond the b16 fixture: docs/reference.md §9 puts block_size in dflash_config
 # too (the newer z-lab checkpoints do), and z-lab's loader reads it there first.
 ADDED = {"dflash_config.block_size"}
+# Fields we write with another value: auto_map names the loader module we ship beside the
+# weights (z-lab ship their own dflash.py on the Hub; naming it without the file made
+# AutoModel(trust_remote_code=True) fail). Engines resolve the drafter by architectures.
+CHANGED = {"auto_map": {"AutoModel": "modeling_dflash_train.AutoModelLoader"}}
+OWN_FILES = ["checksums.json", "config.json", "model.safetensors", "modeling_dflash_train.py"]
 
 # The per-layer tensors of a published DFlash checkpoint, as its safetensors header lists them.
 LAYER_KEYS = [
@@ -134,6 +143,7 @@ def test_exported_config_matches_the_published_format_field_by_field():
             assert field not in ours
             continue
         assert field in ours, f"published field {field} not written"
+        value = CHANGED.get(field, value)
         assert ours[field] == value and type(ours[field]) is type(value), field
     assert set(ours) - set(published) == ADDED
     assert ours["dflash_config.block_size"] == 16
@@ -144,8 +154,7 @@ def test_saved_weights_have_the_published_key_names(tmp_path):
                          layer_types=["sliding_attention"] * 2 + ["full_attention"])
     out = save_drafter(model, tmp_path / "d")
     assert sorted(load_file(str(out / "model.safetensors"))) == _published_keys(3)
-    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json",
-                                                     "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == OWN_FILES
 
 
 def test_published_shapes_follow_from_the_config():
@@ -239,8 +248,7 @@ def test_export_writes_bf16_serving_dir_from_a_training_checkpoint(tmp_path):
     (ckpt / "optimizer.pt").write_bytes(b"optimiser state, not exported")
     (ckpt / "COMPLETE").write_text("step 100\n")  # a whole checkpoint: its marker is there
     out = export_checkpoint(ckpt, tmp_path / "serve")
-    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json",
-                                                     "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == OWN_FILES
     raw = json.loads((out / "config.json").read_text())
     assert raw["dtype"] == "bfloat16"
     assert config_from_dict(raw) == model.config
@@ -316,7 +324,7 @@ def test_the_checksum_record_holds_the_sha256_of_every_file_written(tmp_path):
     assert record["algorithm"] == "sha256"
     assert record["files"] == {
         name: hashlib.sha256((out / name).read_bytes()).hexdigest()
-        for name in ("config.json", "model.safetensors")}
+        for name in OWN_FILES if name != "checksums.json"}
 
 
 def test_flipped_weight_bytes_are_refused_naming_the_file(tmp_path):
@@ -431,3 +439,116 @@ def test_export_refuses_to_write_over_its_own_source(tmp_path):
         with pytest.raises(DrafterError, match="is the checkpoint being exported"):
             export_checkpoint(ckpt, target, overwrite=True)
     assert _tree(ckpt) == before
+
+
+def _mode(path):
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@contextlib.contextmanager
+def _umask(mask):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755),
+                                                       (0o077, 0o600, 0o700)])
+def test_saved_and_exported_drafters_get_the_modes_the_umask_gives(tmp_path, mask, file_mode,
+                                                                   dir_mode):
+    # A server running as another user (or in a container) reads the export: it must not
+    # stay as private as the temp dir and safetensors' own file (0700 / 0600) whatever the
+    # umask, nor be opener than the umask allows.
+    with _umask(mask):
+        saved = save_drafter(tiny_drafter(0), tmp_path / "saved")
+        exported = export_checkpoint(saved, tmp_path / "export")
+        again = export_checkpoint(saved, exported, overwrite=True)
+        (tmp_path / "plain").write_text("")  # what the umask gives any new file
+    assert _mode(tmp_path / "plain") == file_mode
+    for directory in (saved, exported, again):
+        assert _mode(directory) == dir_mode, directory
+        files = sorted(directory.iterdir())
+        assert len(files) >= 3
+        assert {p.name: _mode(p) for p in files} == {p.name: file_mode for p in files}
+
+
+def test_the_umask_is_read_where_the_kernel_does_not_report_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "PROC_STATUS", tmp_path / "no-proc")
+    with _umask(0o027):
+        assert checkpoint.new_file_modes() == (0o640, 0o750)
+        assert os.umask(0o027) == 0o027  # left as it was
+
+
+# -- what transformers' AutoModel makes of an export ---------------------------------------
+
+
+@pytest.fixture
+def hf_modules(tmp_path, monkeypatch):
+    """transformers copies remote code into its modules cache and imports it from there:
+    a cache of this test's own, and the modules it imported forgotten afterwards."""
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.startswith("transformers_modules"):
+            del sys.modules[name]
+
+
+def _export(tmp_path, name, model, dtype=None):
+    return export_checkpoint(save_drafter(model, tmp_path / f"{name}-src"), tmp_path / name,
+                             dtype=dtype)
+
+
+def test_automodel_with_remote_code_gives_our_drafter_and_its_logits(tmp_path, hf_modules):
+    from transformers import AutoModel
+
+    model = tiny_drafter(3)
+    fp32 = _export(tmp_path, "fp32", model)
+    loaded = AutoModel.from_pretrained(fp32, trust_remote_code=True, device_map="cpu")
+    assert isinstance(loaded, DFlashDrafter) and not loaded.training
+    assert loaded.config == model.config
+    loaded.attach_target_head(model.target_embed_tokens, model.target_lm_head)
+    batch = random_batch(model, 3)
+    with torch.no_grad():
+        assert torch.equal(loaded.forward_logits(*batch), model.forward_logits(*batch))
+    # The served bf16 export: dtype "auto" keeps bf16, a dtype casts as load_drafter does.
+    bf16 = _export(tmp_path, "bf16", model, dtype=torch.bfloat16)
+    auto = AutoModel.from_pretrained(bf16, trust_remote_code=True, dtype="auto")
+    assert auto.fc.weight.dtype == torch.bfloat16
+    up = AutoModel.from_pretrained(bf16, trust_remote_code=True, torch_dtype=torch.float32)
+    assert torch.equal(up.fc.weight, model.fc.weight.to(torch.bfloat16).float())
+    with pytest.raises(TypeError, match="not low_cpu_mem_usage"):
+        AutoModel.from_pretrained(bf16, trust_remote_code=True, low_cpu_mem_usage=True)
+    with pytest.raises(TypeError, match="pass one device"):
+        AutoModel.from_pretrained(bf16, trust_remote_code=True, device_map="auto")
+
+
+def test_automodel_remote_code_without_dflash_train_says_what_to_install(tmp_path, hf_modules,
+                                                                         monkeypatch):
+    from transformers import AutoModel
+
+    out = _export(tmp_path, "elsewhere", tiny_drafter(0))
+    # As where dflash-train is not installed: the shipped module's one import fails.
+    monkeypatch.setitem(sys.modules, "dflash_train.drafter.checkpoint", None)
+    with pytest.raises(ImportError, match=r"modeling_dflash_train\.py: .*install dflash-train"):
+        AutoModel.from_pretrained(out, trust_remote_code=True)
+
+
+def test_automodel_without_remote_code_builds_transformers_qwen3_and_reports_it(tmp_path,
+                                                                               hf_modules):
+    # What we cannot prevent: config.json says model_type qwen3, which vLLM, SGLang and
+    # z-lab's loader all read, so transformers' own Qwen3Model is built from it. It is not
+    # silent: its load report names the drafter's own weights as unexpected and the
+    # embedding (which the drafter borrows from the target) as missing.
+    from transformers import AutoModel, Qwen3Model
+
+    out = _export(tmp_path, "plain", tiny_drafter(0))
+    model, info = AutoModel.from_pretrained(out, output_loading_info=True)
+    assert type(model) is Qwen3Model
+    assert info["unexpected_keys"] == {"fc.weight", "hidden_norm.weight"}
+    assert info["missing_keys"] == {"embed_tokens.weight"}

@@ -136,14 +136,37 @@ def test_hand_computed_summary():
     assert s["slot_valid"] == [2, 2, 2, 1]
 
 
+def test_a_block_the_text_ends_in_commits_no_bonus():
+    # Block 1: the text ends after slot 3 (3 tokens left) and all 3 drafts match: 3 tokens
+    # committed, nothing after them to be the bonus -> tau 3 (not streak + 1 = 4).
+    # Block 2: 4 tokens left, streak 1 (slot 2 wrong): the target's token at slot 2 is the
+    # bonus -> tau 2. Block 3: whole block accepted, a token after it -> tau 5.
+    labels = _t([[IGNORE_LABEL, 1, 2, 3, IGNORE_LABEL], [IGNORE_LABEL, 1, 2, 3, 4],
+                 [IGNORE_LABEL, 1, 2, 3, 4]])
+    valid = labels != IGNORE_LABEL
+    draft = _t([[0, 1, 2, 3, 4], [0, 1, 9, 3, 4], [0, 1, 2, 3, 4]])
+    left = _t([3, 4, 5])
+    assert acceptance_lengths(draft, labels, valid, left).tolist() == [3, 2, 5]
+    assert acceptance_lengths(draft, labels, valid).tolist() == [4, 2, 5]  # text goes on
+    stats = AcceptanceStats(block_size=B, recall_at=(1,))
+    assert stats.update(draft, labels, valid, left).tolist() == [3, 2, 5]
+    s = stats.summary()
+    assert s["mean_tau"] == pytest.approx(10 / 3)  # tokens committed per block
+    assert s["mean_streak"] == pytest.approx(8 / 3)  # accepted drafts 3, 1, 4
+    assert s["streak_hist"] == [0, 1, 0, 1, 1]
+    # Per slot, acceptance is of the drafts alone, with or without a bonus after them.
+    assert s["cond_accept"] == [1.0, 2 / 3, 1.0, 1.0]
+
+
 def test_merged_accumulators_equal_one_accumulator():
     ids, labels, valid = _random_blocks(2, 120)
+    left = torch.randint(1, B + 1, (120,), generator=torch.Generator().manual_seed(4))
     whole = AcceptanceStats(block_size=B, recall_at=(1, 3))
-    whole.update(ids, labels, valid)
+    whole.update(ids, labels, valid, left)
     a = AcceptanceStats(block_size=B, recall_at=(1, 3))
     b = AcceptanceStats(block_size=B, recall_at=(1, 3))
-    a.update(ids[:70], labels[:70], valid[:70])
-    b.update(ids[70:], labels[70:], valid[70:])
+    a.update(ids[:70], labels[:70], valid[:70], left[:70])
+    b.update(ids[70:], labels[70:], valid[70:], left[70:])
     a.merge(b)
     assert a.summary() == whole.summary()
 

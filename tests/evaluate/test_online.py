@@ -15,7 +15,12 @@ from dflash_train.evaluate.online import (
     speculative_decode,
 )
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSample, EvalSettings
+from dflash_train.evaluate.replay import (
+    CheckpointResults,
+    EvalSample,
+    EvalSettings,
+    evaluate_replay,
+)
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import EOS_ID, MAX_NEW_TOKENS
 
@@ -118,11 +123,30 @@ class ScriptedDrafter:
         assert cache.length == a, "the block must see context < a and never a itself"
         assert int(anchor_tokens[0, 0]) == self.script[a]
         self.anchors.append(a)
-        ids = torch.full((1, 1, self.block_size, top_k), -1)
+        ids = self.block(a, top_k)[None, None]
+        return torch.zeros(ids.shape), ids
+
+    def block(self, a: int, top_k: int) -> torch.Tensor:
+        """Draft ids [B, top_k] of the block at a (rank 0 only; slot 0 is -1)."""
+        ids = torch.full((self.block_size, top_k), -1)
         for k in range(1, self.block_size):
             p = a + k
             token = self.script[p] if p < len(self.script) else ScriptedTarget.FILLER
-            ids[0, 0, k, 0] = (token + 1) % VOCAB_SIZE if p in self.wrong else token
+            ids[k, 0] = (token + 1) % VOCAB_SIZE if p in self.wrong else token
+        return ids
+
+
+class ScriptedReplayDrafter(ScriptedDrafter):
+    """The same drafts through offline replay's interface: blocks at any anchors of a
+    whole stored context."""
+
+    def context_cache(self, features):
+        return ContextCache(keys=[torch.zeros(1)], values=[torch.zeros(1)],
+                            length=features.shape[1])
+
+    def draft(self, cache, anchors, anchor_tokens, top_k):
+        ids = torch.stack([torch.stack([self.block(int(a), top_k) for a in row])
+                           for row in anchors])
         return torch.zeros(ids.shape), ids
 
 
@@ -139,11 +163,12 @@ def _decode(continuation, wrong, block_size, stop):
 def test_round_commits_the_matching_prefix_plus_the_bonus():
     # positions 3..9 = 20 21 22 23 24 25 EOS; B = 4.
     # a=3: drafts 4, 5 ok, 6 wrong -> commit 21 22 + bonus 23, tau 3.
-    # a=6: drafts 24 25 EOS all ok -> the EOS is a committed draft: stop, tau 4.
+    # a=6: drafts 24 25 EOS all ok -> the EOS is a committed draft: stop; the round
+    # committed those 3 tokens and no bonus, tau 3.
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
     run, drafter = _decode([20, 21, 22, 23, 24, 25, EOS_ID], {6}, 4, stop)
     assert run.tokens == PROMPT + [20, 21, 22, 23, 24, 25, EOS_ID]
-    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 3), (6, 4)]
+    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 3), (6, 3)]
     assert drafter.anchors == [3, 6]
 
 
@@ -156,11 +181,11 @@ def test_eos_as_the_bonus_token_ends_the_generation():
 
 def test_drafts_past_max_new_tokens_do_not_count():
     # B = 8: at a=3 all 7 drafts match the target, but only 5 new tokens are allowed
-    # (positions 3..7): 4 drafts are committed, so tau = 5, as offline scores that block.
+    # (positions 3..7): 4 drafts are committed and no bonus, so tau = 4.
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=5, max_length=100)
     run, _ = _decode(list(range(20, 40)), set(), 8, stop)
     assert run.tokens == PROMPT + [20, 21, 22, 23, 24]
-    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 5)]
+    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 4)]
 
 
 def test_max_length_ends_the_generation_like_extract_truncates():
@@ -169,6 +194,48 @@ def test_max_length_ends_the_generation_like_extract_truncates():
     # a=3: 4 ok, 5 wrong -> 21 + bonus 22 (length 6: stop), tau 2.
     assert run.tokens == PROMPT + [20, 21, 22]
     assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 2)]
+
+
+def _online_and_replay(continuation, wrong, block_size, stop):
+    """The live run, and offline replay of its text stored as `extract --regenerate`
+    stores it (verifier argmax = the target's over the stored text)."""
+    run, _ = _decode(continuation, wrong, block_size, stop)
+    script = PROMPT + continuation
+    ids = torch.tensor(run.tokens)
+    stored = EvalSample(0, 0, 0, ids, torch.arange(len(ids)) >= len(PROMPT),
+                        torch.zeros(len(ids), 1, 1), ScriptedTarget(script)(run.tokens)[1])
+    results = CheckpointResults("s", block_size, EvalSettings(tree_budgets=(1,),
+                                                              recall_at=(1,)))
+    evaluate_replay(ScriptedReplayDrafter(script, wrong, block_size), [stored], results, 1)
+    return run, results.sequences[(0, 0)]
+
+
+def test_a_token_cap_inside_the_accepted_drafts_counts_the_tokens_produced_online_and_offline():
+    # B = 8, 7 new tokens allowed: positions 3..9, the one at 3 from the prefill.
+    # a=3: drafts 4, 5 ok, 6 wrong -> 21 22 + the bonus 23: tau 3.
+    # a=6: all 7 drafts (positions 7..13) match, but the cap stops after 7, 8, 9: three
+    # tokens and no bonus: tau 3 (counting a bonus would say 4).
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
+    run, replayed = _online_and_replay(list(range(20, 40)), {6}, 8, stop)
+    assert run.tokens == PROMPT + list(range(20, 27))
+    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 3), (6, 3)]
+    assert replayed == [(3, 3), (6, 3)]
+    # Each generated token but the prefill's is committed by exactly one round.
+    assert sum(r.tau for r in run.rounds) == len(run.tokens) - len(PROMPT) - 1
+
+
+def test_an_eos_inside_the_accepted_drafts_counts_the_tokens_produced_online_and_offline():
+    # positions 3..9 = 20 21 22 23 24 25 EOS, and the target goes on 27 28 ... after it.
+    # a=3: draft 4 ok, 5 wrong -> 21 + the bonus 22: tau 2.
+    # a=5: all 7 drafts (23 24 25 EOS 27 28 29) match; generation stops at the EOS: four
+    # tokens, no bonus: tau 4 (counting a bonus would say 5).
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
+    continuation = [20, 21, 22, 23, 24, 25, EOS_ID, 27, 28, 29, 30, 31]
+    run, replayed = _online_and_replay(continuation, {5}, 8, stop)
+    assert run.tokens == PROMPT + continuation[:7]
+    assert [(r.anchor, r.tau) for r in run.rounds] == [(3, 2), (5, 4)]
+    assert replayed == [(3, 2), (5, 4)]
+    assert sum(r.tau for r in run.rounds) == len(run.tokens) - len(PROMPT) - 1
 
 
 def test_first_token_eos_drafts_nothing():
@@ -187,7 +254,7 @@ def test_online_metrics_use_the_generated_text_as_labels():
         ScriptedTarget(script), {"s": ScriptedDrafter(script, {6}, 4)}, [sample], settings,
         stop)
     assert generated == {(0, 0): script}
-    assert results["s"].sequences == {(0, 0): [(3, 3), (6, 4)]}
+    assert results["s"].sequences == {(0, 0): [(3, 3), (6, 3)]}
     assert results["s"].summary()["slot_accuracy"] == pytest.approx([1.0, 1.0, 0.5])
 
 

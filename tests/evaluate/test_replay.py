@@ -141,15 +141,16 @@ def _crafted(wrong: dict[int, set[int]], *samples: EvalSample, block_size: int =
 def test_replay_visits_first_response_token_then_jumps_by_tau():
     # Prompt 0..2, response 3..11, B = 4 (slots 1..3); drafts wrong at positions 5 and 9.
     # a=3: 4 ok, 5 wrong -> streak 1, tau 2.  a=5: 6, 7, 8 ok -> tau 4.
-    # a=9: 10, 11 ok, 12 is past the end -> tau 3; next anchor 12 ends the sequence.
+    # a=9: 10, 11 ok and the text ends there (12 is past it): generation is over, no bonus
+    # follows, tau 2 (= the streak); next anchor 11 has nothing left to predict.
     s = _sample(0, prompt=3, length=12)
     drafter, results = _crafted({0: {5, 9}}, s)
     evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
-    assert results.sequences[(0, 0)] == [(3, 2), (5, 4), (9, 3)]
+    assert results.sequences[(0, 0)] == [(3, 2), (5, 4), (9, 2)]
     summary = results.summary()
     assert summary["n_blocks"] == 3
-    assert summary["mean_tau"] == pytest.approx(3.0)
-    assert summary["mean_streak"] == pytest.approx(2.0)
+    assert summary["mean_tau"] == pytest.approx(8 / 3)  # 2 + 4 + 2: the 9 response tokens
+    assert summary["mean_streak"] == pytest.approx(2.0)  # accepted drafts 1, 3, 2
     assert summary["streak_hist"] == [0, 1, 1, 1]
     # slot 1: reached 3, accepted 3. slot 2: reached 3, accepted 2 (a=3 fails at 5).
     # slot 3: reached only at a=5 (a=3 stopped, a=9 has no label there), accepted.
@@ -166,11 +167,12 @@ def test_tree_acceptance_follows_the_crafted_ranks_at_each_budget():
     evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
     # budget 1: the single best node is slot 1's rank 0 (always the truth) -> tau 2.
     assert results.rows["tree_tau_1"] == [2, 2, 2]
-    # budget 2: + slot 2's rank 0 under it: wrong at a=3 (position 5), right at a=5, a=9.
-    assert results.rows["tree_tau_2"] == [2, 3, 3]
+    # budget 2: + slot 2's rank 0 under it: wrong at a=3 (position 5), right at a=5, a=9 ...
+    # ... and at a=9 the path (10, 11) reaches the end of the text: no bonus, tau 2.
+    assert results.rows["tree_tau_2"] == [2, 3, 2]
     # budget 64: the rank-1 truth at position 5 (path -2.2) is in; a=9 ends at the sequence.
-    assert results.rows["tree_tau_64"] == [4, 4, 3]
-    assert results.summary()["tree"]["2"]["mean_tau"] == pytest.approx(8 / 3)
+    assert results.rows["tree_tau_64"] == [4, 4, 2]
+    assert results.summary()["tree"]["2"]["mean_tau"] == pytest.approx(7 / 3)
 
 
 def test_mode_all_scores_every_eligible_anchor():
@@ -178,9 +180,10 @@ def test_mode_all_scores_every_eligible_anchor():
     drafter, results = _crafted({0: {5, 9}}, s)
     evaluate_all(drafter, [s], results, SETTINGS, SETTINGS.top_k(VOCAB_SIZE))
     # Anchors 3..10 (a+1 must be a response token). Streak = leading slots whose position
-    # is < 12 and not 5 or 9.
+    # is < 12 and not 5 or 9; tau = streak + 1, but a streak that runs to the end of the
+    # text (a=9: 10, 11; a=10: 11) has no bonus after it.
     assert results.rows["anchor"] == list(range(3, 11))
-    assert results.rows["tau"] == [2, 1, 4, 3, 2, 1, 3, 2]
+    assert results.rows["tau"] == [2, 1, 4, 3, 2, 1, 2, 1]
 
 
 def test_replay_steps_many_sequences_together_without_mixing_them():

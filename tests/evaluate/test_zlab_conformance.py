@@ -18,11 +18,9 @@ What the two define the same, and where they legitimately differ (their dflash/m
   drafts + the bonus, cut at a stop token or at max_new_tokens. Ours records (anchor, tau);
   the tokens a round committed run to the next round's anchor (the last one: to the end).
   Those are compared.
-- Our tau is the offline scoring convention (drafts committed before the end + 1: the tau
-  replay gives that block). It is the commit count in every round but the last; in the
-  last one it is one more when generation ended on a DRAFTED token (a drafted stop token,
-  or max_new_tokens reached inside the accepted drafts): z-lab counts the n tokens, we
-  count n + 1 as if a bonus followed. Asserted: equal, then equal or one more at the end.
+- Our tau counts the same: the tokens the round committed, so no bonus when generation
+  ends on a DRAFTED token (a drafted stop token, or max_new_tokens reached inside the
+  accepted drafts). Asserted equal to those commits in every round, the last included.
 - Within block_size of the max_new_tokens end, z-lab drafts a SHORTER block (verify_size =
   tokens left: fewer mask slots, and the drafter attends over the whole block, so even its
   first drafts can change); we always draft the full block (as serving engines do) and
@@ -202,9 +200,7 @@ def compare(prompts: dict, theirs: dict, ours: dict, block: int) -> list[int]:
         assert commits[:like] == lengths[:like], f"prompt {key}: per-round commits differ"
         if like == len(rounds):
             assert commits == lengths, f"prompt {key}: per-round commits differ"
-        taus = [t for _, t in rounds]
-        assert taus[:-1] == commits[:-1], key
-        assert not rounds or taus[-1] - commits[-1] in (0, 1), key
+        assert [t for _, t in rounds] == commits, f"prompt {key}: our taus count otherwise"
         verified += commits[: min(like, len(rounds) - 1)]
     return verified
 
