@@ -388,15 +388,11 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(features)
         positions = torch.arange(cache.length, cache.length + ctx.shape[1], device=ctx.device)
         rope = self._rope(positions[None], ctx.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(ctx, rope)
-            if cache.length:
-                k = torch.cat([cache.keys[i], k], dim=2)
-                v = torch.cat([cache.values[i], v], dim=2)
-                cache.keys[i], cache.values[i] = k, v
-            else:
-                cache.keys.append(k)
-                cache.values.append(v)
+        kvs = [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
+        if cache.length:
+            kvs = [(torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2))
+                   for k0, v0, (k, v) in zip(cache.keys, cache.values, kvs, strict=True)]
+        cache.keys, cache.values = [k for k, _ in kvs], [v for _, v in kvs]
         cache.length += ctx.shape[1]
 
     @torch.no_grad()
