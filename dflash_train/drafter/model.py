@@ -1,4 +1,4 @@
-"""The DFlash drafter network: the multi-block forward for train/eval, the live forward.
+"""The DFlash drafter network: one pass of blocks through its layers for train, replay, live.
 
 Body (docs/reference.md §1): `ctx = hidden_norm(fc(concat of n target-layer features))`, then
 Qwen3-style decoder layers at the target width whose keys/values are
@@ -9,6 +9,8 @@ the published checkpoint's (`fc`, `hidden_norm`, `layers.N.*`, `norm`).
 The target's `embed_tokens` and `lm_head` are borrowed, frozen: attached as non-persistent
 buffers, so they are never in the state_dict, never trained, never saved.
 
+`decode_blocks` is that one pass, over the projected context (training `forward`) or over a
+context KV cache (`extend_context`; replay at any anchors, live `draft_block` at its end).
 Blocks never see each other, so the multi-block forward may run them in chunks
 (`chunk_blocks`), each recomputed in backward: activation memory then follows the chunk, not
 the batch, and no value changes. Off CUDA the default attention (`split`) scores each block
