@@ -7,10 +7,11 @@
   evaluated from one shared predicate.
 - `split_attention.py`: attention over exactly the keys a block may see, recomputing its
   probabilities in backward (the CPU training path).
-- `model.py`: `DFlashDrafter`. `forward(context, context_lengths, block_ids, anchors)` is
-  the one multi-block forward that training and evaluation share; `extend_context` +
-  `draft_block` are the live single-block forward over a context KV cache. The target's
-  embed_tokens / lm_head are borrowed frozen via `attach_target_head`, never saved.
+- `model.py`: `DFlashDrafter`. `decode_blocks` is the one pass of blocks through the
+  layers, over the projected context (training: `forward(context, context_lengths,
+  block_ids, anchors)`) or over a context KV cache built by `extend_context` (replay at any
+  anchors; live `draft_block` at the cache's end). The target's embed_tokens / lm_head are
+  borrowed frozen via `attach_target_head`, never saved.
 - `checkpoint.py`: `save_drafter` / `load_drafter` / `export_checkpoint` in the HF
   directory format vLLM, SGLang and z-lab load (docs/reference.md §9), written atomically with
   a sha256 record (checksums.json) that loading verifies; an overwrite replaces only an
@@ -43,7 +44,7 @@ from dflash_train.drafter.config import (
 )
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.masks import BlockLayout, dense_mask, flex_block_mask
-from dflash_train.drafter.model import ContextCache, DFlashDrafter, dense_attend
+from dflash_train.drafter.model import ContextCache, DFlashDrafter
 
 __all__ = [
     "DRAFTER_SUBDIR",
@@ -55,7 +56,6 @@ __all__ = [
     "DrafterError",
     "build_block_ids",
     "default_target_layer_ids",
-    "dense_attend",
     "dense_mask",
     "export_checkpoint",
     "flex_block_mask",

@@ -1,4 +1,4 @@
-"""The DFlash drafter network: the multi-block forward for train/eval, the live forward.
+"""The DFlash drafter network: one pass of blocks through its layers for train, replay, live.
 
 Body (docs/reference.md §1): `ctx = hidden_norm(fc(concat of n target-layer features))`, then
 Qwen3-style decoder layers at the target width whose keys/values are
@@ -9,6 +9,8 @@ the published checkpoint's (`fc`, `hidden_norm`, `layers.N.*`, `norm`).
 The target's `embed_tokens` and `lm_head` are borrowed, frozen: attached as non-persistent
 buffers, so they are never in the state_dict, never trained, never saved.
 
+`decode_blocks` is that one pass, over the projected context (training `forward`) or over a
+context KV cache (`extend_context`; replay at any anchors, live `draft_block` at its end).
 Blocks never see each other, so the multi-block forward may run them in chunks
 (`chunk_blocks`), each recomputed in backward: activation memory then follows the chunk, not
 the batch, and no value changes. Off CUDA the default attention (`split`) scores each block
@@ -290,24 +292,14 @@ class DFlashDrafter(nn.Module):
         (each slot scored against only the context and own-block keys it may see),
         "auto" = flex on CUDA, split elsewhere. Compiled flex recompiles per distinct
         (T, K): pad batches to a few fixed shapes. Blocks never see each other, so
-        `chunk_blocks` may split them into chunks without changing any value.
+        `chunk_blocks` may split them into chunks of `decode_blocks` without changing any value.
         """
-        n, k, b = block_ids.shape
-        if b != self.config.block_size:
-            raise DrafterError(f"blocks have {b} tokens; this drafter's block_size is "
-                               f"{self.config.block_size}")
-        if anchors.shape != (n, k):
-            raise DrafterError(f"anchors shape {tuple(anchors.shape)} != blocks {(n, k)}")
+        self._check_blocks(block_ids, anchors)  # before slicing, which could hide a mismatch
+        n, k = block_ids.shape[:2]
         ctx = self.project_context(context)
-        ctx_rope = self._rope(torch.arange(ctx.shape[1], device=ctx.device)[None], ctx.dtype)
-        if attention == "auto":
-            attention = "flex" if ctx.device.type == "cuda" else "split"
-        if attention not in _ATTENDS:
-            raise DrafterError(f"attention must be one of auto, {', '.join(_ATTENDS)}; "
-                               f"got {attention!r}")
         rows, cols = chunk_shape(n, k, self.chunk_blocks)
         if (rows, cols) == (n, k):
-            return self._blocks(ctx, ctx_rope, context_lengths, block_ids, anchors, attention)
+            return self.decode_blocks(ctx, context_lengths, block_ids, anchors, attention)
         # Only a chunk's inputs stay for backward, which runs it again. torch's checkpoint
         # would build a graph per chunk and drop it: its small autograd nodes then sit in the
         # holes of the chunk's freed activations, and glibc took fresh heap for every chunk
@@ -318,7 +310,7 @@ class DFlashDrafter(nn.Module):
         for r in range(0, n, rows):
             seqs, parts = slice(r, r + rows), []
             for c in range(0, k, cols):
-                run = functools.partial(self._blocks, ctx_rope=ctx_rope,
+                run = functools.partial(self.decode_blocks,
                                         context_lengths=context_lengths[seqs],
                                         block_ids=block_ids[seqs, c:c + cols],
                                         anchors=anchors[seqs, c:c + cols], attention=attention)
@@ -327,31 +319,65 @@ class DFlashDrafter(nn.Module):
             rows_out.append(torch.cat(parts, dim=1))
         return torch.cat(rows_out, dim=0)
 
-    def _blocks(
+    def _check_blocks(self, block_ids: torch.Tensor, anchors: torch.Tensor) -> None:
+        if block_ids.dim() != 3 or block_ids.shape[2] != self.config.block_size:
+            raise DrafterError(f"blocks have shape {tuple(block_ids.shape)}; expected [N, K, "
+                               f"{self.config.block_size}] (this drafter's block_size)")
+        if anchors.shape != block_ids.shape[:2]:
+            raise DrafterError(f"anchors shape {tuple(anchors.shape)} != blocks "
+                               f"{tuple(block_ids.shape[:2])}")
+
+    def decode_blocks(
         self,
-        ctx: torch.Tensor,
-        ctx_rope: tuple[torch.Tensor, torch.Tensor],
-        context_lengths: torch.Tensor,
+        context: torch.Tensor | ContextCache,
+        context_lengths: torch.Tensor | None,
         block_ids: torch.Tensor,
         anchors: torch.Tensor,
-        attention: Literal["flex", "dense", "split"],
+        attention: AttentionBackend = "auto",
     ) -> torch.Tensor:
-        """`forward` of some blocks over the projected context ctx [N, T, H]."""
+        """Hidden states after the final norm, [N, K, B, H], of blocks [N, K, B] at anchors
+        [N, K]: the one pass through the layers that training, replay and live drafting share.
+
+        context: the projected context [N, T, H] (training: each layer computes its keys and
+        values inside its own call, where FSDP has gathered its weights and checkpointing
+        recomputes them), or a ContextCache of them (replay, live drafting). context_lengths:
+        [N] valid positions; None: all of them. attention: as in `forward`.
+        """
+        self._check_blocks(block_ids, anchors)
         n, k, b = block_ids.shape
-        layout = BlockLayout.build(anchors, context_lengths, ctx.shape[1], b)
-        block_rope = self._rope(layout.query_positions(), ctx.dtype)
+        if attention == "auto":
+            attention = "flex" if block_ids.device.type == "cuda" else "split"
+        if attention not in _ATTENDS:
+            raise DrafterError(f"attention must be one of auto, {', '.join(_ATTENDS)}; "
+                               f"got {attention!r}")
+        t, per_layer, context_rope = self._layer_contexts(context)
+        if context_lengths is None:
+            context_lengths = torch.full((n,), t, device=anchors.device, dtype=torch.long)
+        layout = BlockLayout.build(anchors, context_lengths, t, b)
+        x = self._embed(block_ids).flatten(1, 2)  # [N, K*B, H]
+        rope = self._rope(layout.query_positions(), x.dtype)
         attends: dict[tuple[bool, int | None], Attend] = {}
-        x = self._embed(block_ids).flatten(1, 2)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, layer_context) in enumerate(zip(self.layers, per_layer, strict=True)):
             rule = (self.config.layer_is_causal(i), self.config.layer_window(i))
             if rule not in attends:
                 attends[rule] = _ATTENDS[attention](layout, *rule)
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, block_rope, attends[rule], ctx_rope,
+                x = checkpoint(layer, x, layer_context, rope, attends[rule], context_rope,
                                use_reentrant=False)
             else:
-                x = layer(x, ctx, block_rope, attends[rule], context_rope=ctx_rope)
+                x = layer(x, layer_context, rope, attends[rule], context_rope)
         return self.norm(x).view(n, k, b, -1)
+
+    def _layer_contexts(self, context: torch.Tensor | ContextCache):
+        """(T, what each layer's attention reads of the context, the context's rope): a
+        cache's keys/values per layer and no rope, or the projected context with its rope."""
+        if isinstance(context, ContextCache):
+            if not context.length:
+                raise DrafterError("drafting needs at least one context position in the cache")
+            return context.length, list(zip(context.keys, context.values, strict=True)), None
+        t = context.shape[1]
+        rope = self._rope(torch.arange(t, device=context.device)[None], context.dtype)
+        return t, [context] * len(self.layers), rope
 
     def forward_logits(self, *args, **kwargs) -> torch.Tensor:
         """`forward` then the borrowed lm_head: [N, K, B, vocab]."""
@@ -364,34 +390,19 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(features)
         positions = torch.arange(cache.length, cache.length + ctx.shape[1], device=ctx.device)
         rope = self._rope(positions[None], ctx.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(ctx, rope)
-            if cache.length:
-                k = torch.cat([cache.keys[i], k], dim=2)
-                v = torch.cat([cache.values[i], v], dim=2)
-                cache.keys[i], cache.values[i] = k, v
-            else:
-                cache.keys.append(k)
-                cache.values.append(v)
+        kvs = [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
+        if cache.length:
+            kvs = [(torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2))
+                   for k0, v0, (k, v) in zip(cache.keys, cache.values, kvs, strict=True)]
+        cache.keys, cache.values = [k for k, _ in kvs], [v for _, v in kvs]
         cache.length += ctx.shape[1]
 
     @torch.no_grad()
     def draft_block(self, cache: ContextCache, block_ids: torch.Tensor) -> torch.Tensor:
         """Live decoding: hidden states [N, B, H] of one block anchored at cache.length."""
-        n, b = block_ids.shape
-        if not cache.length:
-            raise DrafterError("draft_block needs at least one context position in the cache")
-        device = block_ids.device
-        anchors = torch.full((n, 1), cache.length, device=device, dtype=torch.long)
-        lengths = torch.full((n,), cache.length, device=device, dtype=torch.long)
-        layout = BlockLayout.build(anchors, lengths, cache.length, b)
-        rope = self._rope(layout.query_positions(), self.fc.weight.dtype)
-        x = self._embed(block_ids)
-        for i, layer in enumerate(self.layers):
-            rule = (self.config.layer_is_causal(i), self.config.layer_window(i))
-            attend = dense_attend(layout, *rule)
-            x = layer(x, (cache.keys[i], cache.values[i]), rope, attend)
-        return self.norm(x)
+        anchors = torch.full((block_ids.shape[0], 1), cache.length, device=block_ids.device)
+        # Dense: one block per row over a short cache is cheap, and it is the reference.
+        return self.decode_blocks(cache, None, block_ids[:, None], anchors, "dense")[:, 0]
 
 
 class _Recomputed(torch.autograd.Function):
@@ -437,7 +448,7 @@ def _cat_keys(context_kv: KeysValues, block_kv: KeysValues) -> KeysValues:
             torch.cat([context_kv[1], block_kv[1]], dim=2))
 
 
-def dense_attend(layout: BlockLayout, causal: bool, window: int | None) -> Attend:
+def _dense_attend(layout: BlockLayout, causal: bool, window: int | None) -> Attend:
     """One SDPA over the context and every block's keys under the dense mask (the reference
     every other path is tested against)."""
     mask = dense_mask(layout, causal, window)
@@ -488,5 +499,5 @@ def _flex_attend(layout: BlockLayout, causal: bool, window: int | None) -> Atten
 
 
 _ATTENDS: dict[str, Callable[[BlockLayout, bool, int | None], Attend]] = {
-    "dense": dense_attend, "split": _split_attend, "flex": _flex_attend,
+    "dense": _dense_attend, "split": _split_attend, "flex": _flex_attend,
 }

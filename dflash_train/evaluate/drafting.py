@@ -4,10 +4,10 @@ The drafter's own `forward` re-projects the whole context on every call and its 
 `draft_block` anchors every row at the cache's end. Replay needs neither: it drafts blocks
 at different anchors in different sequences, step after step over the same context. So the
 context keys/values of every sequence are computed once (`DFlashDrafter.extend_context`)
-and each step runs only the block queries, under the drafter's own mask rule
-(dflash_train.drafter.masks: a block at a sees context < a and itself). Offline replay and the
-online loop both draft through `BlockDrafter.draft`, so they share one numerical path; a
-test proves it equals `DFlashDrafter.forward` and `draft_block`.
+and each step runs only the blocks, through `DFlashDrafter.decode_blocks` over that cache:
+the layer pass training runs too, under the drafter's own mask rule. Offline replay and the
+online loop both draft through `BlockDrafter.draft`; a test proves it equals
+`DFlashDrafter.forward` and `draft_block`.
 
 This module never reads the store, never computes labels or metrics.
 """
@@ -16,13 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.blocks import draft_topk
-from dflash_train.drafter import (
-    BlockLayout,
-    ContextCache,
-    DFlashDrafter,
-    build_block_ids,
-    dense_attend,
-)
+from dflash_train.drafter import ContextCache, DFlashDrafter, build_block_ids
 
 
 class BlockDrafter:
@@ -62,23 +56,11 @@ class BlockDrafter:
     ) -> torch.Tensor:
         """Final-norm hidden states [N, K, B, H] of blocks at anchors [N, K] (< cache.length).
 
-        Mirrors DFlashDrafter.draft_block with one anchor per block instead of the cache end.
+        Dense attention, as the live `draft_block` uses (the reference path).
         """
-        m, cfg, b = self.model, self.config, self.block_size
-        anchors = anchors.to(self.device).long()
-        n, k = anchors.shape
-        lengths = anchors.max(dim=1).values  # keys at >= a are masked by the rule anyway
-        layout = BlockLayout.build(anchors, lengths, cache.length, b)
-        ids = build_block_ids(anchor_tokens.to(self.device).long(), cfg.mask_token_id, b)
-        rope = m._rope(layout.query_positions(), m.fc.weight.dtype)
-        x = m._embed(ids).flatten(1, 2)  # [N, K*B, H]
-        attends = {}
-        for i, layer in enumerate(m.layers):
-            rule = (cfg.layer_is_causal(i), cfg.layer_window(i))
-            if rule not in attends:
-                attends[rule] = dense_attend(layout, *rule)
-            x = layer(x, (cache.keys[i], cache.values[i]), rope, attends[rule])
-        return m.norm(x).view(n, k, b, -1)
+        ids = build_block_ids(anchor_tokens.to(self.device).long(), self.config.mask_token_id,
+                              self.block_size)
+        return self.model.decode_blocks(cache, None, ids, anchors.to(self.device).long(), "dense")
 
     @torch.no_grad()
     def draft(

@@ -130,6 +130,34 @@ def test_training_forward_matches_live_forward_on_every_block():
                 torch.testing.assert_close(live[0], train[s, blk], **SAME)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_blocks_over_a_context_cache_equal_the_training_forward_under_every_attention():
+    # Replay's path (decode_blocks over a cache, ragged lengths, any anchors) under each
+    # backend the training forward offers, against the training forward itself.
+    model = tiny_drafter(2, sliding_window=5)
+    features, lengths, ids, anchors = random_batch(model, 2, lengths=[24, 15])
+    with torch.no_grad():
+        want = model(features, lengths, ids, anchors, attention="dense")
+        cache = ContextCache()
+        model.extend_context(cache, features)
+        for attention in ("dense", "split", "flex"):
+            for given in (lengths, None):  # None: the whole cache, masked by the anchors
+                got = model.decode_blocks(cache, given, ids, anchors, attention)
+                torch.testing.assert_close(got, want, **SAME, msg=f"{attention} {given}")
+
+
+def test_live_drafting_names_what_is_wrong():
+    model = tiny_drafter(0)
+    ids = torch.full((1, model.config.block_size), MASK_ID)
+    with pytest.raises(DrafterError, match="at least one context position"):
+        model.draft_block(ContextCache(), ids)
+    cache = ContextCache()
+    model.extend_context(cache, torch.randn(1, 5, 3, 64))
+    assert model.draft_block(cache, ids).shape == (1, model.config.block_size, 64)
+    with pytest.raises(DrafterError, match="block_size"):
+        model.draft_block(cache, ids[:, :-1])
+
+
 def _block_logits_after_changing_slot(model, slot):
     features, lengths, ids, anchors = random_batch(model, 5)
     base = _logits(model, features, lengths, ids, anchors)
