@@ -14,6 +14,8 @@ from dflash_train.blocks import BLOCK_SIZE
 from dflash_train.drafter.errors import DrafterError
 
 LayerType = Literal["full_attention", "sliding_attention"]
+DrafterKind = Literal["dflash", "dflash2"]
+DRAFTER_KINDS: tuple[DrafterKind, ...] = ("dflash", "dflash2")
 
 DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 """Tokens per drafted block (dflash_train.blocks owns the number: docs/reference.md §3)."""
@@ -108,6 +110,18 @@ class DrafterConfig:
     layers bidirectional (the z-lab / vLLM default). Part of a checkpoint's contract."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per block: [anchor, MASK x (block_size - 1)]."""
+    kind: DrafterKind = "dflash"
+    """dflash: the DFlash drafter. dflash2: DFlash 2 (dflash2.py), the same backbone plus a
+    grouped dynamic causal convolution around each attention and MLP and a candidate
+    selector over the top logits; the four fields below shape those and only apply to it."""
+    conv_kernel_size: int = 2
+    """DFlash 2: taps of each in-block causal convolution (tap 0 is the slot itself)."""
+    conv_group_size: int = 16
+    """DFlash 2: channels that share one input-dependent kernel delta; divides hidden_size."""
+    selector_rank: int = 256
+    """DFlash 2: width of the selector's predecessor/successor codebooks."""
+    selector_top_k: int = 16
+    """DFlash 2: candidates per slot the selector rescores (top logits of the slot)."""
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -122,10 +136,15 @@ class DrafterConfig:
         layers = (f"{sliding} sliding (window {self.sliding_window}) + "
                   f"{self.num_hidden_layers - sliding} full" if sliding else "all full")
         count = f"{self.num_hidden_layers} layer{'s' if self.num_hidden_layers != 1 else ''}"
-        return (f"{count} ({layers}), {self.num_attention_heads} query / "
+        line = (f"{count} ({layers}), {self.num_attention_heads} query / "
                 f"{self.num_key_value_heads} kv heads of {self.head_dim}, MLP "
                 f"{self.intermediate_size}, block {self.block_size}, target layers "
                 f"{self.target_layer_ids}")
+        if self.kind == "dflash2":
+            line += (f"; DFlash 2: convs of {self.conv_kernel_size} taps in groups of "
+                     f"{self.conv_group_size}, selector rank {self.selector_rank} over the "
+                     f"top {self.selector_top_k}")
+        return line
 
     def validate(self) -> None:
         """Raise DrafterError naming the first field that cannot describe a drafter."""
@@ -161,6 +180,22 @@ class DrafterConfig:
                 f"mask_token_id {self.mask_token_id} outside the vocabulary (size "
                 f"{self.vocab_size})"
             )
+        if self.kind not in DRAFTER_KINDS:
+            raise DrafterError(f"kind {self.kind!r}: must be one of {', '.join(DRAFTER_KINDS)}")
+        if self.kind == "dflash2":
+            self._validate_dflash2()
+
+    def _validate_dflash2(self) -> None:
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DrafterError(f"{name} {value!r} must be a positive integer")
+        if self.hidden_size % self.conv_group_size:
+            raise DrafterError(f"conv_group_size {self.conv_group_size} does not divide "
+                               f"hidden_size {self.hidden_size}")
+        if self.selector_top_k > self.vocab_size:
+            raise DrafterError(f"selector_top_k {self.selector_top_k} exceeds the vocabulary "
+                               f"(size {self.vocab_size})")
 
     @property
     def num_context_features(self) -> int:

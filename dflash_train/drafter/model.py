@@ -34,6 +34,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from dflash_train.drafter.config import DrafterConfig
+from dflash_train.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.masks import (
     BlockLayout,
@@ -146,7 +147,9 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm Qwen3 decoder layer; the context enters the attention un-normed by this
-    layer's input_layernorm (it was normed once by hidden_norm)."""
+    layer's input_layernorm (it was normed once by hidden_norm). A DFlash 2 layer wraps its
+    attention and its MLP each in an in-block convolution (dflash2.py); the context is not
+    convolved."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -154,6 +157,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.attention_conv = self.mlp_conv = None
+        if config.kind == "dflash2":
+            def conv() -> GroupedDynamicCausalConv:
+                return GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size,
+                                                config.conv_group_size, config.block_size)
+            self.attention_conv, self.mlp_conv = conv(), conv()
 
     def forward(
         self,
@@ -163,13 +172,23 @@ class DecoderLayer(nn.Module):
         attend: Attend,
         context_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """context: the context's cached (keys, values); or, with context_rope, the projected
-        context [N, S, H] whose keys/values this layer computes here, inside its own call,
-        where FSDP has gathered its weights."""
+        """x: blocks [N, K*B, H]. context: the context's cached (keys, values); or, with
+        context_rope, the projected context [N, S, H] whose keys/values this layer computes
+        here, inside its own call, where FSDP has gathered its weights."""
         if context_rope is not None:
             context = self.self_attn.keys_values(context, context_rope)
-        x = x + self.self_attn(self.input_layernorm(x), context, rope, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = functools.partial(self.self_attn, context_kv=context, rope=rope, attend=attend)
+        x = x + _convolved(self.attention_conv, attn, self.input_layernorm(x))
+        return x + _convolved(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
+
+
+def _convolved(conv: GroupedDynamicCausalConv | None, sublayer: Callable, x: torch.Tensor
+               ) -> torch.Tensor:
+    """sublayer(x), or with a DFlash 2 conv: finish(sublayer(prepare(x)))."""
+    if conv is None:
+        return sublayer(x)
+    x, delta = conv.prepare(x)
+    return conv.finish(sublayer(x), delta)
 
 
 @dataclass
@@ -207,6 +226,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.candidate_selector = None
+        if config.kind == "dflash2":
+            self.candidate_selector = CandidateSelector(h, config.vocab_size,
+                                                        config.selector_rank,
+                                                        config.selector_top_k)
         self.register_buffer("target_embed_tokens", None, persistent=False)
         self.register_buffer("target_lm_head", None, persistent=False)
         self.gradient_checkpointing = False
@@ -222,12 +246,19 @@ class DFlashDrafter(nn.Module):
             self.attach_target_head(embed_tokens, lm_head)
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """HF-style init: linears ~ N(0, std), norms at 1."""
+        """HF-style init: linears ~ N(0, std), norms at 1; then DFlash 2's convs as the
+        identity and its selector's pairwise term 0 (dflash2.py), so a fresh DFlash 2
+        drafter computes what the DFlash one with the same backbone weights computes."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicCausalConv):
+                module.reset_parameters()
+            elif isinstance(module, CandidateSelector):
+                module.reset_parameters(std)
 
     def attach_target_head(
         self, embed_tokens: torch.Tensor | None, lm_head: torch.Tensor | None
@@ -257,6 +288,15 @@ class DFlashDrafter(nn.Module):
         if self.target_lm_head is None:
             raise DrafterError("no target lm_head attached; call attach_target_head first")
         return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
+
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [..., S] of a block's slots 1..S (hidden [..., S, H] after the
+        final norm) whose anchor tokens are anchor_ids [...]: each slot's argmax logit, or
+        for DFlash 2 the selector's walk from the anchor over each slot's top candidates."""
+        logits = self.logits(hidden)
+        if self.candidate_selector is None:
+            return logits.argmax(-1)
+        return self.candidate_selector.walk(hidden, logits, anchor_ids)
 
     def project_context(self, context: torch.Tensor) -> torch.Tensor:
         """ctx = hidden_norm(fc(features)); features [N, T, n, H] or [N, T, n*H]."""

@@ -1,0 +1,137 @@
+"""DFlash 2's two additions to the DFlash drafter: in-block convolutions and a selector.
+
+The facts are those of z-lab's reference inference code (`dflash==0.1.0`, dflash/model.py):
+
+- `GroupedDynamicCausalConv`, two per decoder layer (`attention_conv`, `mlp_conv`), wraps its
+  sublayer on both sides. One `kernel_projection(x)` (Linear H -> 2 * k * H/g, laid out
+  [2, k, H/g]) of the sublayer's normed input gives the deltas (d_in, d_out); `prepare(x)`
+  returns (conv(x; base[0] + d_in), d_out) and `finish(y, d_out)` returns
+  conv(y; base[1] + d_out), with conv(x; K)[i, c] = sum_{t<k} K[i, t, c] * x[i - t, c]:
+  tap 0 is the slot itself, channel c takes the delta of its group c // g (g contiguous
+  channels), and slots before the block's anchor read zeros. z-lab runs one block per
+  forward, so its zeros are the block start; here a forward holds many blocks laid out
+  [N, K*B, H], so the conv runs per block and nothing crosses a block boundary.
+- `CandidateSelector` rescores the top-K logits of each slot: score = unary +
+  <A[pred] * hidden_projection(h), B[cand]>, A / B the predecessor / successor codebooks
+  [V, r]. The walk starts with pred = the block's anchor token and moves pred to each slot's
+  chosen candidate; greedy (T = 0) chooses the argmax.
+
+Init (ours; z-lab ships no training code): both convs the exact identity (base tap 0 = 1,
+the other taps and the projection 0) and the successor codebook 0, so a fresh DFlash 2
+drafter computes what the DFlash drafter with the same backbone weights computes and the
+walk picks each slot's argmax. The predecessor codebook and hidden projection start random,
+or the pairwise term would get no gradient at all.
+
+Tensor names are the checkpoint's: `base_kernel`, `kernel_projection.weight`,
+`hidden_projection.weight`, and the two codebooks as bare [V, r] tensors (no `.weight`:
+z-lab's from_pretrained maps them onto its nn.Embedding's weight).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def causal_shift(x: torch.Tensor, taps: int) -> torch.Tensor:
+    """x shifted `taps` slots along dim -2, zeros first: out[..., i, :] = x[..., i-taps, :]."""
+    if taps == 0:
+        return x
+    return F.pad(x[..., :-taps, :], (0, 0, taps, 0))
+
+
+def grouped_causal_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor,
+                        group_size: int) -> torch.Tensor:
+    """conv(x; base + delta) over blocks x [..., B, H] (slots along dim -2): base [k, H] per
+    channel, delta [..., B, k, H / group_size] per slot, shared by each group's channels."""
+    groups = x.shape[-1] // group_size
+    out = torch.zeros_like(x).unflatten(-1, (groups, group_size))
+    for t in range(base.shape[0]):
+        kernel = base[t].to(x.dtype).view(groups, group_size) + delta[..., t, :, None]
+        out = out + kernel * causal_shift(x, t).unflatten(-1, (groups, group_size))
+    return out.flatten(-2)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """A sublayer's two in-block convolutions, before (prepare) and after (finish) it."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        """[before / after, tap, channel]."""
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups,
+                                           bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The exact identity: tap 0 of both base kernels 1, everything else 0."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(1, (-1, self.block_size))  # [N, K*B, H] -> [N, K, B, H]
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sublayer's input convolved, the after-delta for `finish`) of x [N, K*B, H]."""
+        blocks = self._blocks(x)
+        deltas = self.kernel_projection(blocks).unflatten(-1, (2, self.kernel_size, self.groups))
+        out = grouped_causal_conv(blocks, self.base_kernel[0], deltas[..., 0, :, :],
+                                  self.group_size)
+        return out.flatten(1, 2), deltas[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The sublayer's output y [N, K*B, H] convolved with the delta `prepare` returned."""
+        out = grouped_causal_conv(self._blocks(y), self.base_kernel[1], delta, self.group_size)
+        return out.flatten(1, 2)
+
+
+class CandidateSelector(nn.Module):
+    """Rescores each slot's top-K candidates by its predecessor token; walks a block."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        """A: [V, r], row of the token before the slot."""
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        """B: [V, r], row of the candidate."""
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Pairwise term 0 (successor codebook 0) with gradients: the rest ~ N(0, std)."""
+        nn.init.normal_(self.hidden_projection.weight, std=std)
+        nn.init.normal_(self.predecessor_codebook, std=std)
+        nn.init.zeros_(self.successor_codebook)
+
+    def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unary scores, token ids) [..., K] of the top-K logits [..., V], best first."""
+        return torch.topk(logits, self.top_k, dim=-1)
+
+    def scores(self, projected: torch.Tensor, predecessors: torch.Tensor,
+               unary: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """unary + <A[pred] * projected, B[cand]>, [..., K]: projected [..., r] (the slot's
+        hidden_projection), predecessors [...], unary / candidates [..., K]."""
+        query = F.embedding(predecessors, self.predecessor_codebook) * projected
+        keys = F.embedding(candidates, self.successor_codebook)
+        return unary + (keys @ query.unsqueeze(-1)).squeeze(-1)
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor,
+             anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens [..., S] of S consecutive slots (hidden [..., S, H], their logits
+        [..., S, V]) after anchor tokens [...]: each slot's best-scored candidate given the
+        token chosen before it."""
+        unary, candidates = self.candidates(logits)
+        projected = self.hidden_projection(hidden)
+        chosen, previous = [], anchor_ids
+        for s in range(hidden.shape[-2]):
+            score = self.scores(projected[..., s, :], previous, unary[..., s, :],
+                                candidates[..., s, :])
+            previous = candidates[..., s, :].gather(-1, score.argmax(-1, keepdim=True))[..., 0]
+            chosen.append(previous)
+        return torch.stack(chosen, dim=-1)
