@@ -3,8 +3,14 @@
 A drafter directory is `config.json` (architectures DFlashDraftModel, model_type qwen3,
 Qwen3 fields, layer_types, block_size, dflash_config) plus `model.safetensors` keyed
 `fc.weight`, `hidden_norm.weight`, `layers.N.*`, `norm.weight`: no embed_tokens, no
-lm_head. Our own save format IS this format, so a training checkpoint holds such a
-directory under `drafter/` (next to optimiser state) and export is a validated copy.
+lm_head. A DFlash 2 drafter's is z-lab's DFlash2DraftModel format: architectures
+DFlash2DraftModel, dflash_config adds conv_kernel_size, conv_group_size, selector_rank and
+selector_top_k, and the weights add `layers.N.{attention_conv,mlp_conv}.{base_kernel,
+kernel_projection.weight}` and `candidate_selector.{hidden_projection.weight,
+predecessor_codebook,successor_codebook}` (the codebooks bare, as published; the
+`.weight`-suffixed names z-lab's own save_pretrained writes load too). Our own save format
+IS this format, so a training checkpoint holds such a directory under `drafter/` (next to
+optimiser state) and export is a validated copy.
 
 Every directory we write also holds `checksums.json` (sha256 of the other files, written
 last): load_drafter verifies it when present, so flipped bytes are refused instead of being
@@ -47,7 +53,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.drafter.config import DEFAULT_BLOCK_SIZE, DrafterConfig
+from dflash_train.drafter.config import DEFAULT_BLOCK_SIZE, DrafterConfig, DrafterKind
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.hashing import file_sha256
@@ -76,21 +82,24 @@ directory as one (z-lab / HF drafter directories hold none; a run directory hold
 config.toml too, so that is no mark)."""
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURES: dict[DrafterKind, str] = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+"""config.json's architectures entry per drafter kind (z-lab's class names)."""
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""The dflash_config fields a DFlash 2 drafter adds; each required to load one."""
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+"""Tensors published bare, which z-lab's save_pretrained writes with a `.weight` suffix."""
 PROC_STATUS = Path("/proc/self/status")
 """Where Linux reports the process's umask without it being changed to read it."""
 
 # dflash_config / top-level fields that change the forward in ways this drafter does not
-# implement (DFlash2 selectors, logit scaling, attention sinks, ...): refused by name
-# rather than loaded into a drafter that would silently compute something else.
+# implement (logit scaling and soft-capping, attention sinks, ...): refused by name rather
+# than loaded into a drafter that would silently compute something else. DFlash 2's own
+# fields are refused on a DFlashDraftModel config, whose loaders ignore them.
 _UNSUPPORTED_IF_SET = {
     "attention_sink_bias": False,
     "final_logit_softcapping": None,
     "use_swa": False,
     "swa_window_size": None,
-    "conv_kernel_size": None,
-    "conv_group_size": None,
-    "selector_rank": None,
-    "selector_top_k": None,
 }
 _UNSUPPORTED_UNLESS = {
     "output_multiplier": 1.0,
@@ -115,7 +124,7 @@ class DamagedFile(DrafterError):
 def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
     """config.json contents, the fields of the published z-lab DFlash checkpoints."""
     raw: dict[str, Any] = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURES[config.kind]],
         "auto_map": {"AutoModel": f"{LOADER_MODULE}.{AutoModelLoader.__name__}"},
         "model_type": "qwen3",
         "attention_bias": False,
@@ -148,6 +157,8 @@ def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
         "use_cache": True,
         "dtype": str(dtype).removeprefix("torch."),
     }
+    if config.kind == "dflash2":
+        raw["dflash_config"].update({name: getattr(config, name) for name in DFLASH2_FIELDS})
     if config.is_causal is not None:
         raw["is_causal"] = config.is_causal
     # Unknown for third-party drafters without it: a null here makes SGLang fall back to the
@@ -164,17 +175,24 @@ def _plain_number(value: float) -> float | int:
 
 
 def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> DrafterConfig:
-    """Parse our config.json or a third-party DFlash one (z-lab, vLLM conventions)."""
-    architectures = raw.get("architectures") or []
-    if ARCHITECTURE not in architectures:
-        raise DrafterError(f"{source}: architectures {architectures} is not [{ARCHITECTURE!r}]")
+    """Parse our config.json or a third-party DFlash / DFlash 2 one (z-lab, vLLM
+    conventions)."""
+    kind = _kind(raw.get("architectures") or [], source)
     if raw.get("model_type", "qwen3") != "qwen3":
         raise DrafterError(f"{source}: model_type {raw['model_type']!r}; only qwen3 drafters")
     draft = dict(raw.get("dflash_config") or {})
-    _refuse_unsupported(raw, draft, source)
+    _refuse_unsupported(raw, draft, source, kind)
 
     def pick(name: str, default: Any = None) -> Any:
+        # dflash_config first, then the top level: the order z-lab's loader reads them in.
         return draft.get(name, raw.get(name, default))
+
+    dflash2: dict[str, int] = {}
+    if kind == "dflash2":
+        for name in DFLASH2_FIELDS:
+            if pick(name) is None:
+                raise DrafterError(f"{source}: a DFlash2DraftModel needs dflash_config.{name}")
+            dflash2[name] = int(pick(name))
 
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "vocab_size"):
@@ -209,11 +227,28 @@ def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> Draft
         sliding_window=raw.get("sliding_window"),
         is_causal=None if is_causal is None else bool(is_causal),
         block_size=int(pick("block_size", DEFAULT_BLOCK_SIZE)),
+        kind=kind,
+        **dflash2,
     )
 
 
-def _refuse_unsupported(raw: Mapping[str, Any], draft: Mapping[str, Any], source: str) -> None:
+def _kind(architectures: list[str], source: str) -> DrafterKind:
+    kinds = [kind for kind, name in ARCHITECTURES.items() if name in architectures]
+    if len(kinds) != 1:
+        names = " or ".join(repr(name) for name in ARCHITECTURES.values())
+        raise DrafterError(f"{source}: architectures {architectures} is not [{names}]")
+    return kinds[0]
+
+
+def _refuse_unsupported(raw: Mapping[str, Any], draft: Mapping[str, Any], source: str,
+                        kind: DrafterKind) -> None:
     for scope, fields in (("", raw), ("dflash_config.", draft)):
+        if kind == "dflash":
+            for name in DFLASH2_FIELDS:
+                if fields.get(name) is not None:
+                    raise DrafterError(
+                        f"{source}: {scope}{name} is a DFlash 2 field but architectures is "
+                        f"[{ARCHITECTURE!r}], which ignores it; not supported")
         for name, harmless in _UNSUPPORTED_IF_SET.items():
             if fields.get(name, harmless) not in (harmless, None, False):
                 raise DrafterError(
@@ -367,7 +402,8 @@ def load_drafter(
     device: str | torch.device = "cpu",
     checked_whole: bool = False,
 ) -> DFlashDrafter:
-    """Load a drafter directory (ours, z-lab's or any DFlashDraftModel one).
+    """Load a drafter directory (ours, z-lab's or any DFlashDraftModel / DFlash2DraftModel
+    one).
 
     `path` may also be a training checkpoint holding the drafter under `drafter/`; it must be
     whole (check_checkpoint_whole) unless the caller has just checked (`checked_whole`).
@@ -377,7 +413,7 @@ def load_drafter(
     directory = resolve_drafter_dir(path, checked_whole=checked_whole)
     verify_checksums(directory)
     config = read_config(directory)
-    state = _read_weights(directory)
+    state = _published_names(_read_weights(directory))
     check_finite(state, f"{directory}: weights")
     with torch.device("meta"):
         model = DFlashDrafter(config)
@@ -471,7 +507,8 @@ returns dflash-train's DFlashDrafter with these weights (checksums.json verified
 dflash_train.drafter.load_drafter does; it needs dflash-train installed. The target's
 embed_tokens and lm_head are not in this directory: attach them with attach_target_head.
 Serving engines (vLLM, SGLang) read config.json and the weights only, never this file;
-z-lab's dflash.model.DFlashDraftModel.from_pretrained(this_directory) loads them too.
+z-lab's dflash.model.DFlashDraftModel.from_pretrained(this_directory) loads them too
+(DFlash2DraftModel for a DFlash 2 drafter: architectures in config.json names which).
 """
 
 try:
@@ -480,7 +517,8 @@ except ImportError as err:
     raise ImportError(
         f"{{__file__}}: this DFlash drafter was written by dflash-train and AutoModel loads it "
         f"through dflash-train, which does not import here ({{err}}); install dflash-train, "
-        "or load the directory with z-lab's dflash.model.DFlashDraftModel.from_pretrained"
+        "or load the directory with z-lab's dflash.model class that config.json's "
+        "architectures names (its from_pretrained)"
     ) from err
 
 __all__ = ["{AutoModelLoader.__name__}"]
@@ -516,7 +554,7 @@ def export_checkpoint(
 def check_output_dir(out_dir: str | os.PathLike, overwrite: bool,
                      flag: str = "overwrite=True") -> None:
     """Refuse `out_dir` unless it is new, or `overwrite` and it is empty or holds only a
-    previous drafter's own files (OWN_FILES, config.json naming DFlashDraftModel).
+    previous drafter's own files (OWN_FILES, config.json naming one of ARCHITECTURES).
 
     flag: how the caller's user asks for an overwrite (`--overwrite` on the command line).
     """
@@ -537,7 +575,7 @@ def check_output_dir(out_dir: str | os.PathLike, overwrite: bool,
             architectures = json.loads(config.read_text()).get("architectures") or []
         except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
             architectures = []
-        if ARCHITECTURE in architectures:
+        if set(ARCHITECTURES.values()) & set(architectures):
             return
     shown = ", ".join(entries[:6]) + (f", ... ({len(entries)} entries)"
                                       if len(entries) > 6 else "")
@@ -556,6 +594,14 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         state.update(_load_safetensors(directory / shard))
+    return state
+
+
+def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The codebooks under their bare published names whichever way they were written."""
+    for name in CODEBOOKS:
+        if f"{name}.weight" in state and name not in state:
+            state[name] = state.pop(f"{name}.weight")
     return state
 
 

@@ -206,7 +206,8 @@ def _tiny_raw_config():
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"architectures": ["DFlash2DraftModel"]}, "architectures"),
+    ({"architectures": ["Eagle3DraftModel"]}, "architectures"),
+    ({"architectures": ["DFlash2DraftModel"]}, "needs dflash_config.conv_kernel_size"),
     ({"model_type": "minimax_m2"}, "model_type"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type"),
     ({"dflash_config": {"mask_token_id": 99, "target_layer_ids": [1, 3, 5],
