@@ -66,3 +66,23 @@ def random_batch(model: DFlashDrafter, seed: int, n: int = 2, t: int = 24, k: in
 @pytest.fixture
 def model() -> DFlashDrafter:
     return tiny_drafter()
+
+
+DFLASH2 = dict(kind="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+               selector_top_k=5)
+"""A tiny DFlash 2 shape: 4 conv groups of 16 channels, released kernel size, rank 8, top 5."""
+
+
+def tiny_dflash2(seed: int = 0, **overrides) -> DFlashDrafter:
+    """tiny_drafter of kind dflash2, its convs and selector moved well off their identity
+    init (base kernels and codebooks ~ N(0, 0.5) around it, projections ~ N(0, 0.2)), so the
+    convs mix slots and the selector's pairwise term reorders candidates."""
+    model = tiny_drafter(seed, **{**DFLASH2, **overrides})
+    gen = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "kernel_projection" in name or "hidden_projection" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+            elif "base_kernel" in name or "codebook" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.5)
+    return model
