@@ -1,0 +1,204 @@
+"""The DFlash 2 kind: identity init, the convolution and the walk longhand, config, files."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_train.drafter import (
+    DFlashDrafter,
+    DrafterError,
+    load_drafter,
+    read_config,
+    save_drafter,
+)
+from dflash_train.drafter.checkpoint import config_to_dict
+from dflash_train.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv
+
+from .conftest import DFLASH2, HIDDEN, random_batch, tiny_config, tiny_dflash2, tiny_drafter
+
+DFLASH2_KEYS = {"attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
+                "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight"}
+SELECTOR_KEYS = {"candidate_selector.hidden_projection.weight",
+                 "candidate_selector.predecessor_codebook",
+                 "candidate_selector.successor_codebook"}
+
+
+def test_a_fresh_dflash2_drafter_computes_what_the_dflash_one_does():
+    dflash = tiny_drafter(4)
+    fresh = DFlashDrafter(tiny_config(**DFLASH2))
+    missing, unexpected = fresh.load_state_dict(dflash.state_dict(), strict=False)
+    layers = {f"layers.{i}.{key}" for i in range(2) for key in DFLASH2_KEYS}
+    assert (set(missing), unexpected) == (layers | SELECTOR_KEYS, [])
+    fresh.attach_target_head(dflash.target_embed_tokens, dflash.target_lm_head)
+    batch = random_batch(dflash, 4)
+    with torch.no_grad():
+        want, got = dflash(*batch), fresh(*batch)
+        assert torch.equal(got, want)  # exact: the identity convs add zeros
+        anchors = batch[2][:, :, 0]
+        assert torch.equal(fresh.propose(got[:, :, 1:], anchors),
+                           dflash.propose(want[:, :, 1:], anchors))
+        # ...and the walk then is each slot's argmax (pairwise term 0, whatever the anchor).
+        assert torch.equal(fresh.propose(got[:, :, 1:], anchors),
+                           fresh.logits(got[:, :, 1:]).argmax(-1))
+
+
+def longhand_conv(x, base, delta, group_size, block_size):
+    """conv(x; base + delta)[i, c] = sum_t (base[t, c] + delta[i, t, c // g]) * x[i-t, c],
+    i - t inside i's block, one scalar at a time."""
+    out = torch.zeros_like(x)
+    n, length, h = x.shape
+    for s in range(n):
+        for i in range(length):
+            for t in range(base.shape[0]):
+                if i % block_size - t < 0:
+                    continue
+                for c in range(h):
+                    weight = base[t, c] + delta[s, i, t, c // group_size]
+                    out[s, i, c] += weight * x[s, i - t, c]
+    return out
+
+
+def test_the_convolution_is_the_in_block_causal_sum_longhand():
+    torch.manual_seed(0)
+    k, g, b = 3, 4, 4
+    conv = GroupedDynamicCausalConv(16, k, g, b)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_()
+    x, y = torch.randn(2, 3 * b, 16), torch.randn(2, 3 * b, 16)  # 3 blocks per row
+    with torch.no_grad():
+        deltas = conv.kernel_projection(x).view(2, 3 * b, 2, k, 16 // g)
+        before, after = conv.prepare(x)
+        finished = conv.finish(y, after)
+    torch.testing.assert_close(before, longhand_conv(x, conv.base_kernel[0], deltas[:, :, 0],
+                                                     g, b))
+    torch.testing.assert_close(finished, longhand_conv(y, conv.base_kernel[1], deltas[:, :, 1],
+                                                       g, b))
+
+
+def test_a_fresh_convolution_is_the_exact_identity():
+    conv = GroupedDynamicCausalConv(HIDDEN, 2, 16, 4)
+    x = torch.randn(3, 8, HIDDEN)
+    before, after = conv.prepare(x)
+    assert torch.equal(before, x) and torch.equal(conv.finish(x, after), x)
+
+
+def test_the_walk_picks_the_best_candidate_given_the_token_chosen_before():
+    torch.manual_seed(1)
+    selector = CandidateSelector(8, 30, rank=4, top_k=5)
+    with torch.no_grad():
+        for param in selector.parameters():
+            param.normal_()
+    hidden, logits = torch.randn(2, 6, 8), torch.randn(2, 6, 30)
+    anchors = torch.tensor([3, 17])
+    with torch.no_grad():
+        walk = selector.walk(hidden, logits, anchors)
+        projected = selector.hidden_projection(hidden)
+    a, b = selector.predecessor_codebook.detach(), selector.successor_codebook.detach()
+    for s in range(2):
+        previous = int(anchors[s])
+        for slot in range(6):
+            top = sorted(range(30), key=lambda v: -logits[s, slot, v])[:5]
+            score = {v: float(logits[s, slot, v] + (a[previous] * projected[s, slot] * b[v]).sum())
+                     for v in top}
+            previous = max(score, key=score.get)
+            assert int(walk[s, slot]) == previous, f"row {s} slot {slot}"
+    assert not torch.equal(walk, logits.argmax(-1))  # the pairwise term changed some choice
+
+
+def test_the_walk_takes_any_leading_shape():
+    model = tiny_dflash2(2)
+    features, lengths, ids, anchors = random_batch(model, 2)
+    with torch.no_grad():
+        hidden = model(features, lengths, ids, anchors)[:, :, 1:]  # [N, K, B-1, H]
+        walks = model.propose(hidden, ids[:, :, 0])
+        for s in range(2):
+            for k in range(4):
+                one = model.propose(hidden[s, k][None], ids[s, k, :1])[0]
+                assert torch.equal(walks[s, k], one)
+
+
+def test_the_convs_learn_from_their_identity_init():
+    # The identity is no dead point: the training forward sends gradients into both convs'
+    # projections and base kernels (the selector learns from its own loss, not this one).
+    model = DFlashDrafter(tiny_config(**DFLASH2))
+    model.attach_target_head(torch.randn(100, HIDDEN), torch.randn(100, HIDDEN))
+    model.train()
+    model.forward_logits(*random_batch(model, 0)).square().mean().backward()
+    for name, param in model.named_parameters():
+        if name.startswith("candidate_selector."):
+            assert param.grad is None, name
+        else:
+            assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("kind", "eagle3", "kind 'eagle3'"),
+    ("conv_group_size", 24, "conv_group_size 24 does not divide hidden_size 64"),
+    ("conv_kernel_size", 0, "conv_kernel_size 0"),
+    ("selector_rank", 0, "selector_rank 0"),
+    ("selector_top_k", 101, "selector_top_k 101 exceeds the vocabulary"),
+])
+def test_invalid_dflash2_config_names_the_field(field, value, words):
+    with pytest.raises(DrafterError, match=words):
+        tiny_config(**{**DFLASH2, field: value})
+
+
+def test_dflash2_fields_are_not_checked_for_a_dflash_drafter():
+    assert tiny_config(conv_group_size=24).kind == "dflash"
+
+
+def test_describe_names_the_dflash2_shape():
+    assert tiny_config(**DFLASH2).describe().endswith(
+        "; DFlash 2: convs of 2 taps in groups of 16, selector rank 8 over the top 5")
+    assert "DFlash 2" not in tiny_config().describe()
+
+
+def test_dflash2_round_trip_writes_the_published_names_and_fields(tmp_path):
+    model = tiny_dflash2(5)
+    out = save_drafter(model, tmp_path / "d")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["DFlash2DraftModel"]
+    assert {k: raw["dflash_config"][k] for k in DFLASH2 if k != "kind"} == {
+        k: v for k, v in DFLASH2.items() if k != "kind"}
+    names = set(load_file(str(out / "model.safetensors")))
+    dflash_names = set(tiny_drafter(5).state_dict())
+    layers = {f"layers.{i}.{key}" for i in range(2) for key in DFLASH2_KEYS}
+    assert names == dflash_names | layers | SELECTOR_KEYS
+    loaded = load_drafter(out)
+    assert loaded.config == model.config
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_dflash_config_is_written_as_before():
+    raw = config_to_dict(tiny_config(), torch.float32)
+    assert raw["architectures"] == ["DFlashDraftModel"]
+    assert not set(DFLASH2) & set(raw["dflash_config"])
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"architectures": ["DFlashDraftModel"]}, "conv_kernel_size is a DFlash 2 field"),
+    ({"architectures": ["DFlashDraftModel", "DFlash2DraftModel"]}, "architectures"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"output_multiplier": 0.5}, "output_multiplier"),
+    ({"input_embedding_scale": 2.0}, "input_embedding_scale"),
+])
+def test_dflash2_configs_we_do_not_implement_are_refused_by_name(tmp_path, change, words):
+    raw = config_to_dict(tiny_config(**DFLASH2), torch.float32)
+    scoped = {k: v for k, v in change.items() if k != "architectures"}
+    raw["dflash_config"].update(scoped)
+    raw.update({k: v for k, v in change.items() if k == "architectures"})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(DrafterError, match=words):
+        load_drafter(tmp_path)
+
+
+def test_dflash2_fields_are_read_from_the_top_level_too(tmp_path):
+    # z-lab's loader reads each field from dflash_config first, then the top level.
+    raw = config_to_dict(tiny_config(**DFLASH2), torch.float32)
+    raw["selector_top_k"] = raw["dflash_config"].pop("selector_top_k")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert read_config(tmp_path).selector_top_k == DFLASH2["selector_top_k"]
