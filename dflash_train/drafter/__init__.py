@@ -1,7 +1,8 @@
 """The DFlash drafter: model, block masks, and the serving checkpoint format.
 
-- `config.py`: `DrafterConfig` (the architecture, field for field config.json) and
-  `default_target_layer_ids`, the one home of the layer-id formula (docs/reference.md §2).
+- `config.py`: `DrafterConfig` (the architecture, field for field config.json; `kind`
+  dflash or dflash2) and `default_target_layer_ids`, the one home of the layer-id formula
+  (docs/reference.md §2).
 - `masks.py`: block positions a..a+B-1 and who-sees-whom, as a dense SDPA mask, as the
   split masks (context keys, own-block keys) and as a flex-attention BlockMask, all
   evaluated from one shared predicate.
@@ -12,6 +13,9 @@
   block_ids, anchors)`) or over a context KV cache built by `extend_context` (replay at any
   anchors; live `draft_block` at the cache's end). The target's embed_tokens / lm_head are
   borrowed frozen via `attach_target_head`, never saved.
+- `dflash2.py`: DFlash 2's additions (config `kind="dflash2"`): the in-block
+  `GroupedDynamicCausalConv` each decoder layer wraps around its attention and MLP, and the
+  `CandidateSelector` whose greedy walk `DFlashDrafter.propose` follows.
 - `checkpoint.py`: `save_drafter` / `load_drafter` / `export_checkpoint` in the HF
   directory format vLLM, SGLang and z-lab load (docs/reference.md §9), written atomically with
   a sha256 record (checksums.json) that loading verifies; an overwrite replaces only an

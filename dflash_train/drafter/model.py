@@ -4,7 +4,9 @@ Body (docs/reference.md §1): `ctx = hidden_norm(fc(concat of n target-layer fea
 Qwen3-style decoder layers at the target width whose keys/values are
 `concat(k/v_proj(ctx), k/v_proj(block))` in EVERY layer (KV injection; the context is not
 transformed by the layers and is never a query), then a final RMSNorm. Parameter names are
-the published checkpoint's (`fc`, `hidden_norm`, `layers.N.*`, `norm`).
+the published checkpoint's (`fc`, `hidden_norm`, `layers.N.*`, `norm`). A DFlash 2 drafter
+(`config.kind == "dflash2"`, dflash2.py) adds in-block convolutions inside each layer and a
+`candidate_selector` that `propose` walks; the pass itself is the same.
 
 The target's `embed_tokens` and `lm_head` are borrowed, frozen: attached as non-persistent
 buffers, so they are never in the state_dict, never trained, never saved.
