@@ -46,14 +46,19 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.drafter.config import DEFAULT_BLOCK_SIZE, DrafterConfig, DrafterKind
+from dflash_train.drafter.config import (
+    DEFAULT_BLOCK_SIZE,
+    DRAFTER_KINDS,
+    DrafterConfig,
+    DrafterKind,
+)
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.hashing import file_sha256
@@ -401,6 +406,7 @@ def load_drafter(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     checked_whole: bool = False,
+    kinds: Collection[DrafterKind] = ("dflash",),
 ) -> DFlashDrafter:
     """Load a drafter directory (ours, z-lab's or any DFlashDraftModel / DFlash2DraftModel
     one).
@@ -409,10 +415,18 @@ def load_drafter(
     whole (check_checkpoint_whole) unless the caller has just checked (`checked_whole`).
     The weights keep their stored dtype unless `dtype` is given. The target's embed_tokens
     and lm_head are not in the directory: attach them with `attach_target_head`.
+    kinds: the drafter kinds the caller handles; another is refused by name. DFlash only by
+    default: a caller that drafts by argmax logits would measure a DFlash 2 drafter with its
+    selector switched off, so each caller opts in once it follows `propose`.
     """
     directory = resolve_drafter_dir(path, checked_whole=checked_whole)
     verify_checksums(directory)
     config = read_config(directory)
+    if config.kind not in kinds:
+        raise DrafterError(
+            f"{directory}: a {ARCHITECTURES[config.kind]} ({config.kind}) drafter; this step "
+            f"takes {' and '.join(ARCHITECTURES[k] for k in kinds)} only (DFlash 2 drafters "
+            "export, but training and evaluating them are not implemented yet)")
     state = _published_names(_read_weights(directory))
     check_finite(state, f"{directory}: weights")
     with torch.device("meta"):
@@ -496,7 +510,7 @@ class AutoModelLoader:
             raise DrafterError(f"{directory}: not a local directory; a dflash-train drafter "
                                "loads from disk (download it first, e.g. hf download)")
         device = torch.device("cpu" if device is None else device)
-        return load_drafter(directory, dtype=dtype, device=device).eval()
+        return load_drafter(directory, dtype=dtype, device=device, kinds=DRAFTER_KINDS).eval()
 
 
 LOADER_SOURCE = f'''"""Lets transformers load this DFlash drafter, exported by dflash-train:
@@ -547,7 +561,7 @@ def export_checkpoint(
         raise DrafterError(f"{out_dir}: is the checkpoint being exported; pick another "
                            "output directory")
     check_output_dir(out_dir, overwrite)
-    model = load_drafter(src_dir)
+    model = load_drafter(src_dir, kinds=DRAFTER_KINDS)
     return save_drafter(model, out_dir, dtype=dtype, overwrite=overwrite)
 
 

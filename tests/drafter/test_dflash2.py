@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from dflash_train.drafter import (
     DFlashDrafter,
     DrafterError,
+    export_checkpoint,
     load_drafter,
     read_config,
     save_drafter,
@@ -20,6 +21,7 @@ from .conftest import DFLASH2, HIDDEN, random_batch, tiny_config, tiny_dflash2, 
 
 DFLASH2_KEYS = {"attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
                 "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight"}
+BOTH = ("dflash", "dflash2")
 SELECTOR_KEYS = {"candidate_selector.hidden_projection.weight",
                  "candidate_selector.predecessor_codebook",
                  "candidate_selector.successor_codebook"}
@@ -167,10 +169,25 @@ def test_dflash2_round_trip_writes_the_published_names_and_fields(tmp_path):
     dflash_names = set(tiny_drafter(5).state_dict())
     layers = {f"layers.{i}.{key}" for i in range(2) for key in DFLASH2_KEYS}
     assert names == dflash_names | layers | SELECTOR_KEYS
-    loaded = load_drafter(out)
+    loaded = load_drafter(out, kinds=BOTH)
     assert loaded.config == model.config
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_dflash2_loads_only_where_the_caller_takes_it_and_exports(tmp_path):
+    # Eval and training draft by argmax logits so far: loading a DFlash 2 drafter there
+    # would measure it with its selector off, so load_drafter refuses it unless asked.
+    model = tiny_dflash2(6)
+    out = save_drafter(model, tmp_path / "d")
+    with pytest.raises(DrafterError, match=r"a DFlash2DraftModel \(dflash2\) drafter; this "
+                       r"step takes DFlashDraftModel only .*not implemented yet"):
+        load_drafter(out)
+    exported = export_checkpoint(out, tmp_path / "export", dtype=None)
+    assert json.loads((exported / "config.json").read_text())["architectures"] == [
+        "DFlash2DraftModel"]
+    again = load_drafter(exported, kinds=BOTH)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
 def test_a_dflash_config_is_written_as_before():
