@@ -55,6 +55,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.drafter.config import (
     DEFAULT_BLOCK_SIZE,
+    DFLASH2_FIELDS,
     DRAFTER_KINDS,
     DrafterConfig,
     DrafterKind,
@@ -89,8 +90,6 @@ config.toml too, so that is no mark)."""
 ARCHITECTURE = "DFlashDraftModel"
 ARCHITECTURES: dict[DrafterKind, str] = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
 """config.json's architectures entry per drafter kind (z-lab's class names)."""
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-"""The dflash_config fields a DFlash 2 drafter adds; each required to load one."""
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 """Tensors published bare, which z-lab's save_pretrained writes with a `.weight` suffix."""
 PROC_STATUS = Path("/proc/self/status")

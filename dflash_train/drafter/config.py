@@ -16,6 +16,8 @@ from dflash_train.drafter.errors import DrafterError
 LayerType = Literal["full_attention", "sliding_attention"]
 DrafterKind = Literal["dflash", "dflash2"]
 DRAFTER_KINDS: tuple[DrafterKind, ...] = ("dflash", "dflash2")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""The fields a DFlash 2 drafter adds (config.json: in dflash_config)."""
 
 DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 """Tokens per drafted block (dflash_train.blocks owns the number: docs/reference.md §3)."""
@@ -186,7 +188,7 @@ class DrafterConfig:
             self._validate_dflash2()
 
     def _validate_dflash2(self) -> None:
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        for name in DFLASH2_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DrafterError(f"{name} {value!r} must be a positive integer")
