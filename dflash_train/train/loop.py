@@ -45,6 +45,7 @@ from dflash_train.train.config import ModelConfig, TrainConfig, resolve_chunk_bl
 from dflash_train.train.data import StoreLoader, empty_batch, weights_text
 from dflash_train.train.errors import TrainError
 from dflash_train.train.noise import noise_std_at
+from dflash_train.train.optimizer import build_optimizer
 from dflash_train.train.options import option_name
 from dflash_train.train.parallel import (
     barrier,
@@ -280,8 +281,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
     mode = parallel_mode(world, cfg.run.fsdp)
     forward_model = wrap(model, mode, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = build_optimizer(model, cfg.optim)
     warmup = max(1, round(cfg.optim.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(total_steps, warmup, cfg.optim.min_lr_ratio))
