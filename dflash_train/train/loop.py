@@ -343,8 +343,8 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                                  anchors_per_seq=cfg.run.anchors_per_seq, seed=cfg.run.seed,
                                  epoch=state.epoch, soft_targets=cfg.loss.kind == "kl-topk",
                                  pad_blocks_to=pad_blocks_to)
-            # Labels and which slots count are fixed above from stored verifier ids; only now is the
-            # context noised, on a copy that nothing but the drafter's fc reads.
+            # Labels and which slots count are fixed above from stored verifier ids; only now is
+            # the context noised, on a copy that nothing but the drafter's fc reads.
             context = noised_context(batch, layer_rms, cfg.noise, seed=cfg.run.seed,
                                      epoch=state.epoch, step=state.step, device=device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):

@@ -5,17 +5,20 @@ summed over every rank's slots, with w[n,0] = 0 (the anchor has no label). Label
 verifier argmax (dflash_train.blocks.block_labels). An alternative soft target, `kl-topk`, uses
 the stored verifier top-k logits + lse instead; it is never the default.
 
-Position weights w (one home: `position_weights`):
+Position weights w (LossConfig.position_weights; this module is their only home):
   decay (default)  w_k = exp(-(k-1)/gamma) for k >= 1 (docs/reference.md §5).
   dpace            D-PACE (arXiv 2605.18810), per block over its supervised slots: with
                    q_i = exp(-CE_i) detached and s_i = (1 - a) q_i + a (s_i = 1 where slot i
                    has no label), P_j = prod_{i<=j} s_i and w_j = sum_{m>=j} P_m valid_m: the
                    weight of slot j is the smoothed expected number of accepted slots that
                    depend on it, so slots the drafter already reaches count most.
-Either way the loss divides by the sum of the weights it used (a weighted mean CE, in nats,
-comparable across the two), as SpecForge does for D-PACE; speculators instead divides D-PACE's
-weighted sum by the count of supervised slots, which makes the loss and gradient scale grow
-with the drafter's confidence (up to ~B/2 over training).
+Either way the loss divides by the sum of the weights it used (a weighted mean CE in nats,
+comparable across the two and with ln V), as SpecForge does for D-PACE. speculators divides
+D-PACE's weighted sum by the count of supervised slots instead, so its loss and gradient scale
+follow the drafter's confidence: at a = 0.5 and B = 16 the mean weight per slot goes from
+~0.13 (every q near 0) to 8 (every q = 1), a 60x drift that grad clipping and the LR schedule
+would then see. The weights are fixed once the forward has run, so the choice only rescales
+each step as a whole.
 
 This module owns the formulas and the memory-safe way to apply the frozen lm_head (row
 chunks, recomputed in backward). It must never build labels from anything but the verifier
