@@ -66,18 +66,39 @@ lr whatever the gradient, 50x the 0.02 std the drafter's linear weights start at
 so high collapse (the gradient dies) or diverge. Published drafters train at 6e-4."""
 
 
+MUON_NS_STEPS_MAX = 99
+"""torch's Muon refuses 100 Newton-Schulz steps or more."""
+
+
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay (docs/reference.md §5)."""
+    """AdamW (or Muon + AdamW) with linear warmup and cosine decay (docs/reference.md §5)."""
 
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """`adamw`: AdamW on every trained parameter (default). `muon`: torch's Muon on the
+    drafter's 2-D weight matrices (fc, attention and MLP projections), AdamW on the rest
+    (norms), as speculators does; one schedule drives both."""
     lr: float = 6e-4
-    """Peak learning rate, below LR_MAX."""
+    """Peak learning rate, below LR_MAX (AdamW's; Muon's too unless `muon_lr` is set)."""
+    muon_lr: float | None = None
+    """Peak learning rate of the Muon matrices; None: `lr`, which `muon_adjust_lr_fn`
+    match_rms_adamw is made to reuse. The schedule scales it as it scales `lr`."""
+    muon_momentum: float = 0.95
+    """Muon's momentum, in [0, 1) (torch's and speculators' default)."""
+    muon_nesterov: bool = True
+    """Muon uses Nesterov momentum (torch's default)."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations that orthogonalise each Muon update, 1 to 99."""
+    muon_adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """How Muon scales its lr per matrix of shape A x B: `match_rms_adamw` (Moonshot:
+    0.2 sqrt(max(A, B)), so AdamW's lr and weight decay carry over; speculators' default) or
+    `original` (Keller Jordan: sqrt(max(1, A / B)); wants a larger lr, ~0.02)."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of `lr`."""
     warmup_ratio: float = 0.04
     """Fraction of all steps spent warming up linearly from 0."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
+    """Decoupled weight decay, of AdamW and (optimizer muon) of Muon."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
     grad_clip: float = 1.0
@@ -92,6 +113,13 @@ class OptimConfig:
         require(math.isfinite(self.lr) and 0 < self.lr < LR_MAX, "optim.lr",
                 f"a number in (0, {LR_MAX:g}) (AdamW moves every weight by about lr per step; "
                 "the drafter's start at std 0.02)", self.lr)
+        require(self.muon_lr is None or (math.isfinite(self.muon_lr) and
+                                         0 < self.muon_lr < LR_MAX), "optim.muon_lr",
+                f"a number in (0, {LR_MAX:g})", self.muon_lr)
+        require(math.isfinite(self.muon_momentum) and 0 <= self.muon_momentum < 1,
+                "optim.muon_momentum", "in [0, 1)", self.muon_momentum)
+        require(1 <= self.muon_ns_steps <= MUON_NS_STEPS_MAX, "optim.muon_ns_steps",
+                f"in [1, {MUON_NS_STEPS_MAX}]", self.muon_ns_steps)
         require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]",
                 self.min_lr_ratio)
         require(0 <= self.warmup_ratio <= 1, "optim.warmup_ratio", "in [0, 1]",

@@ -45,6 +45,7 @@ from dflash_train.train.config import ModelConfig, TrainConfig, resolve_chunk_bl
 from dflash_train.train.data import StoreLoader, empty_batch, weights_text
 from dflash_train.train.errors import TrainError
 from dflash_train.train.noise import noise_std_at
+from dflash_train.train.optimizer import build_optimizer
 from dflash_train.train.options import option_name
 from dflash_train.train.parallel import (
     barrier,
@@ -53,6 +54,7 @@ from dflash_train.train.parallel import (
     global_norm,
     load_optimizer_state,
     parallel_mode,
+    sum_over_ranks,
     wrap,
 )
 from dflash_train.train.rundir import (
@@ -67,7 +69,7 @@ from dflash_train.train.rundir import (
     set_aside_leftovers,
     shape_conflicts,
 )
-from dflash_train.train.step import block_loss, make_blocks, noised_context, weight_sum
+from dflash_train.train.step import block_loss, make_blocks, noised_context
 
 DRAFTER_LAYERS = 5
 """Decoder layers of a drafter when the config leaves them unset (the released drafters')."""
@@ -279,8 +281,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
     mode = parallel_mode(world, cfg.run.fsdp)
     forward_model = wrap(model, mode, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = build_optimizer(model, cfg.optim)
     warmup = max(1, round(cfg.optim.warmup_ratio * total_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, _lr_lambda(total_steps, warmup, cfg.optim.min_lr_ratio))
@@ -342,13 +343,10 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                                  anchors_per_seq=cfg.run.anchors_per_seq, seed=cfg.run.seed,
                                  epoch=state.epoch, soft_targets=cfg.loss.kind == "kl-topk",
                                  pad_blocks_to=pad_blocks_to)
-            # Labels and weights are fixed above from stored verifier ids; only now is the
-            # context noised, on a copy that nothing but the drafter's fc reads.
+            # Labels and which slots count are fixed above from stored verifier ids; only now is
+            # the context noised, on a copy that nothing but the drafter's fc reads.
             context = noised_context(batch, layer_rms, cfg.noise, seed=cfg.run.seed,
                                      epoch=state.epoch, step=state.step, device=device)
-            denominator = weight_sum(blocks, cfg.loss.gamma).to(device)
-            if world > 1:
-                dist.all_reduce(denominator)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                 hidden = forward_model(context, batch.lengths.to(device),
                                        blocks.block_ids.to(device), blocks.anchors.to(device),
@@ -356,7 +354,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                 # DDP and FSDP average gradients over ranks; each rank's share of the global
                 # weighted sum is scaled back up so the result is the single-process gradient.
                 loss = block_loss(hidden, blocks, model.target_lm_head, cfg.loss,
-                                  denominator=denominator.clamp(min=1e-12)) * world
+                                  global_sum=sum_over_ranks if world > 1 else None) * world
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(

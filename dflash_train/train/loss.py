@@ -1,18 +1,31 @@
-"""The drafter's training loss: position-decayed hard cross-entropy over block slots.
+"""The drafter's training loss: position-weighted hard cross-entropy over block slots.
 
-loss = sum_{n,k} w_k * valid[n,k] * CE(q[n,k], label[n,k]) / sum_{n,k} w_k * valid[n,k],
-with w_0 = 0 and w_k = exp(-(k-1)/gamma) for k >= 1 (docs/reference.md §5). Labels: the stored
+loss = sum_{n,k} w[n,k] * valid[n,k] * CE(q[n,k], label[n,k]) / sum_{n,k} w[n,k] * valid[n,k],
+summed over every rank's slots, with w[n,0] = 0 (the anchor has no label). Labels: the stored
 verifier argmax (dflash_train.blocks.block_labels). An alternative soft target, `kl-topk`, uses
 the stored verifier top-k logits + lse instead; it is never the default.
 
-This module owns the formula and the memory-safe way to apply the frozen lm_head (row
+Position weights w (LossConfig.position_weights; this module is their only home):
+  decay (default)  w_k = exp(-(k-1)/gamma) for k >= 1 (docs/reference.md §5).
+  dpace            D-PACE (arXiv 2605.18810), per block over its supervised slots: with
+                   q_i = exp(-CE_i) detached and s_i = (1 - a) q_i + a (s_i = 1 where slot i
+                   has no label), P_j = prod_{i<=j} s_i and w_j = sum_{m>=j} P_m valid_m: the
+                   weight of slot j is the smoothed expected number of accepted slots that
+                   depend on it, so slots the drafter already reaches count most.
+Either way the loss divides by the sum of the weights it used (a weighted mean CE in nats,
+comparable across the two and with ln V), as SpecForge does for D-PACE. speculators divides
+D-PACE's weighted sum by the count of supervised slots instead, so its loss and gradient scale
+follow the drafter's confidence: at a = 0.5 and B = 16 the mean weight per slot goes from
+~0.13 (every q near 0) to 8 (every q = 1), a 60x drift that grad clipping and the LR schedule
+would then see. The weights are fixed once the forward has run, so the choice only rescales
+each step as a whole.
+
+This module owns the formulas and the memory-safe way to apply the frozen lm_head (row
 chunks, recomputed in backward). It must never build labels from anything but the verifier
 targets it is given, and never touch the noise or the optimiser.
-
-D-PACE weighting (arXiv 2605.18810) is deliberately absent: its exact formula could not be
-confirmed from public material available here, and a guessed version would be mislabelled.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -28,27 +41,49 @@ DEFAULT_GAMMA = 10.0
 """Decay length of w_k = exp(-(k-1)/gamma). docs/reference.md §5: the paper uses 7 for B = 16; this
 project defaults to 10 because it tunes for DDTree, which reaches deep slots more often."""
 
+DEFAULT_DPACE_ALPHA = 0.5
+"""D-PACE's smoothing a in s_i = (1 - a) q_i + a: speculators' and SpecForge's default. It keeps
+the prefix products from collapsing to 0 behind one unconfident slot early in training."""
+
 DEFAULT_CHUNK_ROWS = 2048
 """Block slots per lm_head chunk: 2048 x 248K fp32 logits is ~2 GB, recomputed in backward."""
+
+PositionWeights = Literal["decay", "dpace"]
+GlobalSum = Callable[[torch.Tensor], torch.Tensor]
+"""Turns this process's weight sum into the sum over every rank (an all-reduce)."""
 
 
 @dataclass
 class LossConfig:
-    """Which loss the trainer minimises and how it applies the lm_head."""
+    """Which loss the trainer minimises, how it weighs block slots and applies the lm_head."""
 
     kind: Literal["ce", "kl-topk"] = "ce"
     """`ce`: hard CE on the verifier argmax (default). `kl-topk`: KL to the stored top-k
     verifier probabilities (mass outside the stored top-k is ignored)."""
+    position_weights: PositionWeights = "decay"
+    """How slots of a block are weighed. `decay` (default): w_k = exp(-(k-1)/gamma), fixed.
+    `dpace`: D-PACE, from the drafter's own detached confidence on each slot (kind `ce`
+    only: its q_i = exp(-CE_i) is the probability of the verifier's token)."""
     gamma: float = DEFAULT_GAMMA
-    """Position decay length; w_k = exp(-(k-1)/gamma) for slot k >= 1."""
+    """Position decay length of `decay`; w_k = exp(-(k-1)/gamma) for slot k >= 1."""
+    dpace_alpha: float = DEFAULT_DPACE_ALPHA
+    """Smoothing a of `dpace`, in [0, 1]: s_i = (1 - a) q_i + a. 1 weighs slot j by the
+    number of supervised slots from j on (no confidence); 0 is unsmoothed."""
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     """Rows (block slots) per lm_head chunk when the loss is given hidden states."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("ce", "kl-topk"):
             raise BlockError(f"loss kind must be 'ce' or 'kl-topk', got {self.kind!r}")
+        if self.position_weights not in ("decay", "dpace"):
+            raise BlockError(f"loss position_weights must be 'decay' or 'dpace', got "
+                             f"{self.position_weights!r}")
+        if self.position_weights == "dpace" and self.kind != "ce":
+            raise BlockError(f"loss position_weights 'dpace' needs kind 'ce' (its confidence "
+                             f"is the probability of the verifier's token), got {self.kind!r}")
         if not self.gamma > 0:
             raise BlockError(f"loss gamma must be > 0, got {self.gamma}")
+        _check_alpha(self.dpace_alpha)
         if self.chunk_rows < 1:
             raise BlockError(f"loss chunk_rows must be >= 1, got {self.chunk_rows}")
 
@@ -64,11 +99,28 @@ def decay_weights(block_size: int = BLOCK_SIZE, gamma: float = DEFAULT_GAMMA) ->
 
 
 def slot_weights(valid: torch.Tensor, gamma: float = DEFAULT_GAMMA) -> torch.Tensor:
-    """Loss weight of every slot [N, B]: decay weight where the label is valid, else 0."""
+    """Decay weight of every slot [N, B] where the label is valid, else 0."""
     if valid.dim() != 2:
         raise BlockError(f"valid must be [N, B], got shape {tuple(valid.shape)}")
     w = decay_weights(valid.shape[1], gamma).to(valid.device)
     return w * valid.float()
+
+
+@torch.no_grad()
+def dpace_weights(
+    ce: torch.Tensor, valid: torch.Tensor, alpha: float = DEFAULT_DPACE_ALPHA
+) -> torch.Tensor:
+    """D-PACE weight of every slot [N, B] from its CE [N, B] (read only where valid), 0 where
+    the label is invalid and at the anchor. No gradient flows through it."""
+    if valid.dim() != 2 or ce.shape != valid.shape:
+        raise BlockError(f"ce {tuple(ce.shape)} and valid {tuple(valid.shape)} must both be "
+                         "[N, B]")
+    _check_alpha(alpha)
+    supervised = _supervised(valid)
+    confidence = torch.exp(-_at_least_fp32(ce.detach()))
+    smoothed = torch.where(supervised, (1 - alpha) * confidence + alpha, 1.0)
+    reach = torch.cumprod(smoothed, dim=-1) * supervised  # P_m where slot m counts, else 0
+    return reach.flip(-1).cumsum(-1).flip(-1) * supervised  # sum_{m>=j} P_m valid_m
 
 
 def block_ce_loss(
@@ -78,21 +130,30 @@ def block_ce_loss(
     logits: torch.Tensor | None = None,
     hidden: torch.Tensor | None = None,
     lm_head_weight: torch.Tensor | None = None,
+    position_weights: PositionWeights = "decay",
     gamma: float = DEFAULT_GAMMA,
+    dpace_alpha: float = DEFAULT_DPACE_ALPHA,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    denominator: float | torch.Tensor | None = None,
+    global_sum: GlobalSum | None = None,
 ) -> torch.Tensor:
-    """Decay-weighted hard CE, from logits [N, B, V] or hidden [N, B, H] + lm_head [V, H].
+    """Position-weighted hard CE, from logits [N, B, V] or hidden [N, B, H] + lm_head [V, H].
 
-    `denominator` replaces the local weight sum (e.g. the all-reduced sum under DDP so every
-    rank's slot counts the same). With no valid slot the loss is an exact 0 still attached to
-    the graph, so DDP sees every parameter.
+    `global_sum` sums the weight sum over ranks (under DDP, so every rank's slot counts the
+    same); every rank must then call this, with or without valid slots. With no valid slot
+    the loss is an exact 0 still attached to the graph, so DDP sees every parameter.
     """
     _check_labels(labels, valid)
-    rows, w = _weighted_rows(valid, gamma)
+    rows = _supervised(valid).reshape(-1).nonzero().flatten()
     targets = (labels.reshape(-1)[rows].long(),)
+    if position_weights == "dpace":
+        weigh = partial(_dpace_row_weights, valid=valid, rows=rows, alpha=dpace_alpha)
+    elif position_weights == "decay":
+        weigh = partial(_decay_row_weights, slot_weights(valid, gamma).reshape(-1)[rows])
+    else:
+        raise BlockError(f"position_weights must be 'decay' or 'dpace', got "
+                         f"{position_weights!r}")
     return _weighted_loss(
-        _ce_rows, targets, rows, w, logits, hidden, lm_head_weight, chunk_rows, denominator
+        _ce_rows, targets, rows, weigh, logits, hidden, lm_head_weight, chunk_rows, global_sum
     )
 
 
@@ -112,7 +173,7 @@ def block_kl_topk_loss(
     lm_head_weight: torch.Tensor | None = None,
     gamma: float = DEFAULT_GAMMA,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    denominator: float | torch.Tensor | None = None,
+    global_sum: GlobalSum | None = None,
 ) -> torch.Tensor:
     """Decay-weighted truncated KL(p || q) over the verifier's stored top-k (an option).
 
@@ -131,12 +192,14 @@ def block_kl_topk_loss(
         raise BlockError(
             f"target_lse must be [N, B] = {tuple(valid.shape)}, got {tuple(target_lse.shape)}"
         )
-    rows, w = _weighted_rows(valid, gamma)
+    rows = _supervised(valid).reshape(-1).nonzero().flatten()
     k = target_ids.shape[-1]
     probs = topk_target_probs(target_logits, target_lse).reshape(-1, k)[rows]
     targets = (target_ids.reshape(-1, k)[rows].long(), probs)
+    weigh = partial(_decay_row_weights, slot_weights(valid, gamma).reshape(-1)[rows])
     return _weighted_loss(
-        _kl_topk_rows, targets, rows, w, logits, hidden, lm_head_weight, chunk_rows, denominator
+        _kl_topk_rows, targets, rows, weigh, logits, hidden, lm_head_weight, chunk_rows,
+        global_sum
     )
 
 
@@ -163,62 +226,81 @@ def _check_labels(labels: torch.Tensor, valid: torch.Tensor) -> None:
         )
 
 
-def _weighted_rows(valid: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat indices of slots with weight > 0, and their weights [M]."""
-    w = slot_weights(valid, gamma).reshape(-1)
-    rows = (w > 0).nonzero().flatten()
-    return rows, w[rows]
+def _check_alpha(alpha: float) -> None:
+    if not (math.isfinite(alpha) and 0 <= alpha <= 1):
+        raise BlockError(f"loss dpace_alpha must be a finite number in [0, 1], got {alpha}")
 
 
-def _chunk_weighted_sum(
+def _supervised(valid: torch.Tensor) -> torch.Tensor:
+    """The slots that carry a label [N, B]: valid ones past the anchor (slot 0 predicts
+    nothing, whatever `valid` says)."""
+    if valid.dim() != 2:
+        raise BlockError(f"valid must be [N, B], got shape {tuple(valid.shape)}")
+    out = valid.bool().clone()
+    out[:, 0] = False
+    return out
+
+
+def _decay_row_weights(w: torch.Tensor, row_loss: torch.Tensor) -> torch.Tensor:
+    """The fixed decay weights of the selected rows; the rows' losses do not change them."""
+    return w.to(row_loss.device)
+
+
+def _dpace_row_weights(row_loss: torch.Tensor, *, valid: torch.Tensor, rows: torch.Tensor,
+                       alpha: float) -> torch.Tensor:
+    """D-PACE weights of the selected rows from their (detached) per-row CE [M]."""
+    ce = row_loss.new_zeros(valid.numel())
+    ce[rows.to(ce.device)] = row_loss.detach()
+    w = dpace_weights(ce.view(valid.shape), valid.to(ce.device), alpha)
+    return w.reshape(-1)[rows.to(ce.device)]
+
+
+def _chunk_rows_loss(
     row_loss: Callable[..., torch.Tensor],
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    w: torch.Tensor,
     *targets: torch.Tensor,
 ) -> torch.Tensor:
-    """sum_i w_i * row_loss(hidden_i @ weight^T, targets_i) for one chunk of rows."""
-    return (row_loss(F.linear(hidden, weight), *targets) * w).sum()
+    """row_loss(hidden_i @ weight^T, targets_i) for one chunk of rows [m]."""
+    return row_loss(F.linear(hidden, weight), *targets)
 
 
 def _weighted_loss(
     row_loss: Callable[..., torch.Tensor],
     targets: tuple[torch.Tensor, ...],
     rows: torch.Tensor,
-    w: torch.Tensor,
+    weigh: Callable[[torch.Tensor], torch.Tensor],
     logits: torch.Tensor | None,
     hidden: torch.Tensor | None,
     lm_head_weight: torch.Tensor | None,
     chunk_rows: int,
-    denominator: float | torch.Tensor | None,
+    global_sum: GlobalSum | None,
 ) -> torch.Tensor:
-    """Weighted sum of per-row losses over the selected rows, divided by the weight sum."""
+    """sum_i w_i * loss_i over the selected rows / the (global) sum of w, with w = weigh(loss)
+    from the detached per-row losses."""
     if (logits is None) == (hidden is None):
         raise BlockError("pass exactly one of logits= or hidden= (with lm_head_weight=)")
     if hidden is not None and lm_head_weight is None:
         raise BlockError("hidden= needs lm_head_weight= (the target's frozen [V, H] lm_head)")
     source = logits if logits is not None else hidden
-    w = w.to(source.device)
     rows = rows.to(source.device)
     targets = tuple(t.to(source.device) for t in targets)
     flat = source.reshape(-1, source.shape[-1])[rows]  # [M, V] or [M, H]
     if logits is not None:
-        total = (row_loss(flat, *targets) * w).sum()
+        per_row = row_loss(flat, *targets)
     else:
-        fn = partial(_chunk_weighted_sum, row_loss)
-        total = source.new_zeros((), dtype=torch.float32)
-        for start in range(0, flat.shape[0], chunk_rows):
-            part = slice(start, start + chunk_rows)
-            # Recompute the chunk's logits in backward instead of keeping [M, V] alive: with
-            # V ~ 248K the saved logits of a batch would dwarf the drafter itself.
-            total = total + checkpoint(
-                fn,
-                flat[part],
-                lm_head_weight,
-                w[part],
-                *(t[part] for t in targets),
-                use_reentrant=False,
-            )
+        fn = partial(_chunk_rows_loss, row_loss)
+        # Recompute each chunk's logits in backward instead of keeping [M, V] alive: with
+        # V ~ 248K the saved logits of a batch would dwarf the drafter itself. Only the
+        # per-row losses [M] stay, which D-PACE needs whole before it can weigh any row.
+        parts = [checkpoint(fn, flat[s:s + chunk_rows], lm_head_weight,
+                            *(t[s:s + chunk_rows] for t in targets), use_reentrant=False)
+                 for s in range(0, flat.shape[0], chunk_rows)]
+        per_row = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    w = weigh(per_row.detach()).to(per_row.dtype)
+    denominator = w.sum()
+    if global_sum is not None:  # every rank calls it, even one without a valid slot
+        denominator = global_sum(denominator)
     if rows.numel() == 0:
         return source.sum() * 0.0
-    return total / (w.sum() if denominator is None else denominator)
+    return (per_row * w).sum() / denominator.clamp(min=torch.finfo(denominator.dtype).tiny)

@@ -61,6 +61,13 @@ def global_norm(grad_norm: torch.Tensor) -> float:
     return float(grad_norm)
 
 
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """`value` summed over every rank (a collective: every rank must call it)."""
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total
+
+
 def barrier(world: int) -> None:
     if world > 1:
         dist.barrier()

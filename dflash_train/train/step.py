@@ -1,7 +1,7 @@
 """One training batch turned into anchored blocks, labels and the loss.
 
-Labels and weights are built from the stored verifier ids and loss mask BEFORE noise exists;
-noise is then added to a copy of the context that only the drafter's fc sees.
+Labels and which slots count are built from the stored verifier ids and loss mask BEFORE noise
+exists; noise is then added to a copy of the context that only the drafter's fc sees.
 """
 
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ from dflash_train.blocks import (
     verifier_rows,
 )
 from dflash_train.train.data import Batch, SampleRef
-from dflash_train.train.loss import LossConfig, block_ce_loss, block_kl_topk_loss, slot_weights
+from dflash_train.train.loss import GlobalSum, LossConfig, block_ce_loss, block_kl_topk_loss
 from dflash_train.train.noise import NoiseConfig, add_context_noise
 
 
@@ -120,26 +120,24 @@ def noised_context(
     return out
 
 
-def weight_sum(blocks: Blocks, gamma: float) -> torch.Tensor:
-    """Sum of the loss weights of the valid slots (the loss's denominator)."""
-    return slot_weights(blocks.valid.flatten(0, 1), gamma).sum()
-
-
 def block_loss(
     hidden: torch.Tensor,
     blocks: Blocks,
     lm_head: torch.Tensor,
     cfg: LossConfig,
-    denominator: torch.Tensor | None = None,
+    global_sum: GlobalSum | None = None,
 ) -> torch.Tensor:
-    """The configured loss of drafter hidden states [N, K, B, H] against the blocks' targets."""
+    """The configured loss of drafter hidden states [N, K, B, H] against the blocks' targets,
+    normalised by the weight sum over every rank (`global_sum`, see loss.block_ce_loss)."""
     flat_hidden = hidden.flatten(0, 1)  # [N*K, B, H]
     valid = blocks.valid.flatten(0, 1).to(hidden.device)
     common = dict(hidden=flat_hidden, lm_head_weight=lm_head, gamma=cfg.gamma,
-                  chunk_rows=cfg.chunk_rows, denominator=denominator)
+                  chunk_rows=cfg.chunk_rows, global_sum=global_sum)
     if cfg.kind == "kl-topk":
         return block_kl_topk_loss(
             blocks.target_ids.flatten(0, 1).to(hidden.device),
             blocks.target_logits.flatten(0, 1).to(hidden.device),
             blocks.target_lse.flatten(0, 1).to(hidden.device), valid, **common)
-    return block_ce_loss(blocks.labels.flatten(0, 1).to(hidden.device), valid, **common)
+    return block_ce_loss(blocks.labels.flatten(0, 1).to(hidden.device), valid,
+                         position_weights=cfg.position_weights, dpace_alpha=cfg.dpace_alpha,
+                         **common)

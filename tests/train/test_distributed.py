@@ -17,14 +17,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 
+DPACE = ["--set", "loss.position_weights=dpace"]  # its weight sum is only known after forward
+MUON = ["--set", "optim.optimizer=muon"]
+
+
 # DDP ranks run their half batches in chunks of 4 blocks (the grads flow through chunks
 # recomputed in backward); the one process runs its blocks all at once.
-@pytest.mark.parametrize("sharding", [["--set", "run.chunk_blocks=4"], ["--fsdp"]],
-                         ids=["ddp", "fsdp"])
-def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding):
+@pytest.mark.parametrize(("sharding", "variant"), [
+    (["--set", "run.chunk_blocks=4"], []), (["--fsdp"], []),
+    (["--set", "run.chunk_blocks=4"], DPACE), (["--fsdp"], MUON + DPACE),
+], ids=["ddp", "fsdp", "ddp-dpace", "fsdp-muon-dpace"])
+def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding, variant):
+    # Muon's weights are compared through the losses only: it orthogonalises in bf16 and
+    # gives every singular direction a full step, so the all-reduce's rounding (1e-7) moves
+    # its matrices by up to ~1e-3 (of ~5e-3 moved in 6 steps) in directions the loss barely
+    # sees, under DDP and FSDP alike (and the norms trained beside them follow, by ~1e-4).
+    exact_weights = MUON[1] not in variant
     args = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "256",
             "--anchors-per-seq", "8", "--max-steps", "6", "--lr", "3e-3", "--no-progress",
-            "--set", "loader.prefetch_batches=0", "--set", "run.log_every=1"]
+            "--set", "loader.prefetch_batches=0", "--set", "run.log_every=1", *variant]
     one = CliRunner().invoke(main, ["train", "--out", str(tmp_path / "one"), *args])
     assert one.exit_code == 0, one.output
     two = subprocess.run(
@@ -43,7 +54,8 @@ def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding):
     wa = load_drafter(latest_checkpoint(tmp_path / "one")).state_dict()
     wb = load_drafter(latest_checkpoint(tmp_path / "two")).state_dict()
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
+        if exact_weights:
+            torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 def test_a_rank_with_no_sample_in_a_step_still_steps(synthetic_store, tmp_path):

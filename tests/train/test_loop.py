@@ -123,10 +123,14 @@ def _final_weights(run_dir) -> dict[str, torch.Tensor]:
     return load_drafter(latest_checkpoint(run_dir)).state_dict()
 
 
-def test_killed_run_resumes_to_the_same_weights(synthetic_store, tmp_path):
+# Muon's momentum and D-PACE's confidence-driven weights must resume bit-exact as well.
+@pytest.mark.parametrize("variant", [[], ["--set", "optim.optimizer=muon",
+                                          "--set", "loss.position_weights=dpace"]],
+                         ids=["adamw", "muon-dpace"])
+def test_killed_run_resumes_to_the_same_weights(synthetic_store, tmp_path, variant):
     args = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "256",
             "--anchors-per-seq", "8", "--epochs", "3", "--no-progress",
-            "--set", "run.checkpoint_every=4", "--set", "loader.prefetch_batches=0"]
+            "--set", "run.checkpoint_every=4", "--set", "loader.prefetch_batches=0", *variant]
     whole = CliRunner().invoke(main, ["train", "--out", str(tmp_path / "whole"), *args])
     assert whole.exit_code == 0, whole.output
 

@@ -1,4 +1,4 @@
-"""The decay-weighted block loss against a naive restatement of its formula."""
+"""The position-weighted block loss (decay, D-PACE) against naive restatements of its formulas."""
 
 import math
 
@@ -12,6 +12,7 @@ from dflash_train.train.loss import (
     block_ce_loss,
     block_kl_topk_loss,
     decay_weights,
+    dpace_weights,
     slot_weights,
     topk_target_probs,
 )
@@ -131,13 +132,33 @@ def test_no_valid_slot_gives_an_attached_zero():
     assert torch.all(h.grad == 0)
 
 
-def test_denominator_override_rescales_the_weighted_sum():
+@pytest.mark.parametrize("position_weights", ["decay", "dpace"])
+def test_the_global_sum_replaces_the_local_weight_sum(position_weights):
     hidden, weight, labels, valid = _batch(6)
     logits = hidden @ weight.T
-    local = block_ce_loss(labels, valid, logits=logits)
-    local_sum = float(slot_weights(valid).sum())
-    scaled = block_ce_loss(labels, valid, logits=logits, denominator=3 * local_sum)
+    local = block_ce_loss(labels, valid, logits=logits, position_weights=position_weights)
+    seen = []
+
+    def three_ranks(local_sum):  # as if two more ranks held the same weight sum
+        seen.append(local_sum.item())
+        return 3 * local_sum
+
+    scaled = block_ce_loss(labels, valid, logits=logits, position_weights=position_weights,
+                           global_sum=three_ranks)
     assert scaled.item() == pytest.approx(local.item() / 3, rel=1e-9)
+    if position_weights == "decay":
+        assert seen == [pytest.approx(float(slot_weights(valid).sum()), rel=1e-6)]
+
+
+def test_the_global_sum_is_called_by_a_rank_without_a_valid_slot():
+    hidden, weight, labels, valid = _batch(6)
+    valid[:] = False
+    calls = []
+    for kind in ["decay", "dpace"]:
+        loss = block_ce_loss(labels, valid, logits=hidden @ weight.T, position_weights=kind,
+                             global_sum=lambda t: calls.append(t.item()) or t + 5.0)
+        assert loss.item() == 0.0
+    assert calls == [0.0, 0.0]  # it joined the all-reduce with nothing of its own
 
 
 def test_bf16_autocast_hidden_path_stays_close_to_fp32():
@@ -163,6 +184,125 @@ def test_shape_mismatch_and_missing_lm_head_are_refused():
         LossConfig(kind="dpace")
     with pytest.raises(BlockError):
         LossConfig(gamma=0)
+
+
+# --- D-PACE position weights (an option, never the default) ---------------------------
+
+
+def _longhand_dpace(logits, labels, valid, alpha):
+    """D-PACE written out slot by slot: (loss, weights) in plain floats."""
+    num, den, weights = 0.0, 0.0, []
+    for i in range(len(logits)):
+        ce = {}
+        for k in range(1, len(logits[i])):
+            if valid[i][k]:
+                row = [float(x) for x in logits[i][k]]
+                top = max(row)
+                lse = top + math.log(sum(math.exp(x - top) for x in row))
+                ce[k] = lse - row[labels[i][k]]
+        reach, prod = {}, 1.0  # P_j = prod_{i<=j} s_i, with s = 1 where no label
+        for k in range(1, len(logits[i])):
+            if k in ce:
+                prod *= (1 - alpha) * math.exp(-ce[k]) + alpha
+            reach[k] = prod
+        block = [0.0] * len(logits[i])
+        for j in ce:
+            block[j] = sum(reach[m] for m in ce if m >= j)
+            num += block[j] * ce[j]
+            den += block[j]
+        weights.append(block)
+    return num / den, weights
+
+
+def _dpace_example():
+    """Three blocks of 6 slots: a gap at slot 3, every slot masked, every slot labelled."""
+    gen = torch.Generator().manual_seed(21)
+    hidden = torch.randn(3, 6, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, V, (3, 6), generator=gen)
+    valid = torch.tensor([[0, 1, 1, 0, 1, 1],
+                          [0, 0, 0, 0, 0, 0],
+                          [0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    labels[~valid] = IGNORE_LABEL
+    return hidden, weight, labels, valid
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0, 0.2, 1.0])
+def test_dpace_loss_and_weights_match_the_longhand(alpha):
+    hidden, weight, labels, valid = _dpace_example()
+    logits = hidden @ weight.T
+    want_loss, want_w = _longhand_dpace(logits.tolist(), labels.tolist(), valid.tolist(), alpha)
+    got = block_ce_loss(labels, valid, logits=logits, position_weights="dpace", dpace_alpha=alpha)
+    assert got.item() == pytest.approx(want_loss, rel=1e-9)
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0),
+                                           reduction="none")
+    w = dpace_weights(ce, valid, alpha)
+    torch.testing.assert_close(w.double(), torch.tensor(want_w, dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+    assert torch.all(w[1] == 0) and torch.all(w[:, 0] == 0) and w[0, 3] == 0
+    # the gap multiplies by 1: slot 4 still sees slots 1 and 2's confidence
+    assert w[0, 4] > 0 and w[0, 1] > w[0, 2] > w[0, 4] > w[0, 5] > 0
+
+
+def test_dpace_with_alpha_one_counts_the_supervised_slots_ahead():
+    _, _, _, valid = _dpace_example()
+    w = dpace_weights(torch.rand(valid.shape) * 5, valid, 1.0)
+    expected = torch.tensor([[0, 4, 3, 0, 2, 1], [0] * 6, [0, 5, 4, 3, 2, 1]],
+                            dtype=torch.float32)
+    assert torch.equal(w, expected)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 10_000])
+def test_dpace_gradient_treats_the_weights_as_constants(chunk_rows):
+    hidden, weight, labels, valid = _dpace_example()
+    logits = hidden @ weight.T
+    _, want_w = _longhand_dpace(logits.tolist(), labels.tolist(), valid.tolist(), 0.5)
+    w = torch.tensor(want_w, dtype=torch.float64)
+    h1 = hidden.clone().requires_grad_()
+    h2 = hidden.clone().requires_grad_()
+    ce = torch.nn.functional.cross_entropy((h1 @ weight.T).transpose(1, 2),
+                                           labels.clamp(min=0), reduction="none")
+    constant = (w * ce * valid).sum() / w.sum()  # q held fixed: no d w / d logits term
+    dpace = block_ce_loss(labels, valid, hidden=h2, lm_head_weight=weight,
+                          position_weights="dpace", chunk_rows=chunk_rows)
+    torch.testing.assert_close(dpace, constant)
+    constant.backward()
+    dpace.backward()
+    torch.testing.assert_close(h2.grad, h1.grad)
+    assert torch.all(h2.grad[~valid] == 0)
+
+
+def test_dpace_on_all_masked_slots_is_a_finite_attached_zero():
+    hidden, weight, labels, valid = _dpace_example()
+    valid[:] = False
+    h = hidden.clone().requires_grad_()
+    loss = block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight,
+                         position_weights="dpace")
+    assert math.isfinite(loss.item()) and loss.item() == 0.0
+    loss.backward()
+    assert torch.all(h.grad == 0)
+    assert torch.equal(dpace_weights(torch.zeros(valid.shape), valid), torch.zeros(valid.shape))
+
+
+def test_dpace_stays_finite_when_every_confidence_underflows():
+    hidden, weight, labels, valid = _dpace_example()
+    logits = (hidden @ weight.T) * 1e4  # CE in the thousands: q = exp(-CE) is exactly 0
+    for alpha in [0.0, 0.5]:
+        loss = block_ce_loss(labels, valid, logits=logits, position_weights="dpace",
+                             dpace_alpha=alpha)
+        assert math.isfinite(loss.item()), alpha
+
+
+def test_dpace_settings_are_checked():
+    assert LossConfig().position_weights == "decay" and LossConfig().dpace_alpha == 0.5
+    assert LossConfig(position_weights="dpace", dpace_alpha=0.0).dpace_alpha == 0.0
+    for alpha in [-0.1, 1.5, float("nan"), float("inf")]:
+        with pytest.raises(BlockError, match="dpace_alpha"):
+            LossConfig(position_weights="dpace", dpace_alpha=alpha)
+    with pytest.raises(BlockError, match="needs kind 'ce'"):
+        LossConfig(kind="kl-topk", position_weights="dpace")
+    with pytest.raises(BlockError, match="position_weights"):
+        LossConfig(position_weights="exp")
 
 
 # --- kl-topk (an option, never the default) -------------------------------------------

@@ -113,6 +113,17 @@ def test_resume_refuses_changed_settings_naming_each_old_and_new(synthetic_store
     assert _snapshot(run_copy) == before
 
 
+def test_resume_refuses_another_optimizer_or_position_weighting(synthetic_store, run_copy):
+    before = _snapshot(run_copy)
+    result = CliRunner().invoke(main, _args(synthetic_store, run_copy, "--resume", "--set",
+                                            "optim.optimizer=muon", "--set",
+                                            "loss.position_weights=dpace"))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "optim.optimizer: 'adamw' -> 'muon'" in result.output
+    assert "loss.position_weights: 'decay' -> 'dpace'" in result.output
+    assert _snapshot(run_copy) == before
+
+
 def test_run_management_fields_are_real_fields_and_alone_may_change():
     flat = {}
 

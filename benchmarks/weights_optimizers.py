@@ -1,0 +1,75 @@
+"""Held-out tau and step time of {decay, D-PACE} x {AdamW, Muon} at an equal step budget.
+
+    python benchmarks/weights_optimizers.py --store TRAIN.zarr --held-out HELD_OUT.zarr
+        --out DIR [--steps 60] [--set KEY=VALUE ...]
+
+Trains the four drafters one after another with `dflash train` (same store, seed, lr, anchors
+and step budget; `--set` adds settings to all four, e.g. --set optim.lr=6e-3), then evaluates
+all four checkpoints in ONE `dflash eval --store HELD_OUT` call, so every drafter drafts the
+same blocks. Prints one row per arm: replay tau with its 95 % interval, DDTree tau at the
+smallest budget, and the median step time of the steps after the first (log.jsonl step_s).
+Runs never overlap; on a shared machine the step times are still noisy. Not a test.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ARMS = {
+    "decay-adamw": [],
+    "dpace-adamw": ["--set", "loss.position_weights=dpace"],
+    "decay-muon": ["--set", "optim.optimizer=muon"],
+    "dpace-muon": ["--set", "loss.position_weights=dpace", "--set", "optim.optimizer=muon"],
+}
+
+
+def dflash(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        sys.exit(f"dflash {args[0]} failed:\n{done.stderr[-3000:]}{done.stdout[-3000:]}")
+    return done.stdout
+
+
+def median_step_s(run: Path) -> float:
+    steps = [json.loads(line)["step_s"] for line in (run / "log.jsonl").open()]
+    return statistics.median(steps[1:] or steps)  # the first step warms caches up
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True, help="store to train on")
+    p.add_argument("--held-out", required=True, help="store to evaluate on")
+    p.add_argument("--out", required=True, help="directory for the four runs (must not exist)")
+    p.add_argument("--steps", type=int, default=60, help="optimiser steps of every arm")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a `dflash train --set` for all four arms (repeatable)")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True)
+    common = ["--store", a.store, "--max-steps", str(a.steps), "--no-progress"]
+    for s in a.sets:
+        common += ["--set", s]
+    checkpoints = {}
+    for name, extra in ARMS.items():
+        print(f"training {name}", file=sys.stderr, flush=True)
+        dflash("train", "--out", str(out / name), *common, *extra)
+        (checkpoints[name],) = sorted((out / name / "checkpoints").glob("step_*"))[-1:]
+    report = json.loads(dflash("eval", "--store", a.held_out, "--json",
+                               *map(str, checkpoints.values())))
+    (out / "eval.json").write_text(json.dumps(report, indent=2))
+    by_path = {Path(c["path"]).resolve(): c["offline"] for c in report["checkpoints"]}
+    budget = str(min(report["tree_budgets"]))
+    print(f"{'arm':<12} {'tau (95% CI)':<24} {'tree' + budget + ' tau':>10} {'step s':>8}")
+    for name, ckpt in checkpoints.items():
+        off = by_path[ckpt.resolve()]
+        lo, hi = off["tau_ci95"]
+        print(f"{name:<12} {off['mean_tau']:.3f} [{lo:.3f}, {hi:.3f}]{'':<5} "
+              f"{off['tree'][budget]['mean_tau']:>10.3f} {median_step_s(out / name):>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

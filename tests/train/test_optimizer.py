@@ -1,0 +1,123 @@
+"""Muon for the drafter's matrices, AdamW for the rest, as one optimiser a schedule and a
+checkpoint handle like AdamW alone."""
+
+import copy
+
+import pytest
+import torch
+
+from dflash_train.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.train.config import OptimConfig, load_config
+from dflash_train.train.errors import TrainError
+from dflash_train.train.optimizer import MuonWithAdamW, build_optimizer, muon_split
+from dflash_train.train.parallel import full_states, load_optimizer_state
+
+
+def _drafter(seed: int = 0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=32, vocab_size=50, intermediate_size=64,
+                        target_layer_ids=[0, 1], num_target_layers=3, mask_token_id=49,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, block_size=4)
+    return DFlashDrafter(cfg, torch.randn(50, 32), torch.randn(50, 32))
+
+
+def _fake_grads(model: torch.nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+MUON = OptimConfig(optimizer="muon", lr=2e-3, weight_decay=0.01)
+
+
+def test_matrices_go_to_muon_and_norms_to_adamw_each_exactly_once():
+    model = _drafter()
+    matrices, others = muon_split(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in matrices} == {
+        n for n, p in model.named_parameters() if n.endswith("_proj.weight") or n == "fc.weight"}
+    assert all(names[id(p)].endswith("norm.weight") for p in others)
+    assert len(matrices) + len(others) == len(list(model.parameters()))
+    assert not {id(p) for p in matrices} & {id(p) for p in others}
+
+
+def test_one_step_equals_torchs_muon_and_adamw_stepped_apart():
+    model, apart = _drafter(), _drafter()
+    opt = build_optimizer(model, MUON)
+    assert isinstance(opt, MuonWithAdamW)
+    assert [g["optimizer"] for g in opt.param_groups] == ["adamw", "muon"]
+    matrices, others = muon_split(apart)
+    muon = torch.optim.Muon(matrices, lr=2e-3, weight_decay=0.01,
+                            adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(others, lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    for step in range(3):
+        _fake_grads(model, step)
+        _fake_grads(apart, step)
+        opt.step()
+        muon.step()
+        adamw.step()
+    for (name, a), b in zip(model.named_parameters(), apart.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_the_schedule_drives_both_groups_from_their_own_peak():
+    model = _drafter()
+    opt = build_optimizer(model, OptimConfig(optimizer="muon", lr=1e-3, muon_lr=4e-3))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    for step in range(3):
+        _fake_grads(model, step)
+        opt.step()
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [1e-3 / 8, 4e-3 / 8]
+    # the inner Muon steps with the scheduled lr, not the one it was built with
+    assert opt._inner["muon"].param_groups[0] is opt.param_groups[1]
+
+
+def _steps(model, opt, steps) -> None:
+    for step in steps:
+        _fake_grads(model, step)
+        opt.step()
+
+
+def test_state_saved_and_loaded_continues_exactly_as_without_a_break():
+    whole = _drafter()
+    opt = build_optimizer(whole, MUON)
+    _steps(whole, opt, range(5))
+
+    first = _drafter()
+    opt1 = build_optimizer(first, MUON)
+    _steps(first, opt1, range(2))
+    weights, state = full_states(first, opt1)  # what the checkpoint writes
+    state = copy.deepcopy(state)
+    resumed = _drafter(seed=1)
+    resumed.load_state_dict(weights)
+    opt2 = build_optimizer(resumed, MUON)
+    load_optimizer_state(resumed, opt2, state)
+    assert opt2._inner["muon"].state is opt2.state  # linked again after the load
+    momentum = [opt2.state[p]["momentum_buffer"] for p in muon_split(resumed)[0]]
+    assert all(m.abs().sum() > 0 for m in momentum)
+    _steps(resumed, opt2, range(2, 5))
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_adamw_stays_torchs_plain_adamw():
+    opt = build_optimizer(_drafter(), OptimConfig())
+    assert type(opt) is torch.optim.AdamW and len(opt.param_groups) == 1
+
+
+def test_a_model_without_matrices_is_refused_for_muon():
+    with pytest.raises(TrainError, match="no 2-D weight matrix"):
+        build_optimizer(torch.nn.LayerNorm(8), MUON)
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("optim.muon_lr", "0"), ("optim.muon_lr", "nan"), ("optim.muon_lr", "2"),
+    ("optim.muon_momentum", "1"), ("optim.muon_momentum", "-0.1"),
+    ("optim.muon_ns_steps", "0"), ("optim.muon_ns_steps", "100"),
+    ("optim.muon_adjust_lr_fn", "moonshot"), ("optim.optimizer", "sgd"),
+])
+def test_bad_muon_settings_are_refused_naming_the_field(key, value):
+    with pytest.raises(TrainError, match=key.replace(".", r"\.")):
+        load_config(None, {key: value})
