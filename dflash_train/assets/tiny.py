@@ -52,11 +52,12 @@ def _text_kwargs() -> dict:
                 initializer_range=0.2, pad_token_id=0, eos_token_id=3)
 
 
-def save_qwen3(path, seed: int = 0):
+def save_qwen3(path, seed: int = 0, **overrides):
+    """overrides: Qwen3Config fields, e.g. head_dim=32 for vLLM's CPU attention (16 fails)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    Qwen3ForCausalLM(Qwen3Config(**_text_kwargs())).save_pretrained(path)
+    Qwen3ForCausalLM(Qwen3Config(**{**_text_kwargs(), **overrides})).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return str(path)
 

@@ -65,12 +65,20 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--online", is_flag=True,
               help="Also run live greedy speculative decoding with the target (--model) on "
                    "the same prompts: the ground truth offline replay must match.")
+@click.option("--served", is_flag=True,
+              help="Also serve the target (--model, a directory) with each checkpoint "
+                   "through vLLM, greedy on the same prompts, and report vLLM's own "
+                   "acceptance counters beside offline and --online.")
+@click.option("--vllm-python", default=None,
+              help="The Python that runs vLLM for --served. Default: this one if it "
+                   "imports vllm, else the venv of scripts/vllm_venv.sh "
+                   "($DFLASH_VLLM_VENV or ~/.cache/dflash-train/vllm-venv).")
 @click.option("--model", default=None,
-              help="Target checkpoint (directory or .gguf) for --online; refused without "
-                   "--online (offline replay never loads the target).")
+              help="Target checkpoint (directory or .gguf) for --online and --served; "
+                   "refused without them (offline replay never loads the target).")
 @click.option("--max-new-tokens", default=None, type=click.IntRange(1),
-              help="--online generation length (refused without --online). Default: the "
-                   "store's --regenerate setting.")
+              help="--online / --served generation length (refused without them). "
+                   "Default: the store's --regenerate setting.")
 @click.option("--skip-corrupt", is_flag=True,
               help="Skip damaged samples of the store (missing shard, failed checksum, torn "
                    "part metadata) and list them in the report, instead of refusing it.")

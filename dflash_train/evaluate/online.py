@@ -31,7 +31,7 @@ from dflash_train.blocks import first_anchor
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import CheckpointResults, EvalSample, EvalSettings, labels_for
-from dflash_train.store_schema import StoreMeta
+from dflash_train.store_schema import StoreMeta, TargetInfo
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -100,7 +100,6 @@ class TargetStates:
 def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetStates:
     """Load --model (as extract loads it) and refuse a target other than the store's."""
     from dflash_train.extract.errors import ExtractError
-    from dflash_train.extract.gguf import REVISION_PREFIX
     from dflash_train.extract.loading import load_target
 
     try:
@@ -108,7 +107,14 @@ def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetSta
                              load_as="causal-lm")
     except ExtractError as e:
         raise EvalError(str(e)) from e
-    got, want = target.info, meta.target
+    check_target(model, target.info, meta.target)
+    return TargetStates(target, list(meta.context_layer_ids), meta.hidden_dtype)
+
+
+def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
+    """EvalError naming each field where --model (`got`) is not the store's target."""
+    from dflash_train.extract.gguf import REVISION_PREFIX
+
     names = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size"]
     if any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want)):
         names.append("revision")  # a GGUF's content hash: another file at the same path
@@ -119,7 +125,6 @@ def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetSta
     if wrong:
         raise EvalError(f"--model {model} is not the store's target "
                         f"({want.name_or_path}):\n  " + "\n  ".join(wrong))
-    return TargetStates(target, list(meta.context_layer_ids), meta.hidden_dtype)
 
 
 @torch.no_grad()

@@ -29,7 +29,12 @@ from dflash_train.evaluate.checkpoints import (
 from dflash_train.evaluate.damage import DamagePolicy, check_store
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.online import StopRule, evaluate_online, load_online_target
+from dflash_train.evaluate.online import (
+    StopRule,
+    check_target,
+    evaluate_online,
+    load_online_target,
+)
 from dflash_train.evaluate.replay import (
     EvalSample,
     EvalSettings,
@@ -49,6 +54,14 @@ from dflash_train.evaluate.report import (
     require_matplotlib,
     write_json,
     write_parquet,
+)
+from dflash_train.evaluate.served import (
+    ServedPlan,
+    ServedResults,
+    find_vllm,
+    first_difference,
+    likely_causes,
+    run_served,
 )
 from dflash_train.evaluate.tokenizer import store_tokenizer
 from dflash_train.store_schema import Store, StoreError, open_store
@@ -92,6 +105,12 @@ class EvalConfig:
     """Show a progress bar."""
     skip_corrupt: bool = False
     """Skip damaged samples of the store (listed in the report) instead of refusing it."""
+    served: bool = False
+    """Also serve the target (--model) with each checkpoint through vLLM, greedy on the same
+    prompts, and report vLLM's own acceptance counters."""
+    vllm_python: str | None = None
+    """The Python that runs vLLM for --served; None: this one when it imports vllm, else the
+    venv scripts/vllm_venv.sh builds."""
 
 
 @dataclass
@@ -107,6 +126,8 @@ class EvalOutcome:
     """CheckpointResults per checkpoint name of the live run."""
     generated: dict | None
     """Per sample key, the tokens generated live."""
+    served: dict | None
+    """ServedResults per checkpoint name of the vLLM run."""
     written: list[str]
     """Files written."""
     notes: list[str]
@@ -221,6 +242,7 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
     checkpoints, drafters = load_drafters(store, cfg.checkpoints, device=device, dtype=dtype)
     target = load_online_target(cfg.model, store.meta, device=str(device)) if cfg.online \
         else None
+    plan = _served_plan(cfg, store) if cfg.served else None
 
     keys = pick_samples(store, cfg.limit, cfg.seed, damage)
     total = _total_samples(store, keys, damage)
@@ -235,7 +257,7 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
         for s in batch:
             if len(kept_for_show) < cfg.show:
                 kept_for_show.append(s)
-            if cfg.online:  # prompts and stored text only: contexts are not kept
+            if cfg.online or cfg.served:  # prompts and stored text only: no contexts
                 kept_light.append(EvalSample(s.part, s.index, s.source_row, s.input_ids,
                                              s.loss_mask, torch.empty(0), s.top1))
         bar.update(len(batch))
@@ -248,15 +270,21 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
     finally:
         bar.close()
 
-    online = generated = check = None
+    online = generated = check = stop = None
+    if target is not None or plan is not None:
+        stop = _stop_rule(target, cfg.model, store_tokenizer(store), store, cfg.max_new_tokens)
     if target is not None:
-        tokenizer = store_tokenizer(store)
-        stop = _stop_rule(target, tokenizer, store, cfg.max_new_tokens)
         echo(f"online: decoding {len(kept_light)} prompts live with {len(drafters)} "
              f"checkpoint(s), max {stop.max_new_tokens} new tokens (the target is recomputed "
              "over the whole sequence every round)")
         online, generated = evaluate_online(target, drafters, kept_light, settings, stop)
         check = _online_check(offline, online, generated, kept_light, settings.mode)
+    served = served_check = None
+    if plan is not None:
+        served = run_served(plan, {c.name: (c.path, c.config.block_size) for c in checkpoints},
+                            kept_light, stop, echo)
+        served_check = _served_check(served, offline, online, generated, kept_light,
+                                     settings.mode, store, plan, checkpoints)
 
     skipped = damage.report()
     for d in [d for d in damage.skipped if d not in damage.known]:  # found while reading
@@ -275,23 +303,31 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
         checkpoints=[{"name": c.name, "path": c.path,
                       "trained_on": None if c.provenance is None else
                       c.provenance.source.paths} for c in checkpoints],
-        offline=offline, agreement=agreement, online=online, online_check=check)
+        offline=offline, agreement=agreement, online=online, online_check=check,
+        served=served, served_check=served_check)
     text = format_table(report)
     if cfg.show:
         text += "\n\n" + format_shown(shown_blocks(drafters, kept_for_show, settings),
                                       store_tokenizer(store))
     try:
-        written, notes = _write_outputs(cfg, report, offline, online)
+        written, notes = _write_outputs(cfg, report, offline, online, served)
     except OSError as e:  # checked up front; this is a race or a full disk
         raise EvalError(f"cannot write the outputs: {e}") from e
-    return EvalOutcome(report, text, offline, online, generated, written, notes)
+    return EvalOutcome(report, text, offline, online, generated, served, written, notes)
 
 
 def check_options(cfg: EvalConfig) -> None:
     """Refuse option combinations and output paths that cannot work, before any reading."""
-    if cfg.online and not cfg.model:
-        raise EvalError("--online needs --model (the target checkpoint)")
-    if not cfg.online:
+    for flag, on in (("--online", cfg.online), ("--served", cfg.served)):
+        if on and not cfg.model:
+            raise EvalError(f"{flag} needs --model (the target checkpoint)")
+    if cfg.vllm_python and not cfg.served:
+        raise EvalError("--vllm-python only applies to --served; add --served or drop it")
+    if cfg.served and cfg.model and not (Path(cfg.model) / "config.json").is_file():
+        raise EvalError(f"--served --model {cfg.model}: vLLM serves a model directory "
+                        "(config.json + safetensors); give the target's directory (for a "
+                        ".gguf target, its float32 safetensors copy is a separate target)")
+    if not (cfg.online or cfg.served):
         # Offline replay never loads the target: a --model given without --online would be
         # silently ignored, and the user would read offline numbers as live ones.
         given = [name for name, value in (("--model", cfg.model),
@@ -299,8 +335,9 @@ def check_options(cfg: EvalConfig) -> None:
                  if value is not None]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
-            raise EvalError(f"{' and '.join(given)} only {verb} to --online (live decoding "
-                            "with the target); add --online, or drop it for offline replay")
+            raise EvalError(f"{' and '.join(given)} only {verb} to --online or --served "
+                            "(decoding with the target); add one, or drop it for offline "
+                            "replay")
     if cfg.out is not None:
         _check_writable_dir(Path(cfg.out), "--out")
     if cfg.plot:
@@ -354,7 +391,10 @@ def _why_empty(damage: DamagePolicy, url: str) -> str:
     return "; ".join(reasons) if reasons else "it holds no committed sample"
 
 
-def _stop_rule(target, tokenizer, store: Store, max_new_tokens: int | None) -> StopRule:
+def _stop_rule(target, model: str, tokenizer, store: Store, max_new_tokens: int | None
+               ) -> StopRule:
+    """--online's stop rule (the loaded target's generation config when `target` is given,
+    else the one in the --model directory), which --served uses too."""
     from dflash_train.extract.regenerate import eos_token_ids
 
     if tokenizer is None:
@@ -362,24 +402,93 @@ def _stop_rule(target, tokenizer, store: Store, max_new_tokens: int | None) -> S
 
         from dflash_train.extract.loading import from_pretrained_args
 
-        where, kwargs = from_pretrained_args(target.target.info.name_or_path)
+        where, kwargs = from_pretrained_args(model)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     if max_new_tokens is None:
         max_new_tokens = store.meta.extra.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
-    return StopRule(eos_ids=eos_token_ids(target.target.model, tokenizer),
+    source = target.target.model if target is not None else _generation_source(model)
+    return StopRule(eos_ids=eos_token_ids(source, tokenizer),
                     max_new_tokens=int(max_new_tokens),
                     max_length=store.meta.source.max_length)
 
 
-def _write_outputs(cfg: EvalConfig, report: dict, offline: dict, online: dict | None
-                   ) -> tuple[list[str], list[str]]:
+def _generation_source(model: str):
+    """What eos_token_ids reads of a loaded model (its generation_config), from a directory:
+    generation_config.json, else the model config, as from_pretrained builds it."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from dflash_train.extract.loading import load_config
+
+    try:
+        generation = GenerationConfig.from_pretrained(model)
+    except OSError:
+        generation = GenerationConfig.from_model_config(load_config(model))
+    return SimpleNamespace(generation_config=generation)
+
+
+def _served_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
+    """Find vLLM and check --model is the store's target, before the first forward."""
+    from dflash_train.extract.errors import ExtractError
+    from dflash_train.extract.loading import load_config, target_info, text_config
+
+    python = find_vllm(cfg.vllm_python)
+    try:
+        config = load_config(cfg.model)
+        info = target_info(cfg.model, config)
+    except ExtractError as e:
+        raise EvalError(str(e)) from e
+    check_target(cfg.model, info, store.meta.target)
+    return ServedPlan(python=python, target=str(Path(cfg.model).resolve()),
+                      dtype=store.meta.hidden_dtype,
+                      max_position=getattr(text_config(config), "max_position_embeddings", None))
+
+
+def _served_check(served: dict[str, ServedResults], offline: dict, online: dict | None,
+                  generated: dict | None, samples: list[EvalSample], mode: str, store: Store,
+                  plan: ServedPlan, checkpoints: list[Checkpoint]) -> dict:
+    """Served vs offline replay (or --online, when replay is not the live order), prompt by
+    prompt: equal text, equal rounds, and the first difference with its likely causes."""
+    stored = {s.key: s.input_ids.tolist() for s in samples}
+    configs = {c.name: c.config for c in checkpoints}
+    against = "offline" if mode == "replay" else "online" if online else None
+    out = {"prompts": 0, "against": against, "checkpoints": {}}
+    for name, results in served.items():
+        runs = results.runs
+        out["prompts"] = len(runs)
+        entry = {"same_text": sum(stored.get(r.prompt.sample.key) == r.tokens for r in runs)}
+        for label, ref in (("offline", offline), ("online", online)):
+            if ref is None or (label == "offline" and mode != "replay"):
+                continue
+            seqs = ref[name].sequences
+            entry[f"same_taus_as_{label}"] = sum(
+                list(zip(r.anchors, r.committed, strict=True)) == seqs.get(r.prompt.sample.key, [])
+                for r in runs)
+        diff = None
+        if against == "offline":
+            diff = first_difference(results, stored, offline[name].sequences)
+        elif against == "online":
+            diff = first_difference(results, generated, online[name].sequences)
+        entry["first_difference"] = diff
+        entry["likely_causes"] = None if diff is None else likely_causes(
+            diff, served_dtype=plan.dtype, store_dtype=store.meta.hidden_dtype,
+            regenerated=store.meta.source.regenerated,
+            sliding="sliding_attention" in configs[name].layer_types, drafter_dtype=plan.dtype)
+        out["checkpoints"][name] = entry
+    return out
+
+
+def _write_outputs(cfg: EvalConfig, report: dict, offline: dict, online: dict | None,
+                   served: dict | None = None) -> tuple[list[str], list[str]]:
     written, notes = [], []
     plot = cfg.plot
     if cfg.out:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         write_json(report, out / "report.json")
-        write_parquet(block_rows(offline, online), out / "blocks.parquet")
+        write_parquet(block_rows(offline, online, served, report["tree_budgets"]),
+                      out / "blocks.parquet")
         written += [str(out / "report.json"), str(out / "blocks.parquet")]
         if plot is None:
             try:

@@ -46,13 +46,18 @@ def build_report(
     online: dict[str, CheckpointResults] | None = None,
     online_check: dict | None = None,
     skipped: dict | None = None,
+    served: dict | None = None,
+    served_check: dict | None = None,
 ) -> dict:
-    """The JSON report. `checkpoints`: [{"name", "path", "trained_on"}] in command order."""
+    """The JSON report. `checkpoints`: [{"name", "path", "trained_on"}] in command order;
+    `served`: ServedResults per name (evaluate/served.py), its summary's `vllm` block in
+    vLLM's counting convention, everything else in ours (committed tokens)."""
     entries = []
     for c in checkpoints:
         entry = dict(c)
         entry["offline"] = offline[c["name"]].summary()
         entry["online"] = online[c["name"]].summary() if online else None
+        entry["served"] = served[c["name"]].summary() if served else None
         entries.append(entry)
     return {
         "store": store_url,
@@ -70,6 +75,7 @@ def build_report(
         "warning": estimate_warning(meta, agreement),
         "checkpoints": entries,
         "online_check": online_check,
+        "served_check": served_check,
         "skipped": skipped or {"samples": 0, "parts": 0, "skipped": []},
     }
 
@@ -79,12 +85,16 @@ def write_json(report: dict, path: str | Path) -> None:
 
 
 def block_rows(offline: dict[str, CheckpointResults],
-               online: dict[str, CheckpointResults] | None = None) -> dict[str, list]:
-    """All per-block rows in one column dict, with `checkpoint` and `run` columns."""
+               online: dict[str, CheckpointResults] | None = None,
+               served: dict | None = None, tree_budgets: list[int] | None = None
+               ) -> dict[str, list]:
+    """All per-block rows in one column dict, with `checkpoint` and `run` columns (served
+    rows have no tree columns: null there)."""
     columns: dict[str, list] = {"checkpoint": [], "run": []}
-    for run, results in (("offline", offline), ("online", online or {})):
+    runs = (("offline", offline), ("online", online or {}), ("served", served or {}))
+    for run, results in runs:
         for name, r in results.items():
-            table = r.table()
+            table = r.table(tuple(tree_budgets or ())) if run == "served" else r.table()
             n = len(table["tau"])
             columns["checkpoint"] += [name] * n
             columns["run"] += [run] * n
@@ -111,8 +121,9 @@ def _columns(report: dict) -> list[tuple[str, dict]]:
     cols = []
     for c in report["checkpoints"]:
         cols.append((c["name"], c["offline"]))
-        if c["online"] is not None:
-            cols.append((f"{c['name']} (online)", c["online"]))
+        for run in ("online", "served"):
+            if c.get(run) is not None:
+                cols.append((f"{c['name']} ({run})", c[run]))
     return cols
 
 
@@ -171,8 +182,9 @@ def format_table(report: dict) -> str:
                               f"{m['tau_ci95'][0]:.3f}..{m['tau_ci95'][1]:.3f}")
                              for _, m in cols]],
             ["mean streak", *[_fmt(m["mean_streak"]) for _, m in cols]]]
-    for b in report["tree_budgets"]:
-        rows.append([f"tree tau @{b}", *[_fmt(m["tree"][str(b)]["mean_tau"]) for _, m in cols]])
+    for b in report["tree_budgets"]:  # a served run has no trees: "-"
+        rows.append([f"tree tau @{b}", *[_fmt(m["tree"].get(str(b), {}).get("mean_tau"))
+                                         for _, m in cols]])
     out += _grid(["", *names], rows)
 
     recall = [k for k in report["recall_at"] if k > 1]
@@ -189,7 +201,8 @@ def format_table(report: dict) -> str:
                 continue
             cell = f"{_fmt(m['cond_accept'][k])} {_fmt(m['slot_accuracy'][k])}"
             if shown_recall:
-                cell += f" {_fmt(m['topk_recall'][shown_recall][k])}"
+                recall = m["topk_recall"].get(shown_recall)
+                cell += f" {_fmt(None if recall is None else recall[k])}"
             row.append(cell)
         rows.append(row)
     out += _grid(["slot", *names], rows)
@@ -203,7 +216,53 @@ def format_table(report: dict) -> str:
                 f"stored text for {check['same_text']}"]
         for name, same in check["same_taus"].items():
             out.append(f"  {name}: offline replay taus equal online taus for {same} prompts")
+    if report.get("served_check"):
+        out += ["", *format_served(report)]
     return "\n".join(out)
+
+
+def _rates(values: list) -> str:
+    return " ".join(_fmt(v, 2) for v in values)
+
+
+def format_served(report: dict) -> list[str]:
+    """vLLM's own counters (its convention) and the served-vs-offline check, per checkpoint."""
+    check = report["served_check"]
+    out = [f"served through vLLM, {check['prompts']} prompts; the served columns above count "
+           "committed tokens, like offline. vLLM's own counters (accepted drafts per verify "
+           "step, counted before its stop check; mean acceptance length = 1 + accepted / "
+           "drafts):"]
+    for c in report["checkpoints"]:
+        served = c.get("served")
+        if served is None:
+            continue
+        v, info = served["vllm"], served.get("info") or {}
+        resolved = (info.get("resolved") or {}).get("architectures")
+        out.append(f"  {c['name']}: vllm {(info.get('versions') or {}).get('vllm', '?')}"
+                   + (f" as {','.join(resolved)}" if resolved else "")
+                   + f": drafts {v['num_drafts']}, accepted {v['num_accepted_tokens']}, "
+                   f"mean acceptance length {_fmt(v['mean_acceptance_length'])}; per "
+                   f"position {_rates(v['acceptance_rate_per_pos'])}; per-request counts "
+                   + ("equal" if v["counters_agree"] else "DIFFER FROM")
+                   + " its Prometheus totals")
+        entry = check["checkpoints"][c["name"]]
+        same = [f"text equal to the stored text for {entry['same_text']}"]
+        same += [f"taus equal to {k.removeprefix('same_taus_as_')} for {n}"
+                 for k, n in entry.items() if k.startswith("same_taus_as_")]
+        out.append(f"    {', '.join(same)} of {check['prompts']} prompts")
+        diff = entry["first_difference"]
+        if diff is not None:
+            out.append(f"    first difference from {check['against']}: {_describe(diff)}")
+            out += [f"      possible cause: {x}" for x in entry["likely_causes"]]
+    return out
+
+
+def _describe(diff: dict) -> str:
+    if diff["kind"] == "text":
+        return (f"prompt {diff['prompt']}, response token {diff['response_token']} (position "
+                f"{diff['position']}): served {diff['served']}, reference {diff['reference']}")
+    return (f"prompt {diff['prompt']}, round {diff['round']} at position {diff['position']}: "
+            f"served tau {diff['served']}, reference tau {diff['reference']}")
 
 
 # -- plot -------------------------------------------------------------------------------
@@ -219,7 +278,7 @@ def require_matplotlib() -> None:
 
 def plot_acceptance(report: dict, path: str | Path) -> None:
     """PNG: per-slot conditional acceptance (solid) and marginal accuracy (dotted) per
-    checkpoint, online runs dashed."""
+    checkpoint, online runs dashed, served runs dash-dotted."""
     require_matplotlib()
     import matplotlib
 
@@ -229,14 +288,14 @@ def plot_acceptance(report: dict, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for i, c in enumerate(report["checkpoints"]):
         color = f"C{i % 10}"
-        for run, style in (("offline", "-"), ("online", "--")):
-            m = c[run]
+        for run, style in (("offline", "-"), ("online", "--"), ("served", "-.")):
+            m = c.get(run)
             if m is None:
                 continue
             slots = list(range(1, m["block_size"]))
             cond = [math.nan if v is None else v for v in m["cond_accept"]]
             label = f"{c['name']} (tau {_fmt(m['mean_tau'], 2)})" + \
-                (" online" if run == "online" else "")
+                ("" if run == "offline" else f" {run}")
             ax.plot(slots, cond, style, color=color, marker="o", markersize=3, label=label)
             if run == "offline":
                 acc = [math.nan if v is None else v for v in m["slot_accuracy"]]

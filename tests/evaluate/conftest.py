@@ -47,10 +47,10 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def save_eos_target(path) -> str:
+def save_eos_target(path, **overrides) -> str:
     from transformers import AutoModelForCausalLM
 
-    save_qwen3(path)
+    save_qwen3(path, **overrides)
     model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         model.lm_head.weight[EOS_ID] = model.lm_head.weight[EOS_LIKE] * 1.1

@@ -130,7 +130,7 @@ def test_online_options_without_online_are_refused(regen_store, random_drafter_d
                                                    no_evaluation, args):
     result = _run("--store", regen_store, *args, random_drafter_dir)
     assert result.exit_code == 1
-    assert f"{args[0]} only applies to --online" in result.output
+    assert f"{args[0]} only applies to --online or --served" in result.output
 
 
 def test_cuda_without_cuda_is_a_one_line_error(monkeypatch, regen_store, random_drafter_dir,
