@@ -247,9 +247,10 @@ class ServedResults:
 
     @property
     def sequences(self) -> dict[tuple[int, int], list[tuple[int, int]]]:
-        """Per sample key: (anchor, tau) of its rounds, as CheckpointResults.sequences."""
+        """Per sample key: (anchor, tau) of its rounds, as CheckpointResults.sequences (a
+        prompt without rounds, its first token an end of turn, has no entry there either)."""
         return {r.prompt.sample.key: list(zip(r.anchors, r.committed, strict=True))
-                for r in self.runs}
+                for r in self.runs if r.committed}
 
     def vllm_summary(self) -> dict:
         """vLLM's convention, from its per-step counts; `counters_agree` checks them against

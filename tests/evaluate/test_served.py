@@ -1,0 +1,265 @@
+"""eval --served without vLLM: reading vLLM's counters, the served-vs-offline diff, the report
+columns, and finding (or not finding) vLLM. The real runs are in test_served_vllm.py."""
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash_train.evaluate import served as served_mod
+from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.online import StopRule, evaluate_online
+from dflash_train.evaluate.replay import EvalSample, EvalSettings
+from dflash_train.evaluate.report import block_rows, format_table
+from dflash_train.evaluate.served import (
+    ServedPrompt,
+    ServedResults,
+    find_vllm,
+    first_difference,
+    likely_causes,
+    run_driver,
+    served_prompts,
+    served_results,
+    served_run,
+)
+from tests.evaluate.conftest import EOS_ID
+from tests.evaluate.test_online import PROMPT, ScriptedDrafter, ScriptedTarget
+
+SETTINGS = EvalSettings(tree_budgets=(1,), recall_at=(1,))
+
+
+def _sample(tokens: list[int], index: int = 0) -> EvalSample:
+    ids = torch.tensor(tokens)
+    return EvalSample(0, index, index, ids, torch.arange(len(ids)) >= len(PROMPT),
+                      torch.empty(0), torch.cat([ids[1:], ids[-1:]]))
+
+
+def _prompt(tokens: list[int], index: int = 0, max_tokens: int = 100) -> ServedPrompt:
+    return ServedPrompt(_sample(tokens, index), list(PROMPT), max_tokens)
+
+
+def _raw(generated: list[int], accepted: list[int], block_size: int) -> dict:
+    """What the driver writes for one prompt."""
+    return {"key": "0/0", "token_ids": generated, "finish_reason": "length",
+            "per_step_accepted": accepted, "per_step_drafted": [block_size - 1] * len(accepted)}
+
+
+def _online(continuation: list[int], wrong: set[int], block_size: int, stop: StopRule):
+    script = PROMPT + continuation
+    results, generated = evaluate_online(
+        ScriptedTarget(script), {"s": ScriptedDrafter(script, wrong, block_size)},
+        [_sample(script)], SETTINGS, stop)
+    return results["s"], generated[(0, 0)]
+
+
+def test_a_cap_inside_the_accepted_drafts_reads_as_the_tokens_committed():
+    # B = 8, 7 new tokens (test_online's cap case): round 1 at a=3 accepts 2 drafts (slot 3
+    # wrong) and commits 3; round 2 at a=6 has all 7 drafts right, and vLLM's scheduler
+    # counts all 7 accepted before its stop check, but only 3 tokens are left to commit.
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
+    online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
+    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8)
+    assert run.committed == [3, 3] and run.anchors == [3, 6] and run.tokens == tokens
+    served = ServedResults("s", 8, [run], {"num_drafts": 2, "num_accepted_tokens": 9,
+                                           "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]})
+    assert served.sequences == online.sequences == {(0, 0): [(3, 3), (6, 3)]}
+    mine, theirs = served.summary(), online.summary()
+    for key in ("n_blocks", "mean_tau", "mean_streak", "streak_hist", "cond_accept"):
+        assert mine[key] == theirs[key], key
+    vllm = mine["vllm"]
+    assert vllm["mean_acceptance_length"] == pytest.approx(1 + 9 / 2)  # vLLM's convention
+    assert vllm["accepted_per_pos"] == [2, 2, 1, 1, 1, 1, 1] and vllm["counters_agree"]
+
+
+def test_an_eos_inside_the_accepted_drafts_reads_as_the_tokens_committed():
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
+    continuation = [20, 21, 22, 23, 24, 25, EOS_ID, 27, 28, 29, 30, 31]
+    online, tokens = _online(continuation, {5}, 8, stop)
+    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 7], 8), 8)
+    served = ServedResults("s", 8, [run], {})
+    assert served.sequences == online.sequences == {(0, 0): [(3, 2), (5, 4)]}
+    assert served.summary()["cond_accept"] == online.summary()["cond_accept"]
+    assert not served.summary()["vllm"]["counters_agree"]  # no Prometheus totals given
+
+
+def test_counts_that_do_not_add_up_to_the_output_are_refused_naming_the_prompt():
+    tokens = PROMPT + list(range(20, 27))
+    with pytest.raises(EvalError, match="prompt 0/0: 7 tokens generated but the steps"):
+        served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [5, 0], 8), 8)
+    short = dict(_raw(tokens[len(PROMPT):], [2, 2], 8), per_step_drafted=[7, 3])
+    with pytest.raises(EvalError, match="step 1 drafted 3 tokens, not 7"):
+        served_run(_prompt(tokens), short, 8)
+    with pytest.raises(EvalError, match="without a verify step"):
+        served_run(_prompt(tokens), _raw([20, 21], [], 8), 8)
+
+
+def test_a_first_token_eos_is_a_prompt_without_rounds():
+    run = served_run(_prompt(PROMPT + [EOS_ID]), _raw([EOS_ID], [], 8), 8)
+    assert run.committed == [] and ServedResults("s", 8, [run], {}).summary()["n_blocks"] == 0
+
+
+def test_prompts_are_capped_by_max_new_tokens_and_the_store_max_length():
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=10, max_length=8)
+    sample = _sample(PROMPT + [20, 21, 22])
+    no_response = EvalSample(0, 1, 1, torch.tensor(PROMPT), torch.zeros(3, dtype=torch.bool),
+                             torch.empty(0), torch.tensor(PROMPT))
+    prompts = served_prompts([sample, no_response], stop)
+    assert [(p.key, p.ids, p.max_tokens) for p in prompts] == [("0/0", PROMPT, 5)]
+
+
+def _served(tokens_per_prompt: list[list[int]], accepted: list[list[int]]) -> ServedResults:
+    runs = [served_run(_prompt(t, i), _raw(t[len(PROMPT):], a, 4), 4)
+            for i, (t, a) in enumerate(zip(tokens_per_prompt, accepted, strict=True))]
+    return ServedResults("s", 4, runs, {})
+
+
+def test_the_first_difference_names_the_prompt_and_the_position():
+    a = PROMPT + [20, 21, 22, 23, 24]  # rounds (3, 2) (5, 2)
+    b = PROMPT + [30, 31, 32, 33]  # rounds (3, 3)
+    served = _served([a, b], [[1, 1], [3]])
+    text = {(0, 0): a, (0, 1): b}
+    sequences = {(0, 0): [(3, 2), (5, 2)], (0, 1): [(3, 3)]}
+    assert first_difference(served, text, sequences) is None
+    other = {(0, 0): a, (0, 1): PROMPT + [30, 31, 99, 33]}
+    assert first_difference(served, other, sequences) == {
+        "prompt": "0/1", "kind": "text", "position": 5, "response_token": 2,
+        "served": 32, "reference": 99}
+    rounds = {(0, 0): [(3, 1), (4, 3)], (0, 1): [(3, 3)]}
+    assert first_difference(served, text, rounds) == {
+        "prompt": "0/0", "kind": "tau", "round": 0, "position": 3, "served": 2,
+        "reference": 1}
+
+
+def test_likely_causes_follow_the_kind_of_difference():
+    text = {"kind": "text"}
+    drift = likely_causes(text, served_dtype="bfloat16", store_dtype="float32",
+                          regenerated=True, sliding=False, drafter_dtype="bfloat16")
+    assert any("vLLM serves the target in bfloat16" in c for c in drift)
+    assert any("chat-template" in c for c in drift)
+    not_regenerated = likely_causes(text, served_dtype="float32", store_dtype="float32",
+                                    regenerated=False, sliding=False, drafter_dtype="float32")
+    assert any("extract --regenerate" in c for c in not_regenerated)
+    tau = likely_causes({"kind": "tau"}, served_dtype="float32", store_dtype="float32",
+                        regenerated=True, sliding=True, drafter_dtype="float32")
+    assert any("sliding-window" in c for c in tau)
+    assert not any("target drift" in c for c in tau)
+
+
+def test_served_results_parse_the_driver_result_and_refuse_a_missing_prompt():
+    tokens = PROMPT + [20, 21, 22]
+    result = {"prompts": [_raw(tokens[3:], [1], 4)], "versions": {"vllm": "x"},
+              "counters": {"num_drafts": 1, "num_accepted_tokens": 1,
+                           "accepted_per_pos": [1, 0, 0]}}
+    served = served_results("s", [_prompt(tokens)], result, 4)
+    assert served.summary()["vllm"]["counters_agree"]
+    assert served.summary()["info"]["versions"] == {"vllm": "x"}
+    with pytest.raises(EvalError, match=r"no output for prompts \['0/1'\]"):
+        served_results("s", [_prompt(tokens), _prompt(tokens, 1)], result, 4)
+
+
+def _report_with_served(served: ServedResults, online) -> dict:
+    summary = online.summary()
+    return {
+        "store": "s.zarr", "mode": "replay", "samples": 1, "limit": None, "seed": 0,
+        "agreement": {"rate": 1.0, "matches": 1, "total": 1}, "warning": None,
+        "tree_budgets": [1], "recall_at": [1, 2],
+        "checkpoints": [{"name": "s", "offline": summary, "online": None,
+                         "served": served.summary()}],
+        "served_check": {"prompts": 1, "against": "offline", "checkpoints": {"s": {
+            "same_text": 1, "same_taus_as_offline": 0, "likely_causes": ["because"],
+            "first_difference": {"prompt": "0/0", "kind": "tau", "round": 1,
+                                 "position": 6, "served": 3, "reference": 4}}}},
+    }
+
+
+def test_the_table_shows_served_columns_and_vllm_counters_in_their_own_convention():
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
+    online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
+    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8)
+    served = ServedResults("s", 8, [run], {"num_drafts": 2, "num_accepted_tokens": 9,
+                                           "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]})
+    text = format_table(_report_with_served(served, online))
+    header = next(line for line in text.splitlines() if "(served)" in line)
+    assert header.split() == ["s", "s", "(served)"]
+    tree = next(line for line in text.splitlines() if line.startswith("tree tau @1"))
+    assert tree.split()[-1] == "-"  # no trees from outside vLLM
+    assert "mean acceptance length 5.500" in text
+    assert "per position 1.00 1.00 0.50 0.50 0.50 0.50 0.50" in text
+    assert "first difference from offline: prompt 0/0, round 1 at position 6" in text
+    assert "possible cause: because" in text
+    rows = block_rows({"s": online}, None, {"s": served}, [1])
+    assert rows["run"] == ["offline"] * 2 + ["served"] * 2
+    assert rows["tau"] == [3, 3, 3, 3] and rows["tree_tau_1"][2:] == [None, None]
+
+
+def _fake_python(tmp_path, body: str) -> str:
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_no_vllm_anywhere_is_one_error_saying_how_to_build_the_venv(tmp_path, monkeypatch):
+    monkeypatch.setenv(served_mod.VENV_VARIABLE, str(tmp_path / "no-venv"))
+    monkeypatch.setattr(served_mod, "find_spec", lambda name: None)
+    with pytest.raises(EvalError) as e:
+        find_vllm(None)
+    assert str(tmp_path / "no-venv" / "bin" / "python") + ": no such file" in str(e.value)
+    assert "scripts/vllm_venv.sh" in str(e.value) and "--vllm-python" in str(e.value)
+    broken = _fake_python(tmp_path, "echo 'ModuleNotFoundError: vllm' >&2; exit 1")
+    with pytest.raises(EvalError, match="cannot import vllm .ModuleNotFoundError: vllm."):
+        find_vllm(broken)
+
+
+def test_a_python_that_imports_vllm_is_found_and_never_sees_our_pythonpath(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    # The "torch" version it prints is the PYTHONPATH it saw.
+    body = 'echo "{\\"vllm\\": \\"9.9\\", \\"torch\\": \\"${PYTHONPATH:-none}\\"}"'
+    fake = _fake_python(tmp_path, body)
+    found = find_vllm(fake)
+    assert (found.path, found.vllm, found.torch) == (fake, "9.9", "none")
+    monkeypatch.setenv(served_mod.VENV_VARIABLE, str(tmp_path / "venv"))
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    os.symlink(fake, tmp_path / "venv" / "bin" / "python")
+    monkeypatch.setattr(served_mod, "find_spec", lambda name: None)
+    assert find_vllm(None).path == str(tmp_path / "venv" / "bin" / "python")
+
+
+def test_a_failing_vllm_run_quotes_the_end_of_its_log(tmp_path):
+    fake = _fake_python(tmp_path, "echo loading; echo 'ValueError: Unsupported CPU attention'"
+                                  "; exit 3")
+    python = served_mod.VllmPython(fake, "9.9", "x")
+    with pytest.raises(EvalError) as e:
+        run_driver(python, {"prompts": []}, tmp_path / "work", "ckpt")
+    message = str(e.value)
+    assert "--served ckpt: vLLM" in message and "exit status 3" in message
+    assert "ValueError: Unsupported CPU attention" in message
+    assert json.loads((tmp_path / "work" / "request.json").read_text()) == {"prompts": []}
+
+
+def _run_cli(*args):
+    return CliRunner().invoke(eval_command, [str(a) for a in args])
+
+
+def test_served_options_are_checked_before_anything_runs(tmp_path, regen_store,
+                                                         random_drafter_dir, eos_target_dir,
+                                                         monkeypatch):
+    result = _run_cli("--store", regen_store, "--served", random_drafter_dir)
+    assert result.exit_code == 1 and "--served needs --model" in result.output
+    result = _run_cli("--store", regen_store, "--vllm-python", "/x/python", random_drafter_dir)
+    assert result.exit_code == 1 and "--vllm-python only applies to --served" in result.output
+    gguf = tmp_path / "t.gguf"
+    gguf.write_bytes(b"GGUF")
+    result = _run_cli("--store", regen_store, "--served", "--model", gguf, random_drafter_dir)
+    assert result.exit_code == 1 and "vLLM serves a model directory" in result.output
+    monkeypatch.setenv(served_mod.VENV_VARIABLE, str(tmp_path / "none"))
+    monkeypatch.setattr(served_mod, "find_spec", lambda name: None)
+    result = _run_cli("--store", regen_store, "--served", "--model", eos_target_dir,
+                      "--no-progress", random_drafter_dir)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "--served: no vLLM found" in result.output and "vllm_venv.sh" in result.output

