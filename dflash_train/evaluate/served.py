@@ -379,11 +379,12 @@ def likely_causes(diff: dict, *, served_dtype: str, store_dtype: str, regenerate
                           "transformers' in rounding; greedy flips where two logits nearly "
                           "tie")
     else:
-        causes.append(f"drafter numerics: exported as {drafter_dtype}, run on vLLM's "
-                      "kernels with vLLM's cache of target states")
+        causes.append(f"drafter numerics: the drafter ({drafter_dtype}) reads target "
+                      "states vLLM computed with its own kernels and runs on them; where two "
+                      "draft logits nearly tie, the rounding difference flips the draft")
         if sliding:
-            causes.append("the drafter has sliding-window layers: vLLM's CPU runner and "
-                          "ours may treat the window at the block edge differently")
+            causes.append("the drafter has sliding-window layers: the window at the block "
+                          "edge is where implementations differ")
     return causes
 
 
