@@ -429,8 +429,12 @@ def run_served(plan: ServedPlan, checkpoints: dict[str, tuple[str, int]],
     torch_dtype = getattr(torch, plan.dtype)
     workdir = Path(tempfile.mkdtemp(prefix="dflash-served-"))
     results = {}
-    exports = export_for_serving({n: p for n, (p, _) in checkpoints.items()}, torch_dtype,
-                                 workdir)
+    try:
+        exports = export_for_serving({n: p for n, (p, _) in checkpoints.items()}, torch_dtype,
+                                     workdir)
+    except EvalError:
+        shutil.rmtree(workdir, ignore_errors=True)  # nothing in it worth keeping yet
+        raise
     for name, (_, block_size) in checkpoints.items():
         echo(f"served: {name}: vLLM {plan.python.vllm} serves {plan.target} in {plan.dtype} "
              f"with {len(prompts)} prompts (log: {workdir / name / 'vllm.log'})")
