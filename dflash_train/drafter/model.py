@@ -232,7 +232,8 @@ class DFlashDrafter(nn.Module):
         if config.kind == "dflash2":
             self.candidate_selector = CandidateSelector(h, config.vocab_size,
                                                         config.selector_rank,
-                                                        config.selector_top_k)
+                                                        config.selector_top_k,
+                                                        config.selector_codebooks)
         self.register_buffer("target_embed_tokens", None, persistent=False)
         self.register_buffer("target_lm_head", None, persistent=False)
         self.gradient_checkpointing = False
@@ -298,7 +299,8 @@ class DFlashDrafter(nn.Module):
         logits = self.logits(hidden)
         if self.candidate_selector is None:
             return logits.argmax(-1)
-        return self.candidate_selector.walk(hidden, logits, anchor_ids)
+        return self.candidate_selector.walk(hidden, logits, anchor_ids,
+                                            self.target_embed_tokens)
 
     def project_context(self, context: torch.Tensor) -> torch.Tensor:
         """ctx = hidden_norm(fc(features)); features [N, T, n, H] or [N, T, n*H]."""

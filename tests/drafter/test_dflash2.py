@@ -154,7 +154,8 @@ def test_dflash2_fields_are_not_checked_for_a_dflash_drafter():
 
 def test_describe_names_the_dflash2_shape():
     assert tiny_config(**DFLASH2).describe().endswith(
-        "; DFlash 2: convs of 2 taps in groups of 16, selector rank 8 over the top 5")
+        "; DFlash 2: convs of 2 taps in groups of 16, selector rank 8 over the top 5, free "
+        "codebooks")
     assert "DFlash 2" not in tiny_config().describe()
 
 
@@ -176,12 +177,12 @@ def test_dflash2_round_trip_writes_the_published_names_and_fields(tmp_path):
 
 
 def test_dflash2_loads_only_where_the_caller_takes_it_and_exports(tmp_path):
-    # Eval and training draft by argmax logits so far: loading a DFlash 2 drafter there
-    # would measure it with its selector off, so load_drafter refuses it unless asked.
+    # A caller that drafts by argmax logits would measure a DFlash 2 drafter with its
+    # selector off, so load_drafter refuses it unless the caller opts in.
     model = tiny_dflash2(6)
     out = save_drafter(model, tmp_path / "d")
     with pytest.raises(DrafterError, match=r"a DFlash2DraftModel \(dflash2\) drafter; this "
-                       r"step takes DFlashDraftModel only .*not implemented yet"):
+                       r"step takes DFlashDraftModel only .*selector walk"):
         load_drafter(out)
     exported = export_checkpoint(out, tmp_path / "export", dtype=None)
     assert json.loads((exported / "config.json").read_text())["architectures"] == [
