@@ -103,6 +103,7 @@ class ScriptedDrafter:
         self.script, self.wrong, self.block_size = script, wrong, block_size
         self.config = SimpleNamespace(vocab_size=VOCAB_SIZE)
         self.anchors: list[int] = []
+        self.walks = False  # drafts by argmax: DDTree applies
 
     def _check(self, cache, features):
         start = cache.length

@@ -97,6 +97,7 @@ class CraftedDrafter:
                  block_size: int):
         self.samples, self.wrong, self.block_size = samples, wrong, block_size
         self.config = SimpleNamespace(vocab_size=VOCAB_SIZE)
+        self.walks = False  # drafts by argmax: DDTree applies
 
     def context_cache(self, features):
         ids = features[:, 0, 0, 0].reshape(-1, 1, 1, 1)
