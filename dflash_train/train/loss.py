@@ -203,9 +203,10 @@ def selector_predecessors(labels: torch.Tensor, valid: torch.Tensor,
     follows the anchor token, slot k >= 2 the label of slot k-1 (the target's token there,
     which a walk that was right so far has chosen); a slot after an unlabelled one has
     none. Slot 0 has none."""
-    pred = torch.cat([anchor_ids[:, None].to(labels), labels[:, :-1]], dim=1)
-    known = torch.cat([torch.ones_like(valid[:, :1]), valid[:, :-1]], dim=1).bool()
-    known[:, 0] = False
+    anchor = anchor_ids[:, None].to(labels)
+    pred = torch.cat([anchor, anchor, labels[:, 1:-1]], dim=1)  # slot k reads column k
+    first = torch.ones_like(valid[:, :1], dtype=torch.bool)
+    known = torch.cat([~first, first, valid[:, 1:-1].bool()], dim=1)
     return pred.clamp(min=0).long(), known
 
 
@@ -239,7 +240,7 @@ def selector_ce_loss(
     rows = counted.reshape(-1).nonzero().flatten().to(hidden.device)
     h = hidden.reshape(-1, hidden.shape[-1])[rows]
     y = labels.reshape(-1).to(hidden.device)[rows].long()
-    w = weights.reshape(-1).to(hidden.device)[rows].detach().float()
+    w = _at_least_fp32(weights.reshape(-1).to(hidden.device)[rows].detach())
     with torch.no_grad():
         candidates = torch.cat([
             F.linear(h[s:s + chunk_rows], lm_head_weight).topk(selector.top_k, dim=-1).indices
