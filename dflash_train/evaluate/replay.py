@@ -8,10 +8,10 @@ For each batch of stored sequences, every checkpoint drafts the same blocks:
 A block's labels are the stored verifier argmax at a+k-1 (dflash_train.blocks.block_labels); its
 draft is the drafter's per-slot top-k, led by what it proposes (a DFlash 2 drafter: its
 selector walk, drafting.BlockDrafter.draft), and the replay's next anchor follows that draft.
-Its tau is the tokens live decoding would commit there:
-the accepted drafts plus the target's bonus token, unless the stored text ends inside those
-drafts (the end-of-turn token or the token cap was drafted), where no bonus follows
-(`tokens_left`). Metrics accumulate in `CheckpointResults`.
+Its tau is the tokens live decoding would commit there: the accepted drafts plus the target's
+bonus token, unless the stored text ends inside those drafts (the end-of-turn token or the
+token cap was drafted), where no bonus follows (`tokens_left`). Metrics accumulate in
+`CheckpointResults`.
 
 Offline tau equals live greedy speculative decoding (evaluate.online: a full block every
 round, as serving engines draft) only when the store holds the target's own greedy

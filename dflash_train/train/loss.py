@@ -84,9 +84,9 @@ class LossConfig:
     selector_out_of_top_k: OutOfTopK = "strict"
     """DFlash 2: a slot whose label is not among its top-K candidates. `strict` (default):
     the candidates are exactly inference's, so the slot adds 0 to the selector term but keeps
-    its weight in the denominator (the term is a mean over every supervised slot, in the
-    unary loss's units, and shrinks with the top-K's coverage; the unary CE alone pulls such
-    a label in). `drop`: the slot leaves the term, numerator and denominator (SpecForge,
+    its weight in the denominator (the term is a mean over every slot the selector scores,
+    in the unary loss's units, and shrinks with the top-K's coverage; the unary CE alone pulls
+    such a label in). `drop`: the slot leaves the term, numerator and denominator (SpecForge,
     NeMo, TorchSpec). `inject`: the label replaces the K-th candidate there (speculators).
     log.jsonl's selector_recall is the fraction of slots whose label is in the top-K."""
 
