@@ -8,7 +8,10 @@ DFlash2DraftModel, dflash_config adds conv_kernel_size, conv_group_size, selecto
 selector_top_k, and the weights add `layers.N.{attention_conv,mlp_conv}.{base_kernel,
 kernel_projection.weight}` and `candidate_selector.{hidden_projection.weight,
 predecessor_codebook,successor_codebook}` (the codebooks bare, as published; the
-`.weight`-suffixed names z-lab's own save_pretrained writes load too). Our own save format
+`.weight`-suffixed names z-lab's own save_pretrained writes load too). A drafter trained
+with factorised codebooks (A = E W) also holds its factors `candidate_selector.{predecessor,
+successor}_factor` and `dflash_config.selector_codebooks = "factorised"`, for resuming;
+export drops both, so what engines load is the reference format exactly. Our own save format
 IS this format, so a training checkpoint holds such a directory under `drafter/` (next to
 optimiser state) and export is a validated copy.
 
@@ -47,6 +50,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +64,7 @@ from dflash_train.drafter.config import (
     DrafterConfig,
     DrafterKind,
 )
+from dflash_train.drafter.dflash2 import FACTORS
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.hashing import file_sha256
@@ -163,6 +168,8 @@ def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
     if config.kind == "dflash2":
         raw["dflash_config"].update({name: getattr(config, name) for name in DFLASH2_FIELDS})
+        if config.selector_codebooks != "free":
+            raw["dflash_config"]["selector_codebooks"] = config.selector_codebooks
     if config.is_causal is not None:
         raw["is_causal"] = config.is_causal
     # Unknown for third-party drafters without it: a null here makes SGLang fall back to the
@@ -191,12 +198,13 @@ def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> Draft
         # dflash_config first, then the top level: the order z-lab's loader reads them in.
         return draft.get(name, raw.get(name, default))
 
-    dflash2: dict[str, int] = {}
+    dflash2: dict[str, Any] = {}
     if kind == "dflash2":
         for name in DFLASH2_FIELDS:
             if pick(name) is None:
                 raise DrafterError(f"{source}: a DFlash2DraftModel needs dflash_config.{name}")
             dflash2[name] = int(pick(name))
+        dflash2["selector_codebooks"] = draft.get("selector_codebooks", "free")
 
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "vocab_size"):
@@ -285,6 +293,7 @@ def save_drafter(
     state_dict: the full weights when the model's own are sharded (FSDP); default its own.
     """
     weights = model.state_dict() if state_dict is None else state_dict
+    weights = with_materialised_codebooks(model, weights)
     check_finite(weights, f"{out_dir}: the drafter's weights")
     state = {
         name: (t if dtype is None else t.to(dtype)).detach().to("cpu").contiguous()
@@ -300,6 +309,24 @@ def save_drafter(
         write_checksums(tmp, [CONFIG_NAME, WEIGHTS_NAME, LOADER_NAME])
 
     return _write_dir_atomically(Path(out_dir), write, overwrite)
+
+
+def with_materialised_codebooks(model: DFlashDrafter, weights: dict[str, torch.Tensor]
+                                ) -> dict[str, torch.Tensor]:
+    """`weights` plus, for factorised selector codebooks, A = E W_A and B = E W_B under the
+    published names, from the attached target embedding E: the directory then holds what an
+    engine loads next to the factors a resume trains on (export keeps only the former)."""
+    if model.config.kind != "dflash2" or model.config.selector_codebooks == "free":
+        return weights
+    embed = model.target_embed_tokens
+    if embed is None:
+        raise DrafterError("saving a drafter with factorised selector codebooks needs the "
+                           "target's token embedding (attach_target_head) to write E W")
+    out = dict(weights)
+    for name, factor in FACTORS.items():
+        w = weights[f"candidate_selector.{factor}"]
+        out[f"candidate_selector.{name}"] = (embed.to(w.device, w.dtype) @ w).detach()
+    return out
 
 
 def nonfinite_tensors(tree: Any, prefix: str = "") -> list[str]:
@@ -406,6 +433,7 @@ def load_drafter(
     device: str | torch.device = "cpu",
     checked_whole: bool = False,
     kinds: Collection[DrafterKind] = ("dflash",),
+    materialise: bool = False,
 ) -> DFlashDrafter:
     """Load a drafter directory (ours, z-lab's or any DFlashDraftModel / DFlash2DraftModel
     one).
@@ -417,6 +445,8 @@ def load_drafter(
     kinds: the drafter kinds the caller handles; another is refused by name. DFlash only by
     default: a caller that drafts by argmax logits would measure a DFlash 2 drafter with its
     selector switched off, so each caller opts in once it follows `propose`.
+    materialise: a drafter with factorised selector codebooks loads as the free one its
+    saved E W make (what engines load: export, eval); else with its factors (training).
     """
     directory = resolve_drafter_dir(path, checked_whole=checked_whole)
     verify_checksums(directory)
@@ -424,10 +454,12 @@ def load_drafter(
     if config.kind not in kinds:
         raise DrafterError(
             f"{directory}: a {ARCHITECTURES[config.kind]} ({config.kind}) drafter; this step "
-            f"takes {' and '.join(ARCHITECTURES[k] for k in kinds)} only (DFlash 2 drafters "
-            "export, but training and evaluating them are not implemented yet)")
+            f"takes {' and '.join(ARCHITECTURES[k] for k in kinds)} only (it does not follow "
+            "DFlash 2's selector walk)")
     state = _published_names(_read_weights(directory))
     check_finite(state, f"{directory}: weights")
+    if config.kind == "dflash2" and config.selector_codebooks == "factorised":
+        config, state = _factorised_as(config, state, directory, materialise)
     with torch.device("meta"):
         model = DFlashDrafter(config)
     _check_keys(model, state, directory)
@@ -509,7 +541,8 @@ class AutoModelLoader:
             raise DrafterError(f"{directory}: not a local directory; a dflash-train drafter "
                                "loads from disk (download it first, e.g. hf download)")
         device = torch.device("cpu" if device is None else device)
-        return load_drafter(directory, dtype=dtype, device=device, kinds=DRAFTER_KINDS).eval()
+        return load_drafter(directory, dtype=dtype, device=device, kinds=DRAFTER_KINDS,
+                            materialise=True).eval()
 
 
 LOADER_SOURCE = f'''"""Lets transformers load this DFlash drafter, exported by dflash-train:
@@ -560,7 +593,7 @@ def export_checkpoint(
         raise DrafterError(f"{out_dir}: is the checkpoint being exported; pick another "
                            "output directory")
     check_output_dir(out_dir, overwrite)
-    model = load_drafter(src_dir, kinds=DRAFTER_KINDS)
+    model = load_drafter(src_dir, kinds=DRAFTER_KINDS, materialise=True)
     return save_drafter(model, out_dir, dtype=dtype, overwrite=overwrite)
 
 
@@ -608,6 +641,21 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     for shard in sorted(set(weight_map.values())):
         state.update(_load_safetensors(directory / shard))
     return state
+
+
+def _factorised_as(config: DrafterConfig, state: dict[str, torch.Tensor], where: Path,
+                   materialise: bool) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """A factorised drafter's directory holds factors and their E W: keep the one asked for."""
+    factors = [f"candidate_selector.{f}" for f in FACTORS.values()]
+    missing = [n for n in (*CODEBOOKS, *factors) if n not in state]
+    if missing:
+        raise DrafterError(f"{where}: factorised selector codebooks but missing weights "
+                           f"{missing}")
+    drop = factors if materialise else CODEBOOKS
+    state = {k: v for k, v in state.items() if k not in drop}
+    if materialise:
+        config = replace(config, selector_codebooks="free")
+    return config, state
 
 
 def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,6 +18,8 @@ DrafterKind = Literal["dflash", "dflash2"]
 DRAFTER_KINDS: tuple[DrafterKind, ...] = ("dflash", "dflash2")
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 """The fields a DFlash 2 drafter adds (config.json: in dflash_config)."""
+SelectorCodebooks = Literal["free", "factorised"]
+SELECTOR_CODEBOOKS: tuple[SelectorCodebooks, ...] = ("free", "factorised")
 
 DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 """Tokens per drafted block (dflash_train.blocks owns the number: docs/reference.md §3)."""
@@ -124,6 +126,11 @@ class DrafterConfig:
     """DFlash 2: width of the selector's predecessor/successor codebooks."""
     selector_top_k: int = 16
     """DFlash 2: candidates per slot the selector rescores (top logits of the slot)."""
+    selector_codebooks: SelectorCodebooks = "free"
+    """DFlash 2: free trains the [V, r] codebooks themselves (z-lab's form); factorised trains
+    W_A, W_B [H, r] with A = E W_A, B = E W_B through the target's frozen embedding E
+    (2 H r parameters instead of 2 V r). Engines only ever see free codebooks: export
+    writes E W. config.json names it only where it is factorised (our checkpoints)."""
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -145,7 +152,7 @@ class DrafterConfig:
         if self.kind == "dflash2":
             line += (f"; DFlash 2: convs of {self.conv_kernel_size} taps in groups of "
                      f"{self.conv_group_size}, selector rank {self.selector_rank} over the "
-                     f"top {self.selector_top_k}")
+                     f"top {self.selector_top_k}, {self.selector_codebooks} codebooks")
         return line
 
     def validate(self) -> None:
@@ -195,6 +202,9 @@ class DrafterConfig:
         if self.hidden_size % self.conv_group_size:
             raise DrafterError(f"conv_group_size {self.conv_group_size} does not divide "
                                f"hidden_size {self.hidden_size}")
+        if self.selector_codebooks not in SELECTOR_CODEBOOKS:
+            raise DrafterError(f"selector_codebooks {self.selector_codebooks!r}: must be one of "
+                               f"{', '.join(SELECTOR_CODEBOOKS)}")
         if self.selector_top_k > self.vocab_size:
             raise DrafterError(f"selector_top_k {self.selector_top_k} exceeds the vocabulary "
                                f"(size {self.vocab_size})")

@@ -22,12 +22,18 @@ drafter computes what the DFlash drafter with the same backbone weights computes
 walk picks each slot's argmax. The predecessor codebook and hidden projection start random,
 or the pairwise term would get no gradient at all.
 
+Factorised codebooks (ours, `selector_codebooks="factorised"`): A = E W_A, B = E W_B with E
+the target's frozen token embedding and W [H, r] trained, so the selector costs 2 H r
+instead of 2 V r parameters; export writes E W under the codebooks' names.
+
 Tensor names are the checkpoint's: `base_kernel`, `kernel_projection.weight`,
 `hidden_projection.weight`, and the two codebooks as bare [V, r] tensors (no `.weight`:
 z-lab's from_pretrained maps them onto its nn.Embedding's weight).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -90,39 +96,88 @@ class GroupedDynamicCausalConv(nn.Module):
         return out.flatten(1, 2)
 
 
-class CandidateSelector(nn.Module):
-    """Rescores each slot's top-K candidates by its predecessor token; walks a block."""
+SelectorCodebooks = Literal["free", "factorised"]
+FACTORS = {"predecessor_codebook": "predecessor_factor", "successor_codebook": "successor_factor"}
+"""Codebook name -> the [H, r] factor W a factorised selector trains in its place (A = E W)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
+
+class CandidateSelector(nn.Module):
+    """Rescores each slot's top-K candidates by its predecessor token; walks a block.
+
+    codebooks: `free` trains A and B as [V, r] tensors (z-lab's form, every open trainer's);
+    `factorised` trains W_A, W_B [H, r] and reads A = E W_A, B = E W_B through the target's
+    frozen token embedding E [V, H], which every call that reads a codebook then takes
+    (`embed`). `materialised` gives the [V, r] pair an engine loads either way.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int,
+                 codebooks: SelectorCodebooks = "free"):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.codebooks = top_k, codebooks
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
-        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
-        """A: [V, r], row of the token before the slot."""
-        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
-        """B: [V, r], row of the candidate."""
+        rows = vocab_size if codebooks == "free" else hidden_size
+        if codebooks == "free":
+            self.predecessor_codebook = nn.Parameter(torch.empty(rows, rank))
+            """A: [V, r], row of the token before the slot."""
+            self.successor_codebook = nn.Parameter(torch.empty(rows, rank))
+            """B: [V, r], row of the candidate."""
+        else:
+            self.predecessor_factor = nn.Parameter(torch.empty(rows, rank))
+            """W_A: [H, r], A = E W_A."""
+            self.successor_factor = nn.Parameter(torch.empty(rows, rank))
+            """W_B: [H, r], B = E W_B."""
         self.reset_parameters()
 
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) for free codebooks, (W_A, W_B) for factorised ones."""
+        if self.codebooks == "free":
+            return self.predecessor_codebook, self.successor_codebook
+        return self.predecessor_factor, self.successor_factor
+
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Pairwise term 0 (successor codebook 0) with gradients: the rest ~ N(0, std)."""
+        """Pairwise term 0 (successor table 0) with gradients: the rest ~ N(0, std)."""
+        predecessor, successor = self._tables()
         nn.init.normal_(self.hidden_projection.weight, std=std)
-        nn.init.normal_(self.predecessor_codebook, std=std)
-        nn.init.zeros_(self.successor_codebook)
+        nn.init.normal_(predecessor, std=std)
+        nn.init.zeros_(successor)
+
+    def rows(self, which: int, ids: torch.Tensor, embed: torch.Tensor | None) -> torch.Tensor:
+        """Codebook rows [..., r] of token ids [...]: which 0 = A (predecessor), 1 = B."""
+        table = self._tables()[which]
+        if self.codebooks == "free":
+            return F.embedding(ids, table)
+        if embed is None:
+            raise ValueError("a factorised selector reads its codebooks through the target's "
+                             "token embedding; attach the target head first")
+        return F.embedding(ids, embed).to(table.dtype) @ table
+
+    @torch.no_grad()
+    def materialised(self, embed: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """{'predecessor_codebook': A, 'successor_codebook': B}, each [V, r], as engines load."""
+        if self.codebooks == "free":
+            return {"predecessor_codebook": self.predecessor_codebook.detach(),
+                    "successor_codebook": self.successor_codebook.detach()}
+        if embed is None:
+            raise ValueError("materialising factorised codebooks needs the target's token "
+                             "embedding; attach the target head first")
+        return {name: embed.to(getattr(self, factor).dtype) @ getattr(self, factor).detach()
+                for name, factor in FACTORS.items()}
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(unary scores, token ids) [..., K] of the top-K logits [..., V], best first."""
         return torch.topk(logits, self.top_k, dim=-1)
 
     def scores(self, projected: torch.Tensor, predecessors: torch.Tensor,
-               unary: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+               unary: torch.Tensor, candidates: torch.Tensor,
+               embed: torch.Tensor | None = None) -> torch.Tensor:
         """unary + <A[pred] * projected, B[cand]>, [..., K]: projected [..., r] (the slot's
         hidden_projection), predecessors [...], unary / candidates [..., K]."""
-        query = F.embedding(predecessors, self.predecessor_codebook) * projected
-        keys = F.embedding(candidates, self.successor_codebook)
+        query = self.rows(0, predecessors, embed) * projected
+        keys = self.rows(1, candidates, embed)
         return unary + (keys @ query.unsqueeze(-1)).squeeze(-1)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor,
-             anchor_ids: torch.Tensor) -> torch.Tensor:
+             anchor_ids: torch.Tensor, embed: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy tokens [..., S] of S consecutive slots (hidden [..., S, H], their logits
         [..., S, V]) after anchor tokens [...]: each slot's best-scored candidate given the
         token chosen before it."""
@@ -131,7 +186,7 @@ class CandidateSelector(nn.Module):
         chosen, previous = [], anchor_ids
         for s in range(hidden.shape[-2]):
             score = self.scores(projected[..., s, :], previous, unary[..., s, :],
-                                candidates[..., s, :])
+                                candidates[..., s, :], embed)
             previous = candidates[..., s, :].gather(-1, score.argmax(-1, keepdim=True))[..., 0]
             chosen.append(previous)
         return torch.stack(chosen, dim=-1)

@@ -24,6 +24,7 @@ anchors or what the labels are.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -232,7 +233,8 @@ class DFlashDrafter(nn.Module):
         if config.kind == "dflash2":
             self.candidate_selector = CandidateSelector(h, config.vocab_size,
                                                         config.selector_rank,
-                                                        config.selector_top_k)
+                                                        config.selector_top_k,
+                                                        config.selector_codebooks)
         self.register_buffer("target_embed_tokens", None, persistent=False)
         self.register_buffer("target_lm_head", None, persistent=False)
         self.gradient_checkpointing = False
@@ -298,7 +300,8 @@ class DFlashDrafter(nn.Module):
         logits = self.logits(hidden)
         if self.candidate_selector is None:
             return logits.argmax(-1)
-        return self.candidate_selector.walk(hidden, logits, anchor_ids)
+        return self.candidate_selector.walk(hidden, logits, anchor_ids,
+                                            self.target_embed_tokens)
 
     def project_context(self, context: torch.Tensor) -> torch.Tensor:
         """ctx = hidden_norm(fc(features)); features [N, T, n, H] or [N, T, n*H]."""
@@ -445,6 +448,24 @@ class DFlashDrafter(nn.Module):
         anchors = torch.full((block_ids.shape[0], 1), cache.length, device=block_ids.device)
         # Dense: one block per row over a short cache is cheap, and it is the reference.
         return self.decode_blocks(cache, None, block_ids[:, None], anchors, "dense")[:, 0]
+
+
+def dflash2_from(model: DFlashDrafter, **fields) -> DFlashDrafter:
+    """A DFlash 2 drafter (DrafterConfig `fields` set, kind dflash2) whose backbone is a copy
+    of DFlash drafter `model`'s weights and whose additions are at their identity init: it
+    computes what `model` computes and its walk picks `model`'s argmax (a warm start)."""
+    if model.config.kind != "dflash":
+        raise DrafterError(f"a warm start takes a DFlash drafter, got kind {model.config.kind}")
+    config = dataclasses.replace(model.config, **{**fields, "kind": "dflash2"})
+    out = DFlashDrafter(config).to(model.fc.weight.dtype)
+    missing, unexpected = out.load_state_dict(model.state_dict(), strict=False)
+    added = [k for k in missing if ".attention_conv." not in k and ".mlp_conv." not in k
+             and not k.startswith("candidate_selector.")]
+    if added or unexpected:  # cannot happen for two drafters of one backbone
+        raise DrafterError(f"warm start: backbone weights differ ({added + unexpected})")
+    if model.target_embed_tokens is not None:
+        out.attach_target_head(model.target_embed_tokens, model.target_lm_head)
+    return out
 
 
 class _Recomputed(torch.autograd.Function):

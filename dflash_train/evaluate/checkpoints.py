@@ -2,7 +2,7 @@
 
 Three kinds of directory load the same way (dflash_train.drafter.load_drafter): a training
 checkpoint (`drafter/` + `provenance.json`, the StoreMeta it was trained on), an exported
-drafter and a third-party DFlash drafter in the published HF format (config.json +
+drafter and a third-party DFlash or DFlash 2 drafter in the published HF format (config.json +
 model.safetensors). A checkpoint is refused, naming both values, when its target, layer ids
 or vocabulary differ from the store's: a training checkpoint by its provenance (the rule
 training applies on resume, StoreMeta.target_mismatches), every checkpoint by what its
@@ -18,6 +18,7 @@ import torch
 
 from dflash_train.drafter import DFlashDrafter, DrafterConfig, DrafterError, load_drafter
 from dflash_train.drafter.checkpoint import PROVENANCE_NAME, training_checkpoint_root
+from dflash_train.drafter.config import DRAFTER_KINDS
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.store_schema import StoreError, StoreMeta
 
@@ -88,7 +89,10 @@ def load_checkpoint(
     one) and hold its provenance: without it, another target's drafter of the same shape
     would be evaluated without a word."""
     try:
-        model = load_drafter(path, dtype=dtype, device=device)
+        # Every kind: drafting.BlockDrafter follows a DFlash 2 drafter's selector walk. A
+        # factorised one loads as the codebooks it exports (E W), what an engine would run.
+        model = load_drafter(path, dtype=dtype, device=device, kinds=DRAFTER_KINDS,
+                             materialise=True)
     except DrafterError as e:
         raise EvalError(f"checkpoint {path}: {e}") from e
     root = training_checkpoint_root(path)

@@ -7,7 +7,8 @@ context keys/values of every sequence are computed once (`DFlashDrafter.extend_c
 and each step runs only the blocks, through `DFlashDrafter.decode_blocks` over that cache:
 the layer pass training runs too, under the drafter's own mask rule. Offline replay and the
 online loop both draft through `BlockDrafter.draft`; a test proves it equals
-`DFlashDrafter.forward` and `draft_block`.
+`DFlashDrafter.forward` and `draft_block`. A DFlash 2 drafter's draft is its selector walk
+(the tokens it proposes), not its unary argmax, wherever a draft is scored.
 
 This module never reads the store, never computes labels or metrics.
 """
@@ -17,6 +18,10 @@ import torch.nn.functional as F
 
 from dflash_train.blocks import draft_topk
 from dflash_train.drafter import ContextCache, DFlashDrafter, build_block_ids
+
+WALK_CHUNK_BLOCKS = 64
+"""Blocks whose full logits [B-1, V] the DFlash 2 walk holds at once (64 x 15 x 248K fp32 is
+~1 GB; the argmax path's draft_topk chunks its rows the same way)."""
 
 
 class BlockDrafter:
@@ -62,18 +67,60 @@ class BlockDrafter:
                               self.block_size)
         return self.model.decode_blocks(cache, None, ids, anchors.to(self.device).long(), "dense")
 
+    @property
+    def walks(self) -> bool:
+        """Whether the drafts are a DFlash 2 selector walk rather than each slot's argmax."""
+        return self.model.candidate_selector is not None
+
     @torch.no_grad()
     def draft(
         self, cache: ContextCache, anchors: torch.Tensor, anchor_tokens: torch.Tensor, top_k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-slot fp32 log-prob top-k (logprobs, ids), both [N, K, B, k'] on the CPU.
+        """Per-slot fp32 log-prob top-k (logprobs, ids), both [N, K, B, k'] on the CPU; rank 0
+        is the draft: each slot's argmax, or for DFlash 2 the token its selector walk chose
+        (then the other top logits, in order), so every metric scores what is proposed.
 
         Slot 0 (the anchor) is never drafted: its entries are 0 / id -1.
         """
         hidden = self.hidden(cache, anchors, anchor_tokens)
-        logp, ids = draft_topk(hidden[:, :, 1:], self.model.target_lm_head, top_k)
+        slots = hidden[:, :, 1:]
+        if self.walks:
+            selector = self.model.candidate_selector
+            logp, ids = draft_topk(slots, self.model.target_lm_head, max(top_k, selector.top_k))
+            walk, walk_logp = self._walk(slots, anchor_tokens.to(self.device).long())
+            logp, ids = walk_first(logp, ids, walk, walk_logp, top_k)
+        else:
+            logp, ids = draft_topk(slots, self.model.target_lm_head, top_k)
         pad = (0, 0, 1, 0)  # one slot in front along the slot axis
         return F.pad(logp, pad).cpu(), F.pad(ids, pad, value=-1).cpu()
+
+    def _walk(self, slots: torch.Tensor, anchor_tokens: torch.Tensor,
+              chunk: int = WALK_CHUNK_BLOCKS) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selector walk [N, K, S] of blocks' slots [N, K, S, H] and each chosen token's
+        fp32 log-prob under its slot's logits, `chunk` blocks of [S, V] logits at a time."""
+        flat, anchors = slots.flatten(0, 1), anchor_tokens.flatten()
+        walks, logps = [], []
+        for start in range(0, flat.shape[0], chunk):
+            h = flat[start:start + chunk]
+            logits = self.model.logits(h)
+            walk = self.model.candidate_selector.walk(h, logits, anchors[start:start + chunk],
+                                                      self.model.target_embed_tokens)
+            walks.append(walk)
+            logps.append(torch.log_softmax(logits.float(), -1).gather(-1, walk[..., None])[..., 0])
+        shape = slots.shape[:-1]
+        return torch.cat(walks).view(shape), torch.cat(logps).view(shape)
+
+
+def walk_first(logp: torch.Tensor, ids: torch.Tensor, walk: torch.Tensor,
+               walk_logp: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k lists [..., k] (logp, ids) led by the walk's token [...] (its log-prob
+    walk_logp), then the other ids in their order, cut to top_k."""
+    other = ids != walk[..., None]
+    order = torch.argsort((~other).long(), dim=-1, stable=True)  # the walk's id moves last
+    rest = top_k - 1
+    ids = torch.cat([walk[..., None], ids.gather(-1, order)[..., :rest]], dim=-1)
+    logp = torch.cat([walk_logp[..., None], logp.gather(-1, order)[..., :rest]], dim=-1)
+    return logp, ids
 
 
 def select_rows(cache: ContextCache, rows: torch.Tensor) -> ContextCache:

@@ -184,7 +184,8 @@ def evaluate_online(target: TargetStates, drafters: dict[str, BlockDrafter],
                     ) -> tuple[dict[str, CheckpointResults], dict[tuple[int, int], list[int]]]:
     """Decode every sample's prompt live with each drafter; metrics as offline, and the
     generated tokens per sample key (they do not depend on the drafter)."""
-    results = {n: CheckpointResults(n, d.block_size, settings) for n, d in drafters.items()}
+    results = {n: CheckpointResults(n, d.block_size, settings, not d.walks)
+               for n, d in drafters.items()}
     generated: dict[tuple[int, int], list[int]] = {}
     for s in samples:
         prompt = prompt_of(s)

@@ -6,10 +6,12 @@ For each batch of stored sequences, every checkpoint drafts the same blocks:
   first response token, then a + tau). Sequential within a sequence, batched across the
   sequences of a batch step by step.
 A block's labels are the stored verifier argmax at a+k-1 (dflash_train.blocks.block_labels); its
-draft is the drafter's per-slot top-k. Its tau is the tokens live decoding would commit there:
-the accepted drafts plus the target's bonus token, unless the stored text ends inside those
-drafts (the end-of-turn token or the token cap was drafted), where no bonus follows
-(`tokens_left`). Metrics accumulate in `CheckpointResults`.
+draft is the drafter's per-slot top-k, led by what it proposes (a DFlash 2 drafter: its
+selector walk, drafting.BlockDrafter.draft), and the replay's next anchor follows that draft.
+Its tau is the tokens live decoding would commit there: the accepted drafts plus the target's
+bonus token, unless the stored text ends inside those drafts (the end-of-turn token or the
+token cap was drafted), where no bonus follows (`tokens_left`). Metrics accumulate in
+`CheckpointResults`.
 
 Offline tau equals live greedy speculative decoding (evaluate.online: a full block every
 round, as serving engines draft) only when the store holds the target's own greedy
@@ -191,6 +193,9 @@ class CheckpointResults:
     name: str
     block_size: int
     settings: EvalSettings
+    drafts_trees: bool = True
+    """DDTree acceptance is measured (DFlash). False for a DFlash 2 drafter: a tree over its
+    unary marginals is not what it proposes (tree.py), so its tree figures stay None."""
     stats: AcceptanceStats = field(init=False)
     tree: dict[int, TauHistogram] = field(init=False)
     rows: dict[str, list] = field(init=False)
@@ -212,17 +217,20 @@ class CheckpointResults:
         """Score blocks (sample, anchor) with draft top-k [M, B, k] and labels [M, B]."""
         left = tokens_left(blocks, self.block_size)
         taus = self.stats.update(ids, labels, valid, left).tolist()
-        tree = tree_acceptance_lengths(logp, ids, labels, valid, self.settings.tree_budgets)
+        tree = {}
+        if self.drafts_trees:
+            tree = tree_acceptance_lengths(logp, ids, labels, valid, self.settings.tree_budgets)
         for b, hist in self.tree.items():
-            tree[b] = committed_lengths(tree[b] - 1, left)
-            hist.update(tree[b])
+            if self.drafts_trees:
+                tree[b] = committed_lengths(tree[b] - 1, left)
+                hist.update(tree[b])
         for m, (s, anchor) in enumerate(blocks):
             for name, value in (("part", s.part), ("sample", s.index),
                                 ("source_row", s.source_row), ("anchor", anchor),
                                 ("tau", taus[m])):
                 self.rows[name].append(value)
             for b in self.settings.tree_budgets:
-                self.rows[f"tree_tau_{b}"].append(int(tree[b][m]))
+                self.rows[f"tree_tau_{b}"].append(int(tree[b][m]) if tree else None)
             self.sequences.setdefault(s.key, []).append((anchor, taus[m]))
         return taus
 
@@ -241,7 +249,7 @@ class CheckpointResults:
         for b, hist in self.tree.items():
             s = hist.summary()
             out["tree"][str(b)] = {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"],
-                                   "tau_hist": s["tau_hist"]}
+                                   "tau_hist": s["tau_hist"] if self.drafts_trees else None}
         return out
 
 
@@ -370,7 +378,7 @@ def evaluate_offline(
     on_batch: Callable[[list[EvalSample]], None] | None = None,
 ) -> tuple[dict[str, CheckpointResults], Agreement]:
     """Replay every checkpoint on the same samples; results per checkpoint name."""
-    results = {name: CheckpointResults(name, d.block_size, settings)
+    results = {name: CheckpointResults(name, d.block_size, settings, not d.walks)
                for name, d in drafters.items()}
     agreement = Agreement()
     for batch in batch_samples(samples, settings.batch_tokens):

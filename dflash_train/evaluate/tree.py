@@ -9,6 +9,11 @@ top-1 chain is not forced in. Facts from DDTree (arXiv 2604.12989, liranringel/d
 Offline acceptance walks from the root following, at depth d, the child whose token is the
 label l_d. A label present in depth d's top-k but under another parent does not count.
 
+Not for DFlash 2 drafters (eval leaves their tree figures empty): their selector scores a
+candidate given the token before it, so a tree over the unary marginals would measure them
+with the selector off; a selector-aware tree (children scored with the parent's token as
+predecessor) is not built yet.
+
 This module owns the tree and the walk; it never runs a model and never reads the store.
 """
 

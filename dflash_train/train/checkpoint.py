@@ -43,6 +43,7 @@ from dflash_train.drafter.checkpoint import (
     training_checkpoint_root,
     write_checksums,
 )
+from dflash_train.drafter.config import DRAFTER_KINDS
 from dflash_train.store_schema import StoreError, StoreMeta
 from dflash_train.store_schema.errors import one_line
 from dflash_train.train.errors import TrainError
@@ -213,7 +214,7 @@ def read_checkpoint(path: str | Path) -> CheckpointContents:
         file = path / CONFIG
         config = tomllib.loads(file.read_text())
         file = path / DRAFTER_SUBDIR
-        drafter = load_drafter(path, checked_whole=True)
+        drafter = load_drafter(path, checked_whole=True, kinds=DRAFTER_KINDS)
     except BAD_FILE_ERRORS as e:
         if _out_of_memory(e):
             raise

@@ -43,7 +43,9 @@ _FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items
 @click.option("--device", help=f"{DEVICE_HELP}{RANKS_HELP}  [default: {DEFAULT_DEVICE}]")
 @click.option("--seed", type=int, help="Seed of weights, anchors and noise.  [default: 0]")
 @click.option("--set", "sets", multiple=True, metavar="SECTION.FIELD=VALUE",
-              help="Any other setting, e.g. --set optim.weight_decay=0.01 (repeatable).")
+              help="Any other setting, e.g. --set optim.weight_decay=0.01, or --set "
+                   "model.kind=dflash2 for a DFlash 2 drafter (model.selector_codebooks, "
+                   "loss.selector_weight, loss.selector_out_of_top_k; repeatable).")
 @click.option("--fsdp", is_flag=True, default=None,
               help="Under torchrun: shard the drafter with FSDP2 instead of DDP.")
 @click.option("--skip-corrupt", is_flag=True, default=None,
@@ -51,7 +53,7 @@ _FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items
                    "metadata) and list them in RUN/skipped.jsonl, instead of refusing it.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
-    """Train a DFlash drafter from feature stores; no target model is loaded.
+    """Train a DFlash (or DFlash 2) drafter from feature stores; no target model is loaded.
 
     Labels are the stored verifier argmax; noise touches only the fc input; the loss is
     hard cross-entropy with position decay exp(-(k-1)/gamma). Under torchrun every rank

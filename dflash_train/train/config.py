@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_train.blocks import ANCHORS_PER_SEQ
+from dflash_train.drafter.config import DFLASH2_FIELDS
 from dflash_train.train.data import LoaderConfig
 from dflash_train.train.errors import TrainError
 from dflash_train.train.loss import LossConfig
@@ -46,7 +47,25 @@ class ModelConfig:
     mask_token_id: int | None = None
     """Mask token filling block slots; None: the one extract recorded in the store."""
     init_from: str | None = None
-    """Start from this drafter directory or checkpoint instead of random weights."""
+    """Start from this drafter directory or checkpoint instead of random weights. With kind
+    dflash2 it may be a DFlash one (a warm start): its backbone weights are copied and the
+    DFlash 2 additions start at their identity init, so the drafter starts as that one."""
+    kind: Literal["dflash", "dflash2"] = "dflash"
+    """dflash: the DFlash drafter. dflash2: DFlash 2 (in-block convolutions around each
+    attention and MLP, a candidate selector over each slot's top logits); the loss adds the
+    selector term (loss.selector_weight, loss.selector_out_of_top_k)."""
+    conv_kernel_size: int | None = None
+    """dflash2: taps of each in-block causal convolution; None: 2 (z-lab's release)."""
+    conv_group_size: int | None = None
+    """dflash2: channels sharing one kernel delta, dividing the width; None: 16."""
+    selector_rank: int | None = None
+    """dflash2: width r of the selector codebooks; None: 256."""
+    selector_top_k: int | None = None
+    """dflash2: candidates per slot the selector rescores; None: 16."""
+    selector_codebooks: Literal["free", "factorised"] = "free"
+    """dflash2: free [V, r] codebooks (z-lab's form), or factorised A = E W_A, B = E W_B
+    through the target's frozen embedding E (2 H r parameters instead of 2 V r); export
+    writes E W, so engines load either the same way."""
 
     def __post_init__(self) -> None:
         require(self.num_hidden_layers is None or self.num_hidden_layers >= 1,
@@ -58,6 +77,22 @@ class ModelConfig:
         for name in ("sliding_layers", "mask_token_id"):
             value = getattr(self, name)
             require(value is None or value >= 0, f"model.{name}", ">= 0", value)
+        for name in DFLASH2_FIELDS:
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"model.{name}", ">= 1", value)
+            require(value is None or self.kind == "dflash2", f"model.{name}",
+                    "left unset unless model.kind is dflash2", value)
+        require(self.selector_codebooks == "free" or self.kind == "dflash2",
+                "model.selector_codebooks", "free unless model.kind is dflash2",
+                self.selector_codebooks)
+
+    def dflash2_overrides(self) -> dict[str, Any]:
+        """The DrafterConfig fields this section sets for a DFlash 2 drafter ({} for DFlash)."""
+        if self.kind != "dflash2":
+            return {}
+        fields = {name: getattr(self, name) for name in DFLASH2_FIELDS
+                  if getattr(self, name) is not None}
+        return {"kind": "dflash2", "selector_codebooks": self.selector_codebooks, **fields}
 
 
 LR_MAX = 1.0

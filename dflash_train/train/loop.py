@@ -23,9 +23,12 @@ from dflash_train.drafter import (
     AttentionShape,
     DFlashDrafter,
     DrafterConfig,
+    DrafterError,
     load_drafter,
     published_attention,
 )
+from dflash_train.drafter.config import DRAFTER_KINDS
+from dflash_train.drafter.model import dflash2_from
 from dflash_train.evaluate.metrics import AcceptanceStats
 from dflash_train.store_schema import Store, StoreError
 from dflash_train.store_schema.errors import one_line
@@ -157,7 +160,33 @@ def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
     if m.intermediate_size is not None:
         overrides["intermediate_size"] = m.intermediate_size
     return DrafterConfig.for_target(target, mask_token_id, target_layer_ids=layer_ids,
-                                    **overrides)
+                                    **overrides, **m.dflash2_overrides())
+
+
+def initial_drafter(m: ModelConfig) -> DFlashDrafter:
+    """The drafter `model.init_from` names, as `m` asks for it: as saved, or, for kind
+    dflash2 from a DFlash drafter, warm-started (drafter.model.dflash2_from)."""
+    try:
+        model = load_drafter(m.init_from, kinds=DRAFTER_KINDS)
+    except DrafterError as e:
+        raise TrainError(f"model.init_from {m.init_from}: {e}") from e
+    if model.config.kind == m.kind:
+        wanted = m.dflash2_overrides()
+        differ = [f"model.{k} {v} (the drafter has {getattr(model.config, k)})"
+                  for k, v in wanted.items() if getattr(model.config, k) != v]
+        if differ:
+            raise TrainError(f"model.init_from {m.init_from} fixes the drafter's shape; these "
+                             f"settings differ from it: {'; '.join(differ)}")
+        return model
+    if m.kind == "dflash":
+        raise TrainError(f"model.init_from {m.init_from} is a DFlash 2 drafter; pass --set "
+                         "model.kind=dflash2 to train it")
+    fields = m.dflash2_overrides()
+    fields.pop("kind")
+    try:
+        return dflash2_from(model, **fields)
+    except DrafterError as e:
+        raise TrainError(f"model.init_from {m.init_from}: warm start: {e}") from e
 
 
 def _lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -243,7 +272,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
         check_provenance(point.provenance, store.meta, store.url, str(point.path))
         model = point.drafter
     elif cfg.model.init_from:
-        model = load_drafter(cfg.model.init_from)
+        model = initial_drafter(cfg.model)
         conflicts = shape_conflicts(cfg.model, model.config)
         if conflicts:
             raise TrainError(f"model.init_from {cfg.model.init_from} fixes the drafter's shape; "
@@ -254,6 +283,11 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     else:
         model = DFlashDrafter(drafter_config(cfg, store))
     dcfg = model.config
+    if cfg.run.fsdp and dcfg.kind == "dflash2":
+        # The selector term reads the selector's weights outside the forward, where FSDP2
+        # has not gathered them.
+        raise TrainError("run.fsdp does not train a DFlash 2 drafter yet; use DDP (drop "
+                         "--fsdp)")
     if rank == 0:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         echo(f"drafter: {dcfg.describe()}; {parameter_count(trainable)} trainable parameters")
@@ -354,7 +388,8 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                 # DDP and FSDP average gradients over ranks; each rank's share of the global
                 # weighted sum is scaled back up so the result is the single-process gradient.
                 loss = block_loss(hidden, blocks, model.target_lm_head, cfg.loss,
-                                  global_sum=sum_over_ranks if world > 1 else None) * world
+                                  global_sum=sum_over_ranks if world > 1 else None,
+                                  drafter=model) * world
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -380,7 +415,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                 }
                 record["tokens_per_s"] = record["tokens"] / max(1e-9, data_wait + record["step_s"])
                 if state.step % cfg.run.log_every == 0 or state.step == total_steps:
-                    record.update(_accuracy(hidden.detach(), blocks, model.target_lm_head))
+                    record.update(_accuracy(hidden.detach(), blocks, model))
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 if board is not None:
@@ -552,10 +587,28 @@ def _board_write(board, record: dict) -> None:
 
 
 @torch.no_grad()
-def _accuracy(hidden: torch.Tensor, blocks, lm_head: torch.Tensor) -> dict:
-    """Per-slot top-1 accuracy and the training tau estimate on this batch's blocks."""
-    _, ids = draft_topk(hidden.flatten(0, 1).float(), lm_head.float(), k=1)
-    stats = AcceptanceStats(block_size=hidden.shape[2], recall_at=(1,))
-    stats.update(ids.cpu(), blocks.labels.flatten(0, 1), blocks.valid.flatten(0, 1))
+def _accuracy(hidden: torch.Tensor, blocks, model: DFlashDrafter) -> dict:
+    """Per-slot accuracy of the drafts and the training tau estimate on this batch's blocks:
+    each slot's argmax, or a DFlash 2 drafter's selector walk, whose selector_recall is the
+    fraction of labelled slots whose label is among the slot's top-K candidates."""
+    hidden = hidden.flatten(0, 1).float()
+    labels, valid = blocks.labels.flatten(0, 1), blocks.valid.flatten(0, 1)
+    out = {}
+    if model.candidate_selector is None:
+        _, ids = draft_topk(hidden, model.target_lm_head.float(), k=1)
+        ids = ids.cpu()
+    else:
+        anchors = blocks.block_ids[:, :, 0].flatten().to(hidden.device)
+        walk = model.propose(hidden[:, 1:].to(model.fc.weight.dtype), anchors).cpu()
+        ids = torch.cat([torch.full_like(walk[:, :1], -1), walk], dim=1)
+        _, top = draft_topk(hidden, model.target_lm_head.float(),
+                            k=model.candidate_selector.top_k)
+        hit = (top.cpu() == labels[..., None]).any(-1) & valid
+        hit[:, 0] = False
+        counted = valid.clone()
+        counted[:, 0] = False
+        out["selector_recall"] = float(hit.sum()) / max(1, int(counted.sum()))
+    stats = AcceptanceStats(block_size=hidden.shape[1], recall_at=(1,))
+    stats.update(ids, labels, valid)
     s = stats.summary()
-    return {"slot_acc": s["slot_accuracy"], "train_tau": s["mean_tau"]}
+    return {"slot_acc": s["slot_accuracy"], "train_tau": s["mean_tau"], **out}

@@ -20,6 +20,11 @@ follow the drafter's confidence: at a = 0.5 and B = 16 the mean weight per slot 
 would then see. The weights are fixed once the forward has run, so the choice only rescales
 each step as a whole.
 
+A DFlash 2 drafter adds `selector_weight` x the selector term (`selector_ce_loss`): per slot a
+K-way CE over its top-K unary candidates, scored with the teacher-forced predecessor (the
+anchor, then the previous slot's label), weighed by the same position weights w as the unary
+term (decay, or D-PACE from the unary CE), the out-of-top-K rule LossConfig's.
+
 This module owns the formulas and the memory-safe way to apply the frozen lm_head (row
 chunks, recomputed in backward). It must never build labels from anything but the verifier
 targets it is given, and never touch the noise or the optimiser.
@@ -49,6 +54,7 @@ DEFAULT_CHUNK_ROWS = 2048
 """Block slots per lm_head chunk: 2048 x 248K fp32 logits is ~2 GB, recomputed in backward."""
 
 PositionWeights = Literal["decay", "dpace"]
+OutOfTopK = Literal["strict", "inject", "drop"]
 GlobalSum = Callable[[torch.Tensor], torch.Tensor]
 """Turns this process's weight sum into the sum over every rank (an all-reduce)."""
 
@@ -71,6 +77,18 @@ class LossConfig:
     number of supervised slots from j on (no confidence); 0 is unsmoothed."""
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     """Rows (block slots) per lm_head chunk when the loss is given hidden states."""
+    selector_weight: float = 1.0
+    """DFlash 2 drafters only: the loss is unary + selector_weight x the selector term (a
+    K-way CE over each slot's top-K candidates, see `selector_ce_loss`); 0 trains the
+    selector not at all. Finite, >= 0."""
+    selector_out_of_top_k: OutOfTopK = "strict"
+    """DFlash 2: a slot whose label is not among its top-K candidates. `strict` (default):
+    the candidates are exactly inference's, so the slot adds 0 to the selector term but keeps
+    its weight in the denominator (the term is a mean over every slot the selector scores,
+    in the unary loss's units, and shrinks with the top-K's coverage; the unary CE alone pulls
+    such a label in). `drop`: the slot leaves the term, numerator and denominator (SpecForge,
+    NeMo, TorchSpec). `inject`: the label replaces the K-th candidate there (speculators).
+    log.jsonl's selector_recall is the fraction of slots whose label is in the top-K."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("ce", "kl-topk"):
@@ -86,6 +104,12 @@ class LossConfig:
         _check_alpha(self.dpace_alpha)
         if self.chunk_rows < 1:
             raise BlockError(f"loss chunk_rows must be >= 1, got {self.chunk_rows}")
+        if not (math.isfinite(self.selector_weight) and self.selector_weight >= 0):
+            raise BlockError(f"loss selector_weight must be a finite number >= 0, got "
+                             f"{self.selector_weight}")
+        if self.selector_out_of_top_k not in ("strict", "inject", "drop"):
+            raise BlockError(f"loss selector_out_of_top_k must be 'strict', 'inject' or "
+                             f"'drop', got {self.selector_out_of_top_k!r}")
 
 
 def decay_weights(block_size: int = BLOCK_SIZE, gamma: float = DEFAULT_GAMMA) -> torch.Tensor:
@@ -135,12 +159,15 @@ def block_ce_loss(
     dpace_alpha: float = DEFAULT_DPACE_ALPHA,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     global_sum: GlobalSum | None = None,
+    weights_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Position-weighted hard CE, from logits [N, B, V] or hidden [N, B, H] + lm_head [V, H].
 
     `global_sum` sums the weight sum over ranks (under DDP, so every rank's slot counts the
     same); every rank must then call this, with or without valid slots. With no valid slot
     the loss is an exact 0 still attached to the graph, so DDP sees every parameter.
+    weights_out: a list the slot weights used, [N, B] detached (0 where unsupervised), are
+    appended to, for a term that weighs its slots the same way (the DFlash 2 selector's).
     """
     _check_labels(labels, valid)
     rows = _supervised(valid).reshape(-1).nonzero().flatten()
@@ -152,9 +179,96 @@ def block_ce_loss(
     else:
         raise BlockError(f"position_weights must be 'decay' or 'dpace', got "
                          f"{position_weights!r}")
+    if weights_out is not None:
+        weigh = partial(_kept_weights, weigh, rows=rows, shape=valid.shape, out=weights_out)
     return _weighted_loss(
         _ce_rows, targets, rows, weigh, logits, hidden, lm_head_weight, chunk_rows, global_sum
     )
+
+
+def _kept_weights(weigh: Callable[[torch.Tensor], torch.Tensor], row_loss: torch.Tensor, *,
+                  rows: torch.Tensor, shape: torch.Size, out: list[torch.Tensor]
+                  ) -> torch.Tensor:
+    """weigh(row_loss), also scattered to a [N, B] tensor appended to `out`."""
+    w = weigh(row_loss)
+    full = w.new_zeros(shape.numel())
+    full[rows.to(w.device)] = w.detach()
+    out.append(full.view(shape))
+    return w
+
+
+def selector_predecessors(labels: torch.Tensor, valid: torch.Tensor,
+                          anchor_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(teacher-forced predecessor of every slot [N, B], whether it has one [N, B]): slot 1
+    follows the anchor token, slot k >= 2 the label of slot k-1 (the target's token there,
+    which a walk that was right so far has chosen); a slot after an unlabelled one has
+    none. Slot 0 has none."""
+    anchor = anchor_ids[:, None].to(labels)
+    pred = torch.cat([anchor, anchor, labels[:, 1:-1]], dim=1)  # slot k reads column k
+    first = torch.ones_like(valid[:, :1], dtype=torch.bool)
+    known = torch.cat([~first, first, valid[:, 1:-1].bool()], dim=1)
+    return pred.clamp(min=0).long(), known
+
+
+def selector_ce_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    selector,
+    weights: torch.Tensor,
+    *,
+    out_of_top_k: OutOfTopK = "strict",
+    embed: torch.Tensor | None = None,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    global_sum: GlobalSum | None = None,
+) -> torch.Tensor:
+    """DFlash 2's selector term over blocks: hidden [N, B, H], labels / valid [N, B], the
+    anchor tokens [N], the slots' position weights [N, B] (the unary term's, detached).
+
+    For every supervised slot with a predecessor (selector_predecessors): its candidates are
+    the top-K of its own unary logits (as the walk takes them at inference; the ids carry no
+    gradient, their unary scores do), its scores unary + <A[pred] * P h, B[cand]>, and its
+    term the K-way CE of the label's candidate. out_of_top_k: LossConfig's rule for a label
+    outside them. Returns sum w * CE / sum w (over every rank with `global_sum`); an attached
+    0 when no slot counts.
+    """
+    _check_labels(labels, valid)
+    pred, known = selector_predecessors(labels, valid, anchor_ids)
+    counted = _supervised(valid) & known
+    rows = counted.reshape(-1).nonzero().flatten().to(hidden.device)
+    h = hidden.reshape(-1, hidden.shape[-1])[rows]
+    y = labels.reshape(-1).to(hidden.device)[rows].long()
+    w = _at_least_fp32(weights.reshape(-1).to(hidden.device)[rows].detach())
+    with torch.no_grad():
+        candidates = torch.cat([
+            F.linear(h[s:s + chunk_rows], lm_head_weight).topk(selector.top_k, dim=-1).indices
+            for s in range(0, h.shape[0], chunk_rows)]) if h.shape[0] else \
+            y.new_zeros(0, selector.top_k)
+    in_top = (candidates == y[:, None]).any(-1)
+    if out_of_top_k == "inject":
+        injected = torch.cat([candidates[:, :-1], y[:, None]], dim=1)
+        candidates = torch.where(in_top[:, None], candidates, injected)
+        kept = torch.ones_like(in_top)
+    else:
+        kept = in_top
+    unary = torch.einsum("mkh,mh->mk", _at_least_fp32(lm_head_weight[candidates]),
+                         _at_least_fp32(h))
+    projected = selector.hidden_projection(h)
+    scores = _at_least_fp32(selector.scores(
+        _at_least_fp32(projected), pred.reshape(-1).to(hidden.device)[rows], unary, candidates,
+        embed))
+    target = (candidates == y[:, None]).long().argmax(-1)
+    ce = torch.logsumexp(scores, -1) - scores.gather(-1, target[:, None])[:, 0]
+    numerator = (torch.where(kept, ce, 0.0) * w).sum()
+    denominator = (w * kept).sum() if out_of_top_k == "drop" else w.sum()
+    if global_sum is not None:  # every rank calls it, even one without a counted slot
+        denominator = global_sum(denominator)
+    attached = hidden.sum() * 0.0 + sum(p.sum() for p in selector.parameters()) * 0.0
+    if rows.numel() == 0:
+        return attached
+    return attached + numerator / denominator.clamp(min=torch.finfo(denominator.dtype).tiny)
 
 
 def topk_target_probs(topk_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from dflash_train.blocks import (
     IGNORE_LABEL,
+    BlockError,
     anchor_generator,
     block_input_ids,
     block_labels,
@@ -17,7 +18,13 @@ from dflash_train.blocks import (
     verifier_rows,
 )
 from dflash_train.train.data import Batch, SampleRef
-from dflash_train.train.loss import GlobalSum, LossConfig, block_ce_loss, block_kl_topk_loss
+from dflash_train.train.loss import (
+    GlobalSum,
+    LossConfig,
+    block_ce_loss,
+    block_kl_topk_loss,
+    selector_ce_loss,
+)
 from dflash_train.train.noise import NoiseConfig, add_context_noise
 
 
@@ -126,18 +133,32 @@ def block_loss(
     lm_head: torch.Tensor,
     cfg: LossConfig,
     global_sum: GlobalSum | None = None,
+    drafter=None,
 ) -> torch.Tensor:
     """The configured loss of drafter hidden states [N, K, B, H] against the blocks' targets,
-    normalised by the weight sum over every rank (`global_sum`, see loss.block_ce_loss)."""
+    normalised by the weight sum over every rank (`global_sum`, see loss.block_ce_loss).
+    For a DFlash 2 `drafter` (one with a candidate_selector) and a positive selector_weight,
+    plus selector_weight x its selector term, weighed by the unary term's slot weights."""
     flat_hidden = hidden.flatten(0, 1)  # [N*K, B, H]
     valid = blocks.valid.flatten(0, 1).to(hidden.device)
     common = dict(hidden=flat_hidden, lm_head_weight=lm_head, gamma=cfg.gamma,
                   chunk_rows=cfg.chunk_rows, global_sum=global_sum)
+    selector = getattr(drafter, "candidate_selector", None)
+    weights: list[torch.Tensor] = []
     if cfg.kind == "kl-topk":
+        if selector is not None:
+            raise BlockError("loss kind kl-topk does not train a DFlash 2 selector; use ce")
         return block_kl_topk_loss(
             blocks.target_ids.flatten(0, 1).to(hidden.device),
             blocks.target_logits.flatten(0, 1).to(hidden.device),
             blocks.target_lse.flatten(0, 1).to(hidden.device), valid, **common)
-    return block_ce_loss(blocks.labels.flatten(0, 1).to(hidden.device), valid,
-                         position_weights=cfg.position_weights, dpace_alpha=cfg.dpace_alpha,
-                         **common)
+    labels = blocks.labels.flatten(0, 1).to(hidden.device)
+    unary = block_ce_loss(labels, valid, position_weights=cfg.position_weights,
+                          dpace_alpha=cfg.dpace_alpha, weights_out=weights, **common)
+    if selector is None or cfg.selector_weight == 0:
+        return unary
+    term = selector_ce_loss(flat_hidden, labels, valid, blocks.block_ids[:, :, 0].flatten(),
+                            lm_head, selector, weights[0], out_of_top_k=cfg.selector_out_of_top_k,
+                            embed=drafter.target_embed_tokens, chunk_rows=cfg.chunk_rows,
+                            global_sum=global_sum)
+    return unary + cfg.selector_weight * term

@@ -76,7 +76,8 @@ DFLASH2 = dict(kind="dflash2", conv_kernel_size=2, conv_group_size=16, selector_
 def tiny_dflash2(seed: int = 0, **overrides) -> DFlashDrafter:
     """tiny_drafter of kind dflash2, its convs and selector moved well off their identity
     init (base kernels and codebooks ~ N(0, 0.5) around it, projections ~ N(0, 0.2)), so the
-    convs mix slots and the selector's pairwise term reorders candidates."""
+    convs mix slots and the selector's pairwise term reorders candidates (factorised
+    codebooks: their factors, scaled so that E W is about as large)."""
     model = tiny_drafter(seed, **{**DFLASH2, **overrides})
     gen = torch.Generator().manual_seed(1000 + seed)
     with torch.no_grad():
@@ -85,4 +86,6 @@ def tiny_dflash2(seed: int = 0, **overrides) -> DFlashDrafter:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
             elif "base_kernel" in name or "codebook" in name:
                 param.add_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif name.endswith("_factor"):  # A = E W: E's rows have norm ~ sqrt(HIDDEN)
+                param.add_(torch.randn(param.shape, generator=gen) * 0.5 / HIDDEN**0.5)
     return model

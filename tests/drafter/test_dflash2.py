@@ -16,6 +16,7 @@ from dflash_train.drafter import (
 )
 from dflash_train.drafter.checkpoint import config_to_dict
 from dflash_train.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv
+from dflash_train.drafter.model import dflash2_from
 
 from .conftest import DFLASH2, HIDDEN, random_batch, tiny_config, tiny_dflash2, tiny_drafter
 
@@ -154,7 +155,8 @@ def test_dflash2_fields_are_not_checked_for_a_dflash_drafter():
 
 def test_describe_names_the_dflash2_shape():
     assert tiny_config(**DFLASH2).describe().endswith(
-        "; DFlash 2: convs of 2 taps in groups of 16, selector rank 8 over the top 5")
+        "; DFlash 2: convs of 2 taps in groups of 16, selector rank 8 over the top 5, free "
+        "codebooks")
     assert "DFlash 2" not in tiny_config().describe()
 
 
@@ -176,12 +178,12 @@ def test_dflash2_round_trip_writes_the_published_names_and_fields(tmp_path):
 
 
 def test_dflash2_loads_only_where_the_caller_takes_it_and_exports(tmp_path):
-    # Eval and training draft by argmax logits so far: loading a DFlash 2 drafter there
-    # would measure it with its selector off, so load_drafter refuses it unless asked.
+    # A caller that drafts by argmax logits would measure a DFlash 2 drafter with its
+    # selector off, so load_drafter refuses it unless the caller opts in.
     model = tiny_dflash2(6)
     out = save_drafter(model, tmp_path / "d")
     with pytest.raises(DrafterError, match=r"a DFlash2DraftModel \(dflash2\) drafter; this "
-                       r"step takes DFlashDraftModel only .*not implemented yet"):
+                       r"step takes DFlashDraftModel only .*selector walk"):
         load_drafter(out)
     exported = export_checkpoint(out, tmp_path / "export", dtype=None)
     assert json.loads((exported / "config.json").read_text())["architectures"] == [
@@ -219,3 +221,73 @@ def test_dflash2_fields_are_read_from_the_top_level_too(tmp_path):
     raw["selector_top_k"] = raw["dflash_config"].pop("selector_top_k")
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert read_config(tmp_path).selector_top_k == DFLASH2["selector_top_k"]
+
+
+# -- factorised codebooks (A = E W) and the warm start --------------------------------------
+
+FACTOR_KEYS = {"candidate_selector.predecessor_factor", "candidate_selector.successor_factor"}
+
+
+def test_factorised_codebooks_are_e_times_w_and_walk_as_the_free_ones_they_make(tmp_path):
+    model = tiny_dflash2(8, selector_codebooks="factorised")
+    selector = model.candidate_selector
+    assert not {"predecessor_codebook", "successor_codebook"} & set(dict(
+        selector.named_parameters()))
+    assert selector.successor_factor.abs().sum() > 0  # moved off its zero init
+    tables = selector.materialised(model.target_embed_tokens)
+    e = model.target_embed_tokens
+    torch.testing.assert_close(tables["predecessor_codebook"], e @ selector.predecessor_factor)
+    free = DFlashDrafter(tiny_config(**DFLASH2))
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_factor")}
+    state |= {f"candidate_selector.{k}": v for k, v in tables.items()}
+    free.load_state_dict(state)
+    free.attach_target_head(model.target_embed_tokens, model.target_lm_head)
+    batch = random_batch(model, 9)
+    with torch.no_grad():
+        hidden = model(*batch)
+        walk = model.propose(hidden[:, :, 1:], batch[2][:, :, 0])
+        assert torch.equal(walk, free.propose(hidden[:, :, 1:], batch[2][:, :, 0]))
+        assert not torch.equal(walk, model.logits(hidden[:, :, 1:]).argmax(-1))
+
+
+def test_a_factorised_drafter_saves_factors_and_e_w_and_exports_the_reference_names(tmp_path):
+    model = tiny_dflash2(8, selector_codebooks="factorised")
+    out = save_drafter(model, tmp_path / "d")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["dflash_config"]["selector_codebooks"] == "factorised"
+    names = set(load_file(str(out / "model.safetensors")))
+    free_names = set(tiny_dflash2(8).state_dict())
+    assert names == free_names | FACTOR_KEYS
+    trained = load_drafter(out, kinds=BOTH)  # as training resumes it: the factors
+    assert trained.config == model.config
+    assert all(torch.equal(trained.state_dict()[k], v) for k, v in model.state_dict().items())
+    engine = load_drafter(out, kinds=BOTH, materialise=True)  # as eval and engines see it
+    assert engine.config.selector_codebooks == "free"
+    e_w = model.candidate_selector.materialised(model.target_embed_tokens)
+    assert torch.equal(engine.candidate_selector.successor_codebook, e_w["successor_codebook"])
+    exported = export_checkpoint(out, tmp_path / "export", dtype=None)
+    raw = json.loads((exported / "config.json").read_text())
+    assert "selector_codebooks" not in raw["dflash_config"]
+    assert set(load_file(str(exported / "model.safetensors"))) == free_names
+    detached = DFlashDrafter(model.config)  # no target head: E W cannot be written
+    with pytest.raises(DrafterError, match="factorised selector codebooks needs the target"):
+        save_drafter(detached, tmp_path / "nohead")
+    assert not (tmp_path / "nohead").exists()
+
+
+def test_a_warm_start_copies_the_backbone_and_starts_as_the_dflash_drafter():
+    dflash = tiny_drafter(10)
+    for codebooks in ("free", "factorised"):
+        warm = dflash2_from(dflash, conv_kernel_size=3, conv_group_size=16, selector_rank=8,
+                            selector_top_k=5, selector_codebooks=codebooks)
+        assert warm.config.kind == "dflash2" and warm.config.conv_kernel_size == 3
+        for name, tensor in dflash.state_dict().items():
+            assert torch.equal(warm.state_dict()[name], tensor), name
+        batch = random_batch(dflash, 11)
+        with torch.no_grad():
+            want, got = dflash(*batch), warm(*batch)
+            assert torch.equal(got, want)
+            assert torch.equal(warm.propose(got[:, :, 1:], batch[2][:, :, 0]),
+                               dflash.logits(want[:, :, 1:]).argmax(-1))
+    with pytest.raises(DrafterError, match="takes a DFlash drafter"):
+        dflash2_from(tiny_dflash2(1))

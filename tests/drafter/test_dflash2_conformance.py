@@ -16,7 +16,8 @@ directory (fp32, CPU) and must find every tensor and no other. Then, block by bl
   logit, so the selector is exercised.
 
 Both layer kinds are covered: the tiny shape has a sliding (causal, windowed) and a full
-(bidirectional) layer.
+(bidirectional) layer. A drafter trained with factorised codebooks (A = E W, ours) exports
+E W under the reference's names: z-lab's class loads that export and drafts as ours.
 """
 
 import shutil
@@ -25,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.drafter import load_drafter, save_drafter
+from dflash_train.drafter import export_checkpoint, load_drafter, save_drafter
 
 from .conftest import DFLASH2, random_batch, tiny_dflash2
 
@@ -148,3 +149,29 @@ def test_a_dir_zlab_saves_loads_in_ours_with_the_same_weights(codebooks, saved, 
     assert sorted(loaded.state_dict()) == sorted(want)
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_an_exported_factorised_drafter_loads_in_zlabs_and_drafts_as_ours(tmp_path):
+    # Factorised codebooks (A = E W) are ours alone: the export writes E W under the
+    # reference's names and shapes, so z-lab's class loads it unchanged and computes what
+    # our factorised drafter computes.
+    drafter = tiny_dflash2(4, selector_codebooks="factorised")
+    saved = save_drafter(drafter, tmp_path / "trained")
+    exported = export_checkpoint(saved, tmp_path / "export", dtype=None)
+    reference, problems = zlab_load(str(exported))
+    assert problems == {}
+    head = lm_head(drafter)
+    features, lengths, ids, anchors = random_batch(drafter, 5, n=2, t=24, k=2)
+    with torch.no_grad():
+        ours = drafter(features, lengths, ids, anchors)
+        walks = drafter.propose(ours[:, :, 1:], ids[:, :, 0])
+    for s in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            theirs = zlab_block(reference, drafter, features[s], ids[s, k], int(anchors[s, k]))
+            torch.testing.assert_close(ours[s, k], theirs, **SAME)
+            with torch.no_grad():
+                tokens, _, _ = reference.propose(theirs[None, 1:], ids[s, k, :1], head, 0.0)
+            assert walks[s, k].tolist() == tokens[0].tolist(), f"walk of block {s},{k}"
+    with torch.no_grad():
+        argmax = drafter.logits(ours[:, :, 1:]).argmax(-1)
+    assert (walks != argmax).any(), "the selector never overrode the argmax: no teeth"

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dflash_train.assets.tiny import VOCAB_SIZE
-from dflash_train.drafter import ContextCache
+from dflash_train.drafter import ContextCache, load_drafter, save_drafter
+from dflash_train.drafter.model import dflash2_from
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import (
     StopRule,
@@ -103,6 +104,7 @@ class ScriptedDrafter:
         self.script, self.wrong, self.block_size = script, wrong, block_size
         self.config = SimpleNamespace(vocab_size=VOCAB_SIZE)
         self.anchors: list[int] = []
+        self.walks = False  # drafts by argmax: DDTree applies
 
     def _check(self, cache, features):
         start = cache.length
@@ -269,3 +271,47 @@ def test_online_refuses_a_model_that_is_not_the_store_target(tmp_path, regen_sto
     AutoTokenizer.from_pretrained(eos_target_dir).save_pretrained(tmp_path)
     with pytest.raises(EvalError, match=r"num_hidden_layers: --model 3, store 4"):
         load_online_target(str(tmp_path), open_store(regen_store).meta, device="cpu")
+
+
+# -- DFlash 2: replay and --online follow the selector walk ---------------------------------
+
+
+def _selector_drafters(trained_drafter_dir: str, regen_store: str, tmp_path) -> list[str]:
+    """The trained DFlash drafter warm-started as DFlash 2 (free and factorised codebooks),
+    its selector set to rescore strongly enough to override some argmax picks: their unary
+    logits ARE the DFlash drafter's, only the walk differs."""
+    base = load_drafter(trained_drafter_dir)
+    rows = open_store(regen_store).target_rows()
+    base.attach_target_head(rows["embed_tokens"].float(), rows["lm_head"].float())
+    dirs = []
+    for codebooks, scale in (("free", 1.0), ("factorised", 0.25)):
+        d2 = dflash2_from(base, selector_rank=8, selector_top_k=4, selector_codebooks=codebooks)
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in d2.candidate_selector.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "hidden" in name else
+                                                               scale))
+        dirs.append(str(save_drafter(d2, tmp_path / f"d2_{codebooks}")))
+    return dirs
+
+
+def test_dflash2_replay_equals_live_decoding_and_follows_the_walk_not_the_argmax(
+        regen_store, eos_target_dir, trained_drafter_dir, tmp_path):
+    free, factorised = _selector_drafters(trained_drafter_dir, regen_store, tmp_path)
+    cfg = EvalConfig(store=regen_store, checkpoints=[trained_drafter_dir, free, factorised],
+                     settings=EvalSettings(mode="replay", tree_budgets=(4,)),
+                     online=True, model=eos_target_dir, progress=False)
+    out = run_eval(cfg)
+    unary = out.offline["trained"].sequences  # the same unary logits, drafted by argmax
+    for name in ("d2_free", "d2_factorised"):
+        assert out.offline[name].sequences == out.online[name].sequences, name
+        assert out.offline[name].summary() == out.online[name].summary(), name
+        # the selector changed drafts, so counting the unary argmax would measure another
+        # drafter (TorchSpec #177)
+        assert out.offline[name].sequences != unary, name
+        taus = [t for seq in out.online[name].sequences.values() for _, t in seq]
+        assert len(set(taus)) >= 3, (name, taus)
+        entry = next(c for c in out.report["checkpoints"] if c["name"] == name)
+        assert entry["offline"]["tree"]["4"]["mean_tau"] is None  # no DDTree over a walk
+    assert out.report["online_check"]["same_taus"] == {
+        "trained": 12, "d2_free": 12, "d2_factorised": 12}

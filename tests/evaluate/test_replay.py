@@ -5,9 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_train.drafter import ContextCache, build_block_ids
+from dflash_train.drafter import ContextCache, build_block_ids, save_drafter
 from dflash_train.evaluate.checkpoints import layer_selection
-from dflash_train.evaluate.drafting import BlockDrafter
+from dflash_train.evaluate.drafting import BlockDrafter, walk_first
+from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.evaluate.replay import (
     Agreement,
     CheckpointResults,
@@ -21,6 +22,9 @@ from dflash_train.evaluate.replay import (
 )
 from dflash_train.evaluate.report import estimate_warning
 from dflash_train.store_schema import open_store
+from dflash_train.train.config import ModelConfig
+from dflash_train.train.errors import TrainError
+from dflash_train.train.loop import initial_drafter
 from tests.evaluate.conftest import (
     VOCAB_SIZE,
     random_drafter,
@@ -97,6 +101,7 @@ class CraftedDrafter:
                  block_size: int):
         self.samples, self.wrong, self.block_size = samples, wrong, block_size
         self.config = SimpleNamespace(vocab_size=VOCAB_SIZE)
+        self.walks = False  # drafts by argmax: DDTree applies
 
     def context_cache(self, features):
         ids = features[:, 0, 0, 0].reshape(-1, 1, 1, 1)
@@ -277,3 +282,31 @@ def test_no_warning_for_a_regenerated_store_that_agrees_fully():
     meta = synthetic_meta(regenerated=True)
     assert estimate_warning(meta, Agreement(10, 10)) is None
     assert "estimate" in estimate_warning(meta, Agreement(9, 10))
+
+
+def test_a_dflash2_drafter_warm_started_from_dflash_replays_its_tau_exactly(
+        regen_store, trained_drafter_dir, tmp_path):
+    # `--set model.init_from=DFLASH --set model.kind=dflash2` at step 0: identity convs and a
+    # zero successor codebook, so the walk is the DFlash drafter's argmax, block for block.
+    warm = initial_drafter(ModelConfig(kind="dflash2", init_from=trained_drafter_dir,
+                                       selector_rank=8, selector_top_k=4, conv_kernel_size=3))
+    assert warm.config.kind == "dflash2"
+    warm_dir = str(save_drafter(warm, tmp_path / "warm"))
+    cfg = EvalConfig(store=regen_store, checkpoints=[trained_drafter_dir, warm_dir],
+                     settings=EvalSettings(mode="replay", tree_budgets=(4,)), progress=False)
+    out = run_eval(cfg)
+    dflash, dflash2 = out.offline["trained"], out.offline["warm"]
+    assert dflash.summary()["mean_tau"] > 2  # a trained drafter: the equality has teeth
+    assert dflash2.sequences == dflash.sequences
+    assert dflash2.summary()["mean_tau"] == dflash.summary()["mean_tau"]
+    with pytest.raises(TrainError, match="is a DFlash 2 drafter; pass --set model.kind"):
+        initial_drafter(ModelConfig(init_from=warm_dir))
+
+
+def test_walk_first_leads_with_the_walk_and_keeps_the_other_ids_in_order():
+    ids = torch.tensor([[7, 3, 9, 1], [5, 6, 8, 2]])
+    logp = -torch.tensor([[0.1, 0.2, 0.3, 0.4], [1.0, 2.0, 3.0, 4.0]])
+    walk, walk_logp = torch.tensor([9, 4]), torch.tensor([-0.3, -9.0])  # 4: not listed
+    got_logp, got_ids = walk_first(logp, ids, walk, walk_logp, 3)
+    assert got_ids.tolist() == [[9, 7, 3], [4, 5, 6]]
+    assert torch.equal(got_logp, torch.tensor([[-0.3, -0.1, -0.2], [-9.0, -1.0, -2.0]]))

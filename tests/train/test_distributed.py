@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from dflash_train.cli import main
 from dflash_train.drafter import load_drafter
+from dflash_train.drafter.config import DRAFTER_KINDS
 from dflash_train.train.checkpoint import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,6 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 DPACE = ["--set", "loss.position_weights=dpace"]  # its weight sum is only known after forward
 MUON = ["--set", "optim.optimizer=muon"]
+DFLASH2 = ["--set", "model.kind=dflash2", "--set", "model.selector_rank=8",
+           "--set", "model.selector_top_k=4"]  # its selector term is summed over ranks too
 
 
 # DDP ranks run their half batches in chunks of 4 blocks (the grads flow through chunks
@@ -26,7 +29,8 @@ MUON = ["--set", "optim.optimizer=muon"]
 @pytest.mark.parametrize(("sharding", "variant"), [
     (["--set", "run.chunk_blocks=4"], []), (["--fsdp"], []),
     (["--set", "run.chunk_blocks=4"], DPACE), (["--fsdp"], MUON + DPACE),
-], ids=["ddp", "fsdp", "ddp-dpace", "fsdp-muon-dpace"])
+    (["--set", "run.chunk_blocks=4"], DFLASH2 + DPACE),
+], ids=["ddp", "fsdp", "ddp-dpace", "fsdp-muon-dpace", "ddp-dflash2-dpace"])
 def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding, variant):
     # Muon's weights are compared through the losses only: it orthogonalises in bf16 and
     # gives every singular direction a full step, so the all-reduce's rounding (1e-7) moves
@@ -51,8 +55,8 @@ def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding, varian
     assert len(a) == len(b) == 6
     for x, y in zip(a, b, strict=True):
         assert abs(x - y) <= 1e-4 * max(1.0, abs(x)), (a, b)
-    wa = load_drafter(latest_checkpoint(tmp_path / "one")).state_dict()
-    wb = load_drafter(latest_checkpoint(tmp_path / "two")).state_dict()
+    wa = load_drafter(latest_checkpoint(tmp_path / "one"), kinds=DRAFTER_KINDS).state_dict()
+    wb = load_drafter(latest_checkpoint(tmp_path / "two"), kinds=DRAFTER_KINDS).state_dict()
     for k in wa:
         if exact_weights:
             torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5, msg=k)

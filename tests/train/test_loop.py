@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from dflash_train.blocks import draft_topk
 from dflash_train.cli import main
 from dflash_train.drafter import DrafterConfig, load_drafter
+from dflash_train.drafter.config import DRAFTER_KINDS
 from dflash_train.evaluate.metrics import AcceptanceStats
 from dflash_train.store_schema import StoreError, open_store
 from dflash_train.train.checkpoint import latest_checkpoint
@@ -74,9 +75,13 @@ def test_loss_falls_and_held_out_tau_rises(synthetic_store, held_out, tmp_path):
     assert tau1 > tau0 + 2.0, (tau0, tau1)
 
 
-def test_noise_never_reaches_labels_only_the_fc_input(synthetic_store, tmp_path):
-    result = train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 1}))
-    model = load_drafter(result.checkpoint)
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_noise_never_reaches_labels_only_the_fc_input(synthetic_store, tmp_path, kind):
+    extra = {"model.selector_rank": 8, "model.selector_top_k": 4} if kind == "dflash2" else {}
+    result = train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 1,
+                                                             "model.kind": kind, **extra}))
+    model = load_drafter(result.checkpoint, kinds=DRAFTER_KINDS)
+    assert model.config.kind == kind
     rows = open_store(synthetic_store).target_rows()
     model.attach_target_head(rows["embed_tokens"], rows["lm_head"])
     batch = next(StoreLoader([synthetic_store], LoaderConfig(prefetch_batches=0)).epoch(0))
@@ -120,13 +125,21 @@ def test_checkpoint_refuses_a_store_of_another_target(synthetic_store, tmp_path)
 
 
 def _final_weights(run_dir) -> dict[str, torch.Tensor]:
-    return load_drafter(latest_checkpoint(run_dir)).state_dict()
+    return load_drafter(latest_checkpoint(run_dir), kinds=DRAFTER_KINDS).state_dict()
 
 
-# Muon's momentum and D-PACE's confidence-driven weights must resume bit-exact as well.
+DFLASH2_SETS = ["--set", "model.kind=dflash2", "--set", "model.selector_rank=8",
+                "--set", "model.selector_top_k=4"]
+"""A DFlash 2 drafter small enough for the synthetic store (width 32: conv groups of 16)."""
+
+
+# Muon's momentum and D-PACE's confidence-driven weights must resume bit-exact as well, and
+# a DFlash 2 drafter's factorised selector (its factors, not the E W it also saves).
 @pytest.mark.parametrize("variant", [[], ["--set", "optim.optimizer=muon",
-                                          "--set", "loss.position_weights=dpace"]],
-                         ids=["adamw", "muon-dpace"])
+                                          "--set", "loss.position_weights=dpace"],
+                                     [*DFLASH2_SETS, "--set",
+                                      "model.selector_codebooks=factorised"]],
+                         ids=["adamw", "muon-dpace", "dflash2-factorised"])
 def test_killed_run_resumes_to_the_same_weights(synthetic_store, tmp_path, variant):
     args = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "256",
             "--anchors-per-seq", "8", "--epochs", "3", "--no-progress",
@@ -466,3 +479,55 @@ def test_max_steps_ends_the_learning_rate_schedule_at_its_last_step(synthetic_st
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "r" / "log.jsonl").open()]
     assert len(lrs) == 4
     assert lrs[-1] == pytest.approx(3e-3 * ratio)  # decayed fully within max_steps
+
+
+# -- DFlash 2 ---------------------------------------------------------------------------
+
+
+def test_dflash2_trains_from_the_command_line_and_a_config_file(synthetic_store, tmp_path):
+    help_text = CliRunner().invoke(main, ["train", "--help"]).output
+    assert "model.kind=dflash2" in help_text
+    common = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "256",
+              "--anchors-per-seq", "8", "--max-steps", "12", "--no-progress",
+              "--set", "loader.prefetch_batches=0", "--set", "run.log_every=1",
+              "--set", "optim.lr=3e-3"]
+    cli = CliRunner().invoke(main, ["train", "--out", str(tmp_path / "cli"), *common,
+                                    *DFLASH2_SETS, "--set", "loss.selector_weight=2"])
+    assert cli.exit_code == 0, cli.output
+    assert "DFlash 2: convs of 2 taps in groups of 16, selector rank 8 over the top 4" in \
+        cli.output
+    toml = tmp_path / "dflash2.toml"
+    toml.write_text('[model]\nkind = "dflash2"\nselector_rank = 8\nselector_top_k = 4\n'
+                    '[loss]\nselector_weight = 2.0\n')
+    from_file = CliRunner().invoke(main, ["train", "--out", str(tmp_path / "file"), *common,
+                                          "--config", str(toml)])
+    assert from_file.exit_code == 0, from_file.output
+    a, b = _final_weights(tmp_path / "cli"), _final_weights(tmp_path / "file")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((latest_checkpoint(tmp_path / "cli") / "drafter" / "config.json")
+                        .read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    log = [json.loads(line) for line in (tmp_path / "cli" / "log.jsonl").open()]
+    assert all(0 <= r["selector_recall"] <= 1 for r in log)
+    assert log[-1]["loss"] < log[0]["loss"]
+    # the selector learnt something: its successor codebook left its zero init
+    assert a["candidate_selector.successor_codebook"].abs().sum() > 0
+
+
+def test_a_selector_weight_of_zero_trains_no_selector(synthetic_store, tmp_path):
+    result = train(_cfg(synthetic_store, tmp_path / "r", **{
+        "optim.max_steps": 3, "model.kind": "dflash2", "model.selector_rank": 8,
+        "model.selector_top_k": 4, "loss.selector_weight": 0.0}))
+    model = load_drafter(result.checkpoint, kinds=DRAFTER_KINDS)
+    assert torch.all(model.candidate_selector.successor_codebook == 0)
+
+
+def test_dflash2_settings_are_checked_against_the_kind(synthetic_store, tmp_path):
+    with pytest.raises(TrainError, match="model.selector_rank must be left unset unless"):
+        load_config(None, {"model.selector_rank": 8})
+    with pytest.raises(TrainError, match="model.selector_codebooks must be free unless"):
+        load_config(None, {"model.selector_codebooks": "factorised"})
+    with pytest.raises(TrainError, match="run.fsdp does not train a DFlash 2 drafter"):
+        train(_cfg(synthetic_store, tmp_path / "f", **{
+            "model.kind": "dflash2", "model.selector_rank": 8, "model.selector_top_k": 4,
+            "run.fsdp": True}))

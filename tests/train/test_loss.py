@@ -1,11 +1,14 @@
-"""The position-weighted block loss (decay, D-PACE) against naive restatements of its formulas."""
+"""The position-weighted block loss (decay, D-PACE) and DFlash 2's selector term against naive
+restatements of their formulas."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dflash_train.blocks import BLOCK_SIZE, IGNORE_LABEL, BlockError
+from dflash_train.drafter.dflash2 import CandidateSelector
 from dflash_train.train.loss import (
     DEFAULT_GAMMA,
     LossConfig,
@@ -13,9 +16,11 @@ from dflash_train.train.loss import (
     block_kl_topk_loss,
     decay_weights,
     dpace_weights,
+    selector_ce_loss,
     slot_weights,
     topk_target_probs,
 )
+from dflash_train.train.step import Blocks, block_loss
 
 V = 23
 H = 6
@@ -378,3 +383,176 @@ def test_kl_topk_with_one_hot_target_equals_hard_ce():
     soft = block_kl_topk_loss(ids, tlogits, lse, valid, logits=logits)
     hard = block_ce_loss(labels, valid, logits=logits)
     torch.testing.assert_close(soft, hard)
+
+
+# -- DFlash 2: the selector term ----------------------------------------------------------
+
+SELECTOR_RANK, SELECTOR_TOP = 3, 4
+
+
+def _selector_example(seed: int = 0):
+    """Blocks whose labels sit inside their slot's top-K at some slots and outside at
+    others, a gap (slot 3 of row 1 unlabelled: slot 4 there has no predecessor), and a
+    selector with every table random, so the pairwise term is not 0."""
+    gen = torch.Generator().manual_seed(seed)
+    n, block = 4, 6
+    hidden = torch.randn(n, block, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    selector = CandidateSelector(H, V, SELECTOR_RANK, SELECTOR_TOP).double()
+    with torch.no_grad():
+        for p in selector.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    order = (hidden @ weight.T).argsort(-1, descending=True)
+    labels = torch.empty(n, block, dtype=torch.long)
+    for i in range(n):
+        for k in range(block):
+            inside = (i * block + k) % 3 != 0
+            rank = (i + k) % SELECTOR_TOP if inside else SELECTOR_TOP + (i + k) % (V - 5)
+            labels[i, k] = order[i, k, rank]
+    valid = torch.ones(n, block, dtype=torch.bool)
+    valid[:, 0] = False
+    valid[1, 3] = valid[2, 5] = False
+    labels[~valid] = IGNORE_LABEL
+    anchors = torch.randint(0, V, (n,), generator=gen)
+    return hidden, weight, labels, valid, anchors, selector
+
+
+def _longhand_selector(hidden, weight, labels, valid, anchors, selector, w, rule):
+    """The selector term one scalar at a time, from the tables as nested lists."""
+    h_all, e = hidden.tolist(), weight.tolist()
+    a = selector.predecessor_codebook.tolist()
+    b = selector.successor_codebook.tolist()
+    p = selector.hidden_projection.weight.tolist()  # [r, H]
+    labels, valid, w = labels.tolist(), valid.tolist(), w.tolist()
+    num = den = 0.0
+    for i, row in enumerate(h_all):
+        for k in range(1, len(row)):
+            if not valid[i][k] or (k > 1 and not valid[i][k - 1]):
+                continue
+            h = row[k]
+            z = [sum(e[v][j] * h[j] for j in range(H)) for v in range(V)]
+            cands = sorted(range(V), key=lambda v: -z[v])[:SELECTOR_TOP]
+            y, pred = labels[i][k], int(anchors[i]) if k == 1 else labels[i][k - 1]
+            if y not in cands:
+                if rule == "drop":
+                    continue
+                if rule == "strict":
+                    den += w[i][k]
+                    continue
+                cands = cands[:-1] + [y]
+            ph = [sum(p[r][j] * h[j] for j in range(H)) for r in range(SELECTOR_RANK)]
+            s = [z[c] + sum(a[pred][r] * ph[r] * b[c][r] for r in range(SELECTOR_RANK))
+                 for c in cands]
+            top = max(s)
+            lse = top + math.log(sum(math.exp(x - top) for x in s))
+            num += w[i][k] * (lse - s[cands.index(y)])
+            den += w[i][k]
+    return num / den
+
+
+@pytest.mark.parametrize("rule", ["strict", "drop", "inject"])
+def test_selector_term_matches_the_longhand_under_each_out_of_top_k_rule(rule):
+    hidden, weight, labels, valid, anchors, selector = _selector_example()
+    logits = hidden @ weight.T
+    inside = (logits.topk(SELECTOR_TOP, -1).indices == labels[..., None]).any(-1) & valid
+    assert inside.any() and (valid & ~inside).any()  # both cases occur
+    w = slot_weights(valid, 3.0).double()
+    got = selector_ce_loss(hidden, labels, valid, anchors, weight, selector, w,
+                           out_of_top_k=rule, chunk_rows=5)
+    want = _longhand_selector(hidden, weight, labels, valid, anchors, selector, w, rule)
+    assert got.item() == pytest.approx(want, rel=1e-9)
+
+
+def test_the_three_rules_differ_and_strict_is_drop_scaled_by_the_coverage():
+    hidden, weight, labels, valid, anchors, selector = _selector_example()
+    w = slot_weights(valid, 3.0).double()
+    got = {rule: selector_ce_loss(hidden, labels, valid, anchors, weight, selector, w,
+                                  out_of_top_k=rule).item()
+           for rule in ("strict", "drop", "inject")}
+    assert len({round(v, 9) for v in got.values()}) == 3
+    pred_known = valid.clone()
+    pred_known[:, 2:] &= valid[:, 1:-1]
+    inside = (hidden @ weight.T).topk(SELECTOR_TOP, -1).indices == labels[..., None]
+    inside = inside.any(-1) & pred_known
+    coverage = float((w * inside).sum() / (w * pred_known).sum())
+    assert got["strict"] == pytest.approx(got["drop"] * coverage, rel=1e-9)
+
+
+@pytest.mark.parametrize("rule, selector_grad", [("strict", False), ("drop", False),
+                                                 ("inject", True)])
+def test_a_slot_outside_the_top_k_trains_the_selector_only_when_injected(rule, selector_grad):
+    hidden, weight, labels, valid, anchors, selector = _selector_example()
+    hidden.requires_grad_(True)
+    outside = (1, 0)  # (row, slot) positions: labels[i, k] with (i * 6 + k) % 3 == 0
+    i, k = 0, 3
+    assert (i * 6 + k) % 3 == 0 and valid[i, k] and valid[i, k - 1] and outside
+    selector_ce_loss(hidden, labels, valid, anchors, weight, selector,
+                     slot_weights(valid, 3.0).double(), out_of_top_k=rule).backward()
+    assert bool(hidden.grad[i, k].abs().sum() > 0) == selector_grad
+    assert hidden.grad[0, 2].abs().sum() > 0  # a slot inside its top-K always trains
+
+
+def test_a_fresh_selector_gets_a_gradient_for_its_zero_successor_codebook():
+    hidden, weight, labels, valid, anchors, _ = _selector_example()
+    fresh = CandidateSelector(H, V, SELECTOR_RANK, SELECTOR_TOP).double()
+    assert torch.all(fresh.successor_codebook == 0)
+    selector_ce_loss(hidden, labels, valid, anchors, weight, fresh,
+                     slot_weights(valid, 3.0).double()).backward()
+    assert fresh.successor_codebook.grad.abs().sum() > 0
+
+
+def test_factorised_codebooks_give_the_loss_of_the_free_ones_they_materialise():
+    hidden, weight, labels, valid, anchors, _ = _selector_example()
+    gen = torch.Generator().manual_seed(5)
+    embed = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    factorised = CandidateSelector(H, V, SELECTOR_RANK, SELECTOR_TOP, "factorised").double()
+    with torch.no_grad():
+        for p in factorised.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    free = CandidateSelector(H, V, SELECTOR_RANK, SELECTOR_TOP).double()
+    with torch.no_grad():
+        free.hidden_projection.weight.copy_(factorised.hidden_projection.weight)
+        for name, table in factorised.materialised(embed).items():
+            getattr(free, name).copy_(table)
+    w = slot_weights(valid, 3.0).double()
+    got = selector_ce_loss(hidden, labels, valid, anchors, weight, factorised, w, embed=embed)
+    want = selector_ce_loss(hidden, labels, valid, anchors, weight, free, w)
+    assert got.item() == pytest.approx(want.item(), rel=1e-9)
+    with pytest.raises(ValueError, match="token embedding"):
+        selector_ce_loss(hidden, labels, valid, anchors, weight, factorised, w)
+
+
+@pytest.mark.parametrize("position_weights", ["decay", "dpace"])
+def test_block_loss_adds_the_selector_term_weighed_as_the_unary_one(position_weights):
+    hidden, weight, labels, valid, anchors, selector = _selector_example()
+    n, block = labels.shape
+    blocks = Blocks(anchors=torch.ones(2, n // 2, dtype=torch.long),
+                    block_ids=torch.cat([anchors[:, None], torch.zeros(n, block - 1,
+                                                                       dtype=torch.long)], 1)
+                    .view(2, n // 2, block),
+                    labels=labels.view(2, n // 2, block), valid=valid.view(2, n // 2, block))
+    cfg = LossConfig(position_weights=position_weights, gamma=3.0, selector_weight=0.7)
+    drafter = SimpleNamespace(candidate_selector=selector, target_embed_tokens=None)
+    got = block_loss(hidden.view(2, n // 2, block, H), blocks, weight, cfg, drafter=drafter)
+    logits = hidden @ weight.T
+    unary = block_ce_loss(labels, valid, logits=logits, position_weights=position_weights,
+                          gamma=3.0)
+    if position_weights == "dpace":
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0),
+                                               reduction="none")
+        w = dpace_weights(ce, valid)
+    else:
+        w = slot_weights(valid, 3.0)
+    term = _longhand_selector(hidden, weight, labels, valid, anchors, selector, w.double(),
+                              "strict")
+    assert got.item() == pytest.approx(unary.item() + 0.7 * term, rel=1e-6)
+    plain = block_loss(hidden.view(2, n // 2, block, H), blocks, weight, cfg)
+    assert plain.item() == pytest.approx(unary.item(), rel=1e-9)  # DFlash: no selector
+
+
+def test_selector_settings_are_checked():
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(BlockError, match="selector_weight"):
+            LossConfig(selector_weight=bad)
+    with pytest.raises(BlockError, match="selector_out_of_top_k"):
+        LossConfig(selector_out_of_top_k="keep")

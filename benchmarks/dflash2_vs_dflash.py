@@ -1,0 +1,113 @@
+"""Held-out tau, parameters and step time of DFlash vs DFlash 2 at an equal step budget.
+
+    python benchmarks/dflash2_vs_dflash.py --store TRAIN.zarr --held-out HELD_OUT.zarr
+        --out DIR [--steps 60] [--warm-from DFLASH_CHECKPOINT] [--set KEY=VALUE ...]
+
+Trains, one after another with `dflash train` (same store, seed, lr, anchors and step
+budget; `--set` adds settings to every arm): DFlash, DFlash 2 with free codebooks, DFlash 2
+with factorised ones (A = E W), and with --warm-from a DFlash 2 drafter warm-started from
+that DFlash checkpoint (its tau at step 0 is that checkpoint's; it has had that checkpoint's
+steps more than the others). Then evaluates every checkpoint in ONE `dflash eval --store
+HELD_OUT` call (DFlash 2 drafters by their selector walk), so every drafter drafts the same
+sequences. Prints one row per arm: replay tau with its 95 % interval, trainable parameters
+(all, and those DFlash 2 adds), and the median step time of the steps after the first.
+Runs never overlap; on a shared machine the step times are still noisy. Rerun with the same
+--out to continue after an interruption. Not a test.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_train.drafter import load_drafter
+from dflash_train.drafter.config import DRAFTER_KINDS
+
+DFLASH2 = ["--set", "model.kind=dflash2"]
+ARMS = {
+    "dflash": [],
+    "dflash2-free": DFLASH2,
+    "dflash2-factorised": [*DFLASH2, "--set", "model.selector_codebooks=factorised"],
+}
+EXTRA_PREFIXES = ("candidate_selector.",)
+EXTRA_PARTS = (".attention_conv.", ".mlp_conv.")
+
+
+def dflash(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        sys.exit(f"dflash {args[0]} failed:\n{done.stderr[-3000:]}{done.stdout[-3000:]}")
+    return done.stdout
+
+
+def median_step_s(run: Path) -> float:
+    steps = [json.loads(line)["step_s"] for line in (run / "log.jsonl").open()]
+    return statistics.median(steps[1:] or steps)  # the first step warms caches up
+
+
+def parameters(checkpoint: Path) -> tuple[int, int]:
+    """(trainable parameters, those DFlash 2 adds) of a checkpoint, as it trains them (a
+    factorised selector's factors, not the E W it exports)."""
+    model = load_drafter(checkpoint, kinds=DRAFTER_KINDS)
+    named = dict(model.named_parameters())
+    extra = sum(p.numel() for n, p in named.items()
+                if n.startswith(EXTRA_PREFIXES) or any(part in n for part in EXTRA_PARTS))
+    return sum(p.numel() for p in named.values()), extra
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True, help="store to train on")
+    p.add_argument("--held-out", required=True, help="store to evaluate on")
+    p.add_argument("--out", required=True, help="directory for the runs; an arm whose run "
+                   "is already there is resumed (nothing is trained if it is complete)")
+    p.add_argument("--steps", type=int, default=60, help="optimiser steps of every arm")
+    p.add_argument("--warm-from", help="a DFlash checkpoint: add a warm-started DFlash 2 arm")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a `dflash train --set` for every arm (repeatable)")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--store", a.store, "--max-steps", str(a.steps), "--no-progress"]
+    for s in a.sets:
+        common += ["--set", s]
+    arms = dict(ARMS)
+    if a.warm_from:
+        arms["dflash2-warm"] = [*DFLASH2, "--set", f"model.init_from={a.warm_from}"]
+    checkpoints = {}
+    for name, extra in arms.items():
+        print(f"training {name}", file=sys.stderr, flush=True)
+        again = ["--resume"] if (out / name / "checkpoints").is_dir() else []
+        dflash("train", "--out", str(out / name), *again, *common, *extra)
+        (checkpoints[name],) = sorted((out / name / "checkpoints").glob("step_*"))[-1:]
+    evaluated = [*map(str, checkpoints.values())]
+    if a.warm_from:
+        evaluated.append(a.warm_from)
+    report = json.loads(dflash("eval", "--store", a.held_out, "--json", *evaluated))
+    (out / "eval.json").write_text(json.dumps(report, indent=2))
+    by_path = {Path(c["path"]).resolve(): c["offline"] for c in report["checkpoints"]}
+    rows = []
+    print(f"{'arm':<20} {'tau (95% CI)':<24} {'params':>11} {'DFlash 2 adds':>14} "
+          f"{'step s':>8}")
+    for name, ckpt in checkpoints.items():
+        off = by_path[ckpt.resolve()]
+        lo, hi = off["tau_ci95"]
+        total, extra = parameters(ckpt)
+        step = median_step_s(out / name)
+        rows.append({"arm": name, "tau": off["mean_tau"], "tau_ci95": [lo, hi],
+                     "parameters": total, "dflash2_parameters": extra, "median_step_s": step,
+                     "blocks": off["n_blocks"]})
+        print(f"{name:<20} {off['mean_tau']:.3f} [{lo:.3f}, {hi:.3f}]{'':<5} {total:>11,} "
+              f"{extra:>14,} {step:>8.3f}")
+    if a.warm_from:
+        off = by_path[Path(a.warm_from).resolve()]
+        print(f"{'(warm-from itself)':<20} {off['mean_tau']:.3f}")
+        rows.append({"arm": "warm-from", "tau": off["mean_tau"], "tau_ci95": off["tau_ci95"]})
+    (out / "table.json").write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
