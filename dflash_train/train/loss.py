@@ -253,14 +253,16 @@ def selector_ce_loss(
         kept = torch.ones_like(in_top)
     else:
         kept = in_top
-    unary = torch.einsum("mkh,mh->mk", _at_least_fp32(lm_head_weight[candidates]),
-                         _at_least_fp32(h))
-    projected = selector.hidden_projection(h)
-    scores = _at_least_fp32(selector.scores(
-        _at_least_fp32(projected), pred.reshape(-1).to(hidden.device)[rows], unary, candidates,
-        embed))
+    flat_pred = pred.reshape(-1).to(hidden.device)[rows]
     target = (candidates == y[:, None]).long().argmax(-1)
-    ce = torch.logsumexp(scores, -1) - scores.gather(-1, target[:, None])[:, 0]
+    score_rows = partial(_selector_ce_rows, selector, lm_head_weight, embed)
+    # Recompute each chunk in backward: its gathered lm_head rows (and, factorised, embedding
+    # rows) are [m, K, H], K times the hidden states; kept for every slot they would dwarf
+    # the step (61k slots x 16 x 5120 fp32 is 20 GB).
+    ce = torch.cat([
+        checkpoint(score_rows, h[s:s + chunk_rows], flat_pred[s:s + chunk_rows],
+                   candidates[s:s + chunk_rows], target[s:s + chunk_rows], use_reentrant=False)
+        for s in range(0, h.shape[0], chunk_rows)]) if h.shape[0] else h.new_zeros(0)
     numerator = (torch.where(kept, ce, 0.0) * w).sum()
     denominator = (w * kept).sum() if out_of_top_k == "drop" else w.sum()
     if global_sum is not None:  # every rank calls it, even one without a counted slot
@@ -269,6 +271,18 @@ def selector_ce_loss(
     if rows.numel() == 0:
         return attached
     return attached + numerator / denominator.clamp(min=torch.finfo(denominator.dtype).tiny)
+
+
+def _selector_ce_rows(selector, lm_head_weight: torch.Tensor, embed: torch.Tensor | None,
+                      h: torch.Tensor, pred: torch.Tensor, candidates: torch.Tensor,
+                      target: torch.Tensor) -> torch.Tensor:
+    """K-way CE [m] of `target` (an index into each row's candidates [m, K]), scored
+    unary + pairwise from hidden rows h [m, H] after predecessors [m]."""
+    unary = torch.einsum("mkh,mh->mk", _at_least_fp32(lm_head_weight[candidates]),
+                         _at_least_fp32(h))
+    projected = _at_least_fp32(selector.hidden_projection(h))
+    scores = _at_least_fp32(selector.scores(projected, pred, unary, candidates, embed))
+    return torch.logsumexp(scores, -1) - scores.gather(-1, target[:, None])[:, 0]
 
 
 def topk_target_probs(topk_logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -463,6 +463,26 @@ def test_selector_term_matches_the_longhand_under_each_out_of_top_k_rule(rule):
     assert got.item() == pytest.approx(want, rel=1e-9)
 
 
+def test_selector_term_is_the_same_in_value_and_gradient_however_it_is_chunked():
+    """Chunks recompute their gathered rows in backward; the sums must not see the seams."""
+    results = []
+    for chunk_rows in (1, 5, 10_000):
+        hidden, weight, labels, valid, anchors, selector = _selector_example()
+        hidden.requires_grad_(True)
+        loss = selector_ce_loss(hidden, labels, valid, anchors, weight, selector,
+                                slot_weights(valid, 3.0).double(), chunk_rows=chunk_rows)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad,
+                        [p.grad.clone() for p in selector.parameters()]))
+    (loss0, grad0, params0), *rest = results
+    assert grad0.abs().sum() > 0 and all(g.abs().sum() > 0 for g in params0)
+    for loss, grad, params in rest:
+        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=0)
+        torch.testing.assert_close(grad, grad0, rtol=1e-10, atol=1e-12)
+        for got, want in zip(params, params0):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_the_three_rules_differ_and_strict_is_drop_scaled_by_the_coverage():
     hidden, weight, labels, valid, anchors, selector = _selector_example()
     w = slot_weights(valid, 3.0).double()
