@@ -11,9 +11,11 @@ import torch
 from dflash_train.train.config import OptimConfig
 from dflash_train.train.errors import TrainError
 
-ADAMW_NAMES = ("embed_tokens", "lm_head")
+ADAMW_NAMES = ("embed_tokens", "lm_head", "codebook")
 """2-D parameters left to AdamW by name: embedding-like rows, not hidden-layer matrices (Muon
-practice; the drafter borrows the target's frozen ones, so none is trained today)."""
+practice). The drafter borrows the target's frozen embedding and head; DFlash 2's free
+selector codebooks are [V, r] tables looked up by token id, so they are rows too (their
+factorised form's [H, r] factors are matrices and go to Muon)."""
 
 
 def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

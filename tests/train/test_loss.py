@@ -479,7 +479,7 @@ def test_selector_term_is_the_same_in_value_and_gradient_however_it_is_chunked()
     for loss, grad, params in rest:
         torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=0)
         torch.testing.assert_close(grad, grad0, rtol=1e-10, atol=1e-12)
-        for got, want in zip(params, params0):
+        for got, want in zip(params, params0, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 

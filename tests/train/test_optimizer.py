@@ -42,6 +42,30 @@ def test_matrices_go_to_muon_and_norms_to_adamw_each_exactly_once():
     assert not {id(p) for p in matrices} & {id(p) for p in others}
 
 
+@pytest.mark.parametrize("codebooks", ["free", "factorised"])
+def test_dflash2_codebooks_are_rows_for_adamw_and_its_projections_matrices_for_muon(codebooks):
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=32, vocab_size=50, intermediate_size=64,
+                        target_layer_ids=[0, 1], num_target_layers=3, mask_token_id=49,
+                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, block_size=4, kind="dflash2", conv_group_size=8,
+                        selector_rank=4, selector_top_k=3, selector_codebooks=codebooks)
+    model = DFlashDrafter(cfg, torch.randn(50, 32), torch.randn(50, 32))
+    matrices, others = muon_split(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    to_muon = {names[id(p)] for p in matrices}
+    to_adamw = {names[id(p)] for p in others}
+    assert "candidate_selector.hidden_projection.weight" in to_muon
+    assert "layers.0.attention_conv.kernel_projection.weight" in to_muon
+    assert "layers.0.mlp_conv.base_kernel" in to_adamw  # 3-D
+    if codebooks == "free":
+        assert {"candidate_selector.predecessor_codebook",
+                "candidate_selector.successor_codebook"} <= to_adamw
+    else:
+        assert {"candidate_selector.predecessor_factor",
+                "candidate_selector.successor_factor"} <= to_muon
+
+
 def test_one_step_equals_torchs_muon_and_adamw_stepped_apart():
     model, apart = _drafter(), _drafter()
     opt = build_optimizer(model, MUON)
