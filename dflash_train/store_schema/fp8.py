@@ -28,18 +28,23 @@ MIN_SCALE = float(torch.finfo(torch.float32).tiny)
 """The smallest scale stored (all-zero rows and rows too small for amax / 448 in float32)."""
 _BLOCK_TOKENS = 256
 """Tokens dequantized at a time: the float32 temporary stays a few MB at any width."""
+_VALUES = torch.arange(256).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+"""The float32 value of every E4M3 code: a gather from it measured ~1.7x faster on CPU than
+torch's fp8 -> float32 cast, with the same result."""
 
 
 def quantize(context: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """[T, n, H] floating context -> (uint8 E4M3 bits [T, n, H], float32 scales [T, n]).
     ValueError for NaN or Inf (the codes have no Inf, and a NaN scale would spoil its row)."""
-    x = context.detach().to("cpu", torch.float32)
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    x = context.detach().to("cpu")
+    # the absmax straight from the stored dtype (exact), and a division that promotes to
+    # float32 as it goes: no float32 copy of the context first (measured ~3x faster on CPU)
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).float()
     if not torch.isfinite(amax).all():
         raise ValueError("context holds NaN or Inf")
     scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
     # x / scale can round a hair past 448; the clamp keeps it off E4M3's NaN code
-    codes = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    codes = torch.div(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.view(torch.uint8).numpy(), scale.squeeze(-1).numpy()
 
 
@@ -54,9 +59,11 @@ def dequantize_into(codes: np.ndarray, scales: np.ndarray, out: torch.Tensor) ->
     names the sample as damaged, instead of handing NaN or zeros to training)."""
     if bad_scales(scales).any():
         raise ValueError("context_scale holds a value that is not finite and > 0")
-    values = torch.from_numpy(np.ascontiguousarray(codes)).view(torch.float8_e4m3fn)
-    factors = torch.from_numpy(np.ascontiguousarray(scales, np.float32)).unsqueeze(-1)
-    for a in range(0, len(values), _BLOCK_TOKENS):
-        b = min(a + _BLOCK_TOKENS, len(values))
-        out[a:b] = values[a:b].to(torch.float32) * factors[a:b]
+    block = np.empty((min(_BLOCK_TOKENS, len(codes)), *codes.shape[1:]), np.float32)
+    for a in range(0, len(codes), _BLOCK_TOKENS):
+        b = min(a + _BLOCK_TOKENS, len(codes))
+        values = block[:b - a]
+        np.take(_VALUES, codes[a:b], out=values)
+        np.multiply(values, scales[a:b, :, None], out=values)
+        out[a:b] = torch.from_numpy(values)  # one rounding, to out's dtype
     return out
