@@ -93,6 +93,8 @@ def main() -> None:
     p.add_argument("--out", required=True, help="directory for stores and runs (must not exist)")
     p.add_argument("--steps", type=int, default=60, help="optimiser steps of each drafter")
     p.add_argument("--rounds", type=int, default=2, help="write / read rounds per arm")
+    p.add_argument("--io-only", action="store_true",
+                   help="measure bytes and speeds only; train and evaluate nothing")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a `dflash train --set` for both drafters, after the defaults")
     a = p.parse_args()
@@ -119,6 +121,15 @@ def main() -> None:
     tokens = src.num_tokens
     assert same_tokens(stores["bf16"], stores["fp8"]), "the two copies hold different tokens"
     sizes = {arm: summarize(open_store(url)) for arm, url in stores.items()}
+    if a.io_only:
+        print(f"{tokens:,} tokens, best of {a.rounds} rounds")
+        print(f"{'arm':<5} {'context B/tok':>13} {'parts B/tok':>11} {'write tok/s':>11} "
+              f"{'read tok/s':>10}")
+        for arm in ARMS:
+            print(f"{arm:<5} {sizes[arm].context_bytes_per_token:>13,.1f} "
+                  f"{sizes[arm].bytes_per_token:>11,.1f} {tokens / min(write_s[arm]):>11,.0f} "
+                  f"{tokens / min(read_s[arm]):>10,.0f}")
+        return
 
     checkpoints = {}
     for arm, url in stores.items():

@@ -42,7 +42,7 @@ class ExtractConfig:
     """Compute and storage dtype of hidden states; auto = bf16 on CUDA, fp32 on CPU."""
     context_dtype: Literal["same", "float8_e4m3"] = "same"
     """How context is stored. same: in `dtype`. float8_e4m3: E4M3 values with one float32
-    scale per token and context layer, about half a bf16 store's context bytes; train and
+    scale per token and context layer, half a bf16 store's raw context bytes; train and
     eval read it dequantized to `dtype` (store_schema/fp8.py)."""
     load_as: Literal["causal-lm", "multimodal"] = "causal-lm"
     """Load the checkpoint as its CausalLM or as the multimodal wrapper (same states)."""

@@ -168,8 +168,8 @@ def stats(path: str, recompute: bool, as_json: bool, skip_corrupt: bool) -> None
 @click.option("--context-dtype", default=KEEP_CONTEXT_DTYPE, show_default=True,
               type=click.Choice([KEEP_CONTEXT_DTYPE, "same", FP8_CONTEXT]),
               help="How DST stores context: keep SRC's encoding, 'same' as the hidden dtype, "
-                   "or float8_e4m3 (E4M3, one float32 scale per token and layer: about half "
-                   "a bf16 store's context).")
+                   "or float8_e4m3 (E4M3, one float32 scale per token and layer: half a "
+                   "bf16 store's raw context bytes).")
 @click.option("--hidden-dtype", type=click.Choice(HIDDEN_DTYPES), default=None,
               help="DST's hidden dtype (target rows, and context as readers see it); "
                    "default: SRC's.")

@@ -7,7 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_train.evaluate.command import eval_command
+from dflash_train.store_schema import open_store
 from dflash_train.store_schema.layout import FP8_CONTEXT
+from dflash_train.store_schema.stats import store_stats
 from dflash_train.store_schema.subset import copy_store
 from dflash_train.train.config import load_config
 from dflash_train.train.loop import train
@@ -64,3 +66,12 @@ def test_a_drafter_trained_on_fp8_follows_the_full_precision_run(stores, tmp_pat
         recall = full["topk_recall"]["8"]
         assert any(r > 0 for r in recall if r is not None)  # the comparison measures something
         assert fp8["topk_recall"]["8"] == pytest.approx(recall, abs=0.02)
+
+
+def test_store_stats_of_an_fp8_store_are_those_of_its_full_precision_copy(stores):
+    full, fp8 = (store_stats(open_store(url), cache=False) for url in stores["train"])
+    assert fp8.tokens == full.tokens
+    for a, b in zip(full.layers, fp8.layers, strict=True):
+        assert b.rms == pytest.approx(a.rms, rel=0.01) and b.rms != a.rms
+        assert b.absmax == pytest.approx(a.absmax, rel=1e-6)  # each row's absmax is exact
+        assert b.outlier_channels[:2] == a.outlier_channels[:2]
