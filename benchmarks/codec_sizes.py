@@ -18,8 +18,8 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from dflash_train.store_schema.subset import copy_store
 
 CODECS = {
-    "none": lambda dtype: [Crc32cCodec()],
-    "zstd-1": lambda dtype: [ZstdCodec(level=1), Crc32cCodec()],
+    "none": lambda *dtypes: [Crc32cCodec()],  # (hidden dtype, context dtype)
+    "zstd-1": lambda *dtypes: [ZstdCodec(level=1), Crc32cCodec()],
     "shuffle+zstd-1 (default)": None,  # the store's own context_compressors
 }
 

@@ -62,6 +62,11 @@ def _rank_and_world() -> tuple[int, int]:
               type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
               help="Compute and storage dtype; auto = bf16 where --device resolves to "
                    "CUDA, fp32 on CPU.")
+@click.option("--context-dtype", default=_DEFAULTS.context_dtype, show_default=True,
+              type=click.Choice(["same", "float8_e4m3"]),
+              help="How context is stored: 'same' as --dtype, or float8_e4m3 (E4M3 with one "
+                   "float32 scale per token and layer: half a bf16 store's raw context bytes; "
+                   "train and eval read it back as --dtype).")
 @click.option("--load-as", default=_DEFAULTS.load_as, show_default=True,
               type=click.Choice(["causal-lm", "multimodal"]),
               help="Load the checkpoint as CausalLM or as its multimodal wrapper.")

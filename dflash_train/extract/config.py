@@ -40,6 +40,10 @@ class ExtractConfig:
     else cpu (on cpu the GPU-only kernels are never used)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Compute and storage dtype of hidden states; auto = bf16 on CUDA, fp32 on CPU."""
+    context_dtype: Literal["same", "float8_e4m3"] = "same"
+    """How context is stored. same: in `dtype`. float8_e4m3: E4M3 values with one float32
+    scale per token and context layer, half a bf16 store's raw context bytes; train and
+    eval read it dequantized to `dtype` (store_schema/fp8.py)."""
     load_as: Literal["causal-lm", "multimodal"] = "causal-lm"
     """Load the checkpoint as its CausalLM or as the multimodal wrapper (same states)."""
     revision: str | None = None

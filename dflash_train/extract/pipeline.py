@@ -67,6 +67,7 @@ from dflash_train.store_schema import (
     create_store,
     open_store,
 )
+from dflash_train.store_schema.layout import FP8_CONTEXT
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -140,7 +141,9 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     parts = plan_parts(source.num_rows, cfg.rows_per_part)
     mine = parts if cfg.dry_run else parts_of_rank(parts, rank, world_size)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
-    bpt = bytes_per_token(len(layer_ids), info.hidden_size, dtype.itemsize, cfg.top_k)
+    fp8 = cfg.context_dtype == FP8_CONTEXT
+    bpt = bytes_per_token(len(layer_ids), info.hidden_size, 1 if fp8 else dtype.itemsize,
+                          cfg.top_k) + (4 * len(layer_ids) if fp8 else 0)  # + fp8 scales
     scanned = _scan(source, tokenizer, mine, cfg)
     if not scanned and len(mine) == len(parts):
         _refuse_all_skipped(source, cfg)
@@ -160,7 +163,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
                                  transformers=transformers.__version__, device=device.type,
                                  kernels="not loaded yet"),
         context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=_DTYPE_NAMES[dtype],
-        num_parts=len(parts),
+        context_dtype=FP8_CONTEXT if fp8 else None, num_parts=len(parts),
         extra={"mask_token_id": _mask_token_id(cfg, info, tokenizer),
                "rows_per_part": cfg.rows_per_part, "overlong": cfg.overlong,
                "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None, **cfg.extra},

@@ -7,8 +7,11 @@ import click
 
 from dflash_train.store_schema.errors import StoreError
 from dflash_train.store_schema.info import summarize
+from dflash_train.store_schema.integrity import check_before_reading, refusal
+from dflash_train.store_schema.layout import FP8_CONTEXT, HIDDEN_DTYPES
 from dflash_train.store_schema.stats import store_stats
-from dflash_train.store_schema.store import open_store
+from dflash_train.store_schema.store import open_store, remove_local_store, store_exists
+from dflash_train.store_schema.subset import KEEP_CONTEXT_DTYPE, copy_store
 from dflash_train.store_schema.validate import validate
 
 
@@ -31,6 +34,7 @@ def info(path: str, as_json: bool) -> None:
     if as_json:
         out = {"meta": meta.to_dict(), "shard_tokens": s.shard_tokens, **vars(summary),
                "bytes_per_token": summary.bytes_per_token,
+               "context_bytes_per_token": summary.context_bytes_per_token,
                "compression_ratio": summary.compression_ratio}
         click.echo(json.dumps(out, indent=2))
         return
@@ -38,6 +42,7 @@ def info(path: str, as_json: bool) -> None:
     state = "DAMAGED" if summary.parts_damaged or summary.frozen_damaged else "complete" \
         if not summary.parts_incomplete and not summary.parts_missing else "INCOMPLETE"
     per_token, ratio = summary.bytes_per_token, summary.compression_ratio
+    per_context = summary.context_bytes_per_token
     lines = [
         f"store          {path}  (schema v{meta.schema_version}, {state})",
         f"target         {t.name_or_path} ({t.model_type}, {t.num_hidden_layers} layers, "
@@ -45,6 +50,7 @@ def info(path: str, as_json: bool) -> None:
         f"weights        {_weights(t)}",
         f"context layers {meta.context_layer_ids}  dtype {meta.hidden_dtype}  "
         f"verifier top-{meta.top_k}",
+        f"context dtype  {_context_dtype(meta)}",
         f"source         {', '.join(meta.source.paths)}  rows {meta.source.num_rows}  "
         f"max_length {meta.source.max_length}  regenerated {meta.source.regenerated}",
         f"made with      dflash {meta.created_with.dflash}, torch {meta.created_with.torch}, "
@@ -54,7 +60,7 @@ def info(path: str, as_json: bool) -> None:
         f"tokens         {summary.tokens:,}",
         f"bytes on disk  {summary.bytes_on_disk:,} ({_human(summary.bytes_on_disk)})",
         "bytes/token    " + ("n/a (no token written yet)" if per_token is None
-                               else f"{per_token:,.1f}"),
+                               else f"{per_token:,.1f} (context {per_context:,.1f})"),
         "compression    " + ("n/a (no token written yet)" if ratio is None else f"{ratio:.2f}x"),
         f"parts          {summary.parts_complete}/{summary.parts_planned} complete"
         + (f"; incomplete {summary.parts_incomplete}" if summary.parts_incomplete else "")
@@ -92,6 +98,13 @@ def validate_cmd(path: str, no_data: bool, require_complete: bool) -> None:
     except StoreError:  # validate just read it; only a store removed since lands here
         pass
     click.echo(f"{path}: ok")
+
+
+def _context_dtype(meta) -> str:
+    if meta.fp8:
+        return (f"{meta.context_dtype} (one float32 scale per token and layer), read as "
+                f"{meta.hidden_dtype}")
+    return meta.hidden_dtype
 
 
 def _weights(target) -> str:
@@ -147,6 +160,47 @@ def stats(path: str, recompute: bool, as_json: bool, skip_corrupt: bool) -> None
                         zip(layer.outlier_channels[:4], layer.outlier_rms[:4], strict=True))
         click.echo(f"{layer.layer_id:>5} {layer.mean:>10.4g} {layer.rms:>10.4g} "
                    f"{layer.absmax:>10.4g}  {top}")
+
+
+@store.command("convert")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--context-dtype", default=KEEP_CONTEXT_DTYPE, show_default=True,
+              type=click.Choice([KEEP_CONTEXT_DTYPE, "same", FP8_CONTEXT]),
+              help="How DST stores context: keep SRC's encoding, 'same' as the hidden dtype, "
+                   "or float8_e4m3 (E4M3, one float32 scale per token and layer: half a "
+                   "bf16 store's raw context bytes).")
+@click.option("--hidden-dtype", type=click.Choice(HIDDEN_DTYPES), default=None,
+              help="DST's hidden dtype (target rows, and context as readers see it); "
+                   "default: SRC's.")
+@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+def convert(src: str, dst: str, context_dtype: str, hidden_dtype: str | None,
+            progress: bool) -> None:
+    """Re-encode the complete store SRC into a new store DST, e.g. as fp8 context, without
+    running the target again. Samples, parts, rows and provenance are SRC's."""
+    try:
+        s = open_store(src)
+        if not s.complete:
+            raise StoreError(f"{src} is not complete (unfinished parts "
+                             f"{_short(s.unfinished_parts())}): finish extracting it first")
+        damage = check_before_reading(s, [p.index for p in s.parts()])
+        if damage:
+            raise refusal(damage)
+        if store_exists(dst):
+            raise StoreError(f"{dst} already exists: convert writes a new store")
+        try:
+            kept, _ = copy_store(src, dst, hidden_dtype=hidden_dtype,
+                                 context_dtype=None if context_dtype == "same"
+                                 else context_dtype, progress=progress)
+        except BaseException:
+            remove_local_store(dst)  # no half-written store left behind (local paths)
+            raise
+        summary = summarize(open_store(dst))
+    except StoreError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"{dst}: {kept:,} samples, {summary.tokens:,} tokens, "
+               f"{summary.bytes_per_token:,.1f} bytes/token (context "
+               f"{summary.context_bytes_per_token:,.1f})")
 
 
 def _human(n: float) -> str:

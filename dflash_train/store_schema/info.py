@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from zarr.core.sync import sync
 
 from dflash_train.store_schema.errors import StoreError
-from dflash_train.store_schema.layout import SAMPLE_ARRAYS, TOKEN_ARRAYS, part_path
+from dflash_train.store_schema.layout import SAMPLE_ARRAYS, part_path, token_arrays
 from dflash_train.store_schema.store import Store
 
 
@@ -34,6 +34,8 @@ class StoreSummary:
     written, those of whole shards already written ahead of their commit record."""
     logical_part_bytes: int
     """Uncompressed size of those tokens' arrays."""
+    context_bytes_on_disk: int = 0
+    """Objects of the readable parts' context (with an fp8 store's scales)."""
 
     @property
     def bytes_per_token(self) -> float | None:
@@ -41,6 +43,13 @@ class StoreSummary:
         if not self.part_tokens_on_disk:
             return None
         return self.part_bytes_on_disk / self.part_tokens_on_disk
+
+    @property
+    def context_bytes_per_token(self) -> float | None:
+        """Stored context bytes per token (fp8 scales included); None while there is none."""
+        if not self.part_tokens_on_disk:
+            return None
+        return self.context_bytes_on_disk / self.part_tokens_on_disk
 
     @property
     def compression_ratio(self) -> float | None:
@@ -55,9 +64,10 @@ def summarize(store: Store) -> StoreSummary:
     prefix = store.root.path
     damaged = store.unreadable_parts()
     parts, held = [], []
+    names = [a.name for a in token_arrays(store.meta.context_dtype)]
     for p in store.parts():
         try:
-            for name in [a.name for a in TOKEN_ARRAYS] + list(SAMPLE_ARRAYS):
+            for name in names + list(SAMPLE_ARRAYS):
                 p.array(name)
             # The context array's length is what the writer has sized and written (it grows
             # before the data lands); every token array of a part has the same length.
@@ -82,6 +92,9 @@ def summarize(store: Store) -> StoreSummary:
             "/".join(x for x in (prefix, part_path(p.index)) if x))) for p in parts),
         part_tokens_on_disk=sum(held),
         logical_part_bytes=per_token * sum(held),
+        context_bytes_on_disk=sum(sync(zstore.getsize_prefix("/".join(
+            x for x in (prefix, part_path(p.index), name) if x))) for p in parts
+            for name in names if name.startswith("context")),
     )
 
 
@@ -90,7 +103,8 @@ def _bytes_per_token(part) -> int:
     the schema fixes them)."""
     try:
         return sum(part.array(spec.name).dtype.itemsize
-                   * max(1, _prod(part.array(spec.name).shape[1:])) for spec in TOKEN_ARRAYS)
+                   * max(1, _prod(part.array(spec.name).shape[1:]))
+                   for spec in token_arrays(part.store.meta.context_dtype))
     except StoreError:
         return 0
 

@@ -1,7 +1,13 @@
 """Where everything lives in a store and how it is encoded: the only place that names zarr paths.
 
-Schema v1. A store is a Zarr v3 group; samples are ragged, so each part lays its tokens along
-one flat axis and records where each sample starts in `sample_offsets`.
+A store is a Zarr v3 group; samples are ragged, so each part lays its tokens along one flat
+axis and records where each sample starts in `sample_offsets`.
+
+Schema versions. v1: context in the hidden dtype. v2 adds fp8 context (`context` holds E4M3
+bits as uint8, `context_scale` one float32 per token and layer; fp8.py). Only an fp8 store is
+written as v2: a default store stays v1, byte for byte as before, so older dflash keeps
+reading it, while older dflash refuses an fp8 store by its version instead of misreading its
+uint8 context as bf16 bits.
 """
 
 from dataclasses import dataclass
@@ -10,7 +16,10 @@ import numpy as np
 import torch
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest schema this code reads (and the version of the stores it writes with fp8)."""
+PLAIN_SCHEMA_VERSION = 1
+"""The version of a store whose context is in the hidden dtype."""
 META_KEY = "dflash"  # root attrs key holding the provenance (StoreMeta)
 PART_KEY = "dflash_part"  # part attrs key holding the commit record
 
@@ -34,6 +43,15 @@ HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 _STORAGE_DTYPE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
 _TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
+FP8_CONTEXT = "float8_e4m3"
+CONTEXT_DTYPES = (FP8_CONTEXT,)
+"""Context encodings other than the hidden dtype itself (StoreMeta.context_dtype)."""
+
+
+def schema_version_for(context_dtype: str | None) -> int:
+    """The version a store is written with: the oldest schema that can describe it."""
+    return SCHEMA_VERSION if context_dtype == FP8_CONTEXT else PLAIN_SCHEMA_VERSION
+
 
 @dataclass(frozen=True)
 class TokenArray:
@@ -42,7 +60,8 @@ class TokenArray:
     name: str
     dtype: type
     width: str | None = None
-    """None for [T]; "top_k" for [T, k]; "context" for [T, n, H] (sharded)."""
+    """None for [T]; "top_k" for [T, k]; "layers" for [T, n]; "context" for [T, n, H]
+    (sharded)."""
 
 
 TOKEN_ARRAYS = (
@@ -53,6 +72,8 @@ TOKEN_ARRAYS = (
     TokenArray("verifier_topk_logits", np.float32, "top_k"),
     TokenArray("verifier_lse", np.float32),
 )
+CONTEXT_SCALE = TokenArray("context_scale", np.float32, "layers")
+"""fp8 stores only: the scale of each (token, context layer) row of `context`."""
 SAMPLE_ARRAYS = {"sample_offsets": np.int64, "sample_source": np.int64}
 TARGET_ARRAYS = ("embed_tokens", "lm_head", "final_norm")
 
@@ -61,8 +82,19 @@ def part_path(index: int) -> str:
     return f"{PARTS_GROUP}/{index:05d}"
 
 
+def token_arrays(context_dtype: str | None) -> tuple[TokenArray, ...]:
+    """The token arrays of a store whose context is `context_dtype` (None: the hidden dtype)."""
+    return TOKEN_ARRAYS + (CONTEXT_SCALE,) if context_dtype == FP8_CONTEXT else TOKEN_ARRAYS
+
+
 def storage_dtype(hidden_dtype: str) -> type:
     return _STORAGE_DTYPE[hidden_dtype]
+
+
+def context_storage_dtype(hidden_dtype: str, context_dtype: str | None) -> type:
+    """What the `context` array holds: E4M3 bits (uint8) in an fp8 store, else the hidden
+    dtype's stored form."""
+    return np.uint8 if context_dtype == FP8_CONTEXT else storage_dtype(hidden_dtype)
 
 
 def torch_dtype(hidden_dtype: str) -> torch.dtype:
@@ -85,7 +117,10 @@ def hidden_from_numpy(a: np.ndarray, hidden_dtype: str) -> torch.Tensor:
 
 
 def nonfinite_hidden(a: np.ndarray, hidden_dtype: str) -> np.ndarray:
-    """Boolean mask of NaN/Inf entries, read straight from the stored bits (no conversion)."""
+    """Boolean mask of NaN/Inf entries, read straight from the stored bits (no conversion);
+    `hidden_dtype` may also be FP8_CONTEXT (E4M3 bits)."""
+    if hidden_dtype == FP8_CONTEXT:
+        return (a & 0x7F) == 0x7F  # E4M3 has no Inf; its NaN is exponent and mantissa all ones
     if hidden_dtype == "bfloat16":
         return (a & 0x7F80) == 0x7F80  # exponent all ones: Inf or NaN
     return ~np.isfinite(a)
@@ -115,7 +150,9 @@ def token_compressors() -> list:
 BLOSC_BLOCK_BYTES = 1 << 18
 
 
-def context_compressors(hidden_dtype: str) -> list:
-    typesize = np.dtype(storage_dtype(hidden_dtype)).itemsize
+def context_compressors(hidden_dtype: str, context_dtype: str | None = None) -> list:
+    """fp8 codes are one byte, so the byte shuffle is a no-op there; bit shuffle measured 11 %
+    larger than none on SmolLM2 states (2613 vs 2358 B/token over 4096 tokens)."""
+    typesize = np.dtype(context_storage_dtype(hidden_dtype, context_dtype)).itemsize
     return [BloscCodec(cname="zstd", clevel=ZSTD_LEVEL, shuffle="shuffle", typesize=typesize,
                        blocksize=BLOSC_BLOCK_BYTES), Crc32cCodec()]

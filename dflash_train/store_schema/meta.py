@@ -8,7 +8,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from dflash_train.store_schema.errors import StoreError
-from dflash_train.store_schema.layout import HIDDEN_DTYPES, SCHEMA_VERSION
+from dflash_train.store_schema.layout import (
+    CONTEXT_DTYPES,
+    FP8_CONTEXT,
+    HIDDEN_DTYPES,
+    schema_version_for,
+)
 
 
 @dataclass
@@ -75,10 +80,16 @@ class StoreMeta:
     top_k: int
     """Verifier top-k logits stored per token (argmax first)."""
     hidden_dtype: str
-    """Logical dtype of context and target rows: bfloat16 | float16 | float32."""
+    """Logical dtype of context and target rows: bfloat16 | float16 | float32. Readers hand
+    out context in it whatever the context is stored as."""
     num_parts: int
     """Parts planned; part p holds a fixed slice of the source rows."""
-    schema_version: int = SCHEMA_VERSION
+    context_dtype: str | None = None
+    """How context is stored: None in the hidden dtype; "float8_e4m3": E4M3 values with one
+    float32 scale per token and layer (store_schema/fp8.py), dequantized on read. Left out
+    of the recorded provenance when None, so a default store's bytes are what they were."""
+    schema_version: int | None = None
+    """None: the version this store is written with (layout.schema_version_for)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form provenance a stage adds (compared like the rest)."""
 
@@ -87,6 +98,15 @@ class StoreMeta:
             raise StoreError(f"hidden_dtype {self.hidden_dtype!r} is not one of {HIDDEN_DTYPES}")
         if not self.context_layer_ids:
             raise StoreError("context_layer_ids is empty: a store needs at least one layer")
+        if self.context_dtype is not None and self.context_dtype not in CONTEXT_DTYPES:
+            raise StoreError(f"context_dtype {self.context_dtype!r} is not one of "
+                             f"{CONTEXT_DTYPES} (or none: the hidden dtype)")
+        needed = schema_version_for(self.context_dtype)
+        if self.schema_version is None:
+            self.schema_version = needed
+        elif self.schema_version < needed:  # an old writer cannot have made this store
+            raise StoreError(f"schema version {self.schema_version} cannot hold "
+                             f"{self.context_dtype} context (needs {needed})")
         if self.top_k < 1 or self.num_parts < 1:
             raise StoreError(f"top_k ({self.top_k}) and num_parts ({self.num_parts}) must be >= 1")
 
@@ -94,8 +114,20 @@ class StoreMeta:
     def num_context_layers(self) -> int:
         return len(self.context_layer_ids)
 
+    @property
+    def fp8(self) -> bool:
+        return self.context_dtype == FP8_CONTEXT
+
+    @property
+    def context_encoding(self) -> str:
+        """What the stored context bits are: the context dtype, else the hidden dtype."""
+        return self.context_dtype or self.hidden_dtype
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["context_dtype"] is None:
+            del d["context_dtype"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StoreMeta":

@@ -14,18 +14,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zarr
 
+from dflash_train.store_schema import fp8
 from dflash_train.store_schema.errors import StoreError, one_line
 from dflash_train.store_schema.layout import (
     CONTEXT_INNER_TOKENS,
     PART_KEY,
     SAMPLE_ARRAYS,
     SAMPLE_CHUNK,
-    TOKEN_ARRAYS,
     TOKEN_CHUNK_SHARDS,
     context_compressors,
+    context_storage_dtype,
     has_nonfinite_hidden,
+    hidden_from_numpy,
     part_path,
     storage_dtype,
+    token_arrays,
     token_compressors,
 )
 from dflash_train.store_schema.sample import Sample, sample_from_arrays, sample_to_arrays
@@ -102,15 +105,41 @@ class Part:
         self, start: int, stop: int, names: tuple[str, ...] | None = None,
         out: dict[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
-        """Stored arrays (all, or `names`) of tokens [start, stop) within the committed range;
-        those named in `out` are read into its arrays (C-contiguous, of the stored dtype and
-        the read's shape), e.g. straight into a batch, without another copy."""
+        """Token arrays (all of layout.TOKEN_ARRAYS, or `names`) of tokens [start, stop)
+        within the committed range, `context` in the hidden dtype's stored form however it
+        is stored (an fp8 store's is dequantized here, the one place readers meet fp8);
+        those named in `out` are read into its arrays (C-contiguous, of that dtype and the
+        read's shape), e.g. straight into a batch, without another copy."""
+        self._check_span(start, stop)
+        names = names or tuple(a.name for a in token_arrays(None))
+        out = out or {}
+        return {name: self._read_fp8_context(start, stop, out.get(name))
+                if name == "context" and self.store.meta.fp8
+                else self._read(name, start, stop, out.get(name)) for name in names}
+
+    def read_stored(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Every token array of tokens [start, stop) exactly as stored (fp8 bits and scales
+        included): what a resumed writer buffers again."""
+        self._check_span(start, stop)
+        return {a.name: self._read(a.name, start, stop, None)
+                for a in token_arrays(self.store.meta.context_dtype)}
+
+    def _check_span(self, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= self.num_tokens:
             raise StoreError(f"part {self.index}: tokens [{start}, {stop}) outside the "
                              f"{self.num_tokens} committed")
-        names = names or tuple(a.name for a in TOKEN_ARRAYS)
-        out = out or {}
-        return {name: self._read(name, start, stop, out.get(name)) for name in names}
+
+    def _read_fp8_context(self, start: int, stop: int, out: np.ndarray | None) -> np.ndarray:
+        meta = self.store.meta
+        shape = (stop - start, meta.num_context_layers, meta.target.hidden_size)
+        if out is None:
+            out = np.empty(shape, storage_dtype(meta.hidden_dtype))
+        else:
+            check_buffer(out, shape, np.dtype(storage_dtype(meta.hidden_dtype)))
+        codes = self._read("context", start, stop, None)
+        scales = self._read("context_scale", start, stop, None)
+        fp8.dequantize_into(codes, scales, hidden_from_numpy(out, meta.hidden_dtype))
+        return out
 
     def _read(self, name: str, start: int, stop: int, out: np.ndarray | None) -> np.ndarray:
         """Through dflash's shard coder (concurrent requests, parallel decode) where it applies."""
@@ -155,14 +184,15 @@ def _token_array_spec(store: "Store", name: str) -> tuple[tuple[int, ...], type,
     """Inner shape, storage dtype and chunking / codec keyword arguments of a token array."""
     meta = store.meta
     shard = store.shard_tokens
-    spec = next(a for a in TOKEN_ARRAYS if a.name == name)
+    spec = next(a for a in token_arrays(meta.context_dtype) if a.name == name)
     if spec.width == "context":
         n, h = meta.num_context_layers, meta.target.hidden_size
         inner = min(CONTEXT_INNER_TOKENS, shard)
-        return (n, h), storage_dtype(meta.hidden_dtype), {
+        return (n, h), context_storage_dtype(meta.hidden_dtype, meta.context_dtype), {
             "chunks": (inner, 1, h), "shards": (shard, n, h),
-            "compressors": context_compressors(meta.hidden_dtype)}
-    inner_shape = (meta.top_k,) if spec.width == "top_k" else ()
+            "compressors": context_compressors(meta.hidden_dtype, meta.context_dtype)}
+    inner_shape = {"top_k": (meta.top_k,), "layers": (meta.num_context_layers,)}.get(
+        spec.width, ())
     return inner_shape, spec.dtype, {"chunks": (shard * TOKEN_CHUNK_SHARDS, *inner_shape),
                                      "compressors": token_compressors()}
 
@@ -225,18 +255,19 @@ class PartWriter:
         self.complete = part.complete
         self.next_row = int(part.sources()[-1]) + 1 if part.num_samples else row_start
         self._pending: list[tuple[int, int]] = []  # (end token, source row) not yet committed
-        self._buffer: dict[str, list[np.ndarray]] = {a.name: [] for a in TOKEN_ARRAYS}
+        self._buffer: dict[str, list[np.ndarray]] = {
+            a.name: [] for a in token_arrays(self._meta.context_dtype)}
         self._buffer_start = self.committed_tokens - self.committed_tokens % self._shard
         self._buffer_tokens = 0
         self._token_end = self.committed_tokens
         if self._buffer_start < self.committed_tokens:  # reload the partly filled shard
-            for name, a in part.read_tokens(self._buffer_start, self.committed_tokens).items():
+            for name, a in part.read_stored(self._buffer_start, self.committed_tokens).items():
                 self._buffer[name].append(a)
             self._buffer_tokens = self.committed_tokens - self._buffer_start
 
     def _create(self, path: str) -> zarr.Group:
         group = self.store.root.require_group(path)
-        for a in TOKEN_ARRAYS:
+        for a in token_arrays(self._meta.context_dtype):
             inner, dtype, encoding = _token_array_spec(self.store, a.name)
             group.create_array(a.name, shape=(0, *inner), dtype=dtype, overwrite=True,
                                **encoding)
@@ -270,6 +301,8 @@ class PartWriter:
                                   top_k=m.top_k, hidden_dtype=m.hidden_dtype, where=where)
         if has_nonfinite_hidden(arrays["context"], m.hidden_dtype):
             raise StoreError(f"{where}: context holds NaN or Inf")
+        if m.fp8:
+            arrays["context"], arrays["context_scale"] = fp8.quantize(sample.context)
         if not (np.isfinite(arrays["verifier_topk_logits"]).all()
                 and np.isfinite(arrays["verifier_lse"]).all()):
             raise StoreError(f"{where}: verifier logits hold NaN or Inf")

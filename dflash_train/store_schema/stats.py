@@ -25,6 +25,7 @@ import numpy as np
 
 from dflash_train.store_schema.errors import StoreError
 from dflash_train.store_schema.integrity import check_before_reading, refuse_unless_skipping
+from dflash_train.store_schema.layout import storage_dtype
 from dflash_train.store_schema.store import Store
 from dflash_train.store_schema.validate import samples_in
 
@@ -69,15 +70,21 @@ class _GuardedContext:
     def __init__(self, store: Store, part, skip: bool, damaged: list[tuple[str, int]]):
         self.arr = part.array("context")
         self.part, self.url, self.skip, self.damaged = part, store.url, skip, damaged
-        self.shape, self.dtype, self.ndim = self.arr.shape, self.arr.dtype, self.arr.ndim
+        self.shape, self.ndim = self.arr.shape, self.arr.ndim
+        self.dtype = np.dtype(storage_dtype(store.meta.hidden_dtype))  # fp8 is read dequantized
+        self.fp8 = store.meta.fp8
         self.lock = threading.Lock()
 
     def __getitem__(self, key):
+        rows = key[0] if isinstance(key, tuple) else key
+        start, stop, _ = rows.indices(self.shape[0])
         try:
+            if self.fp8:  # the part's reader dequantizes; the statistics are of what trains
+                rest = key[1:] if isinstance(key, tuple) else ()
+                return self.part.read_tokens(start, stop, ("context",))["context"][
+                    (slice(None), *rest)]
             return self.arr[key]
         except Exception as e:  # a checksum or decode failure in this shard
-            rows = key[0] if isinstance(key, tuple) else key
-            start, stop, _ = rows.indices(self.shape[0])
             if not self.skip:
                 samples = samples_in(self.part.offsets(), start, stop)
                 named = f"samples {samples[0]}..{samples[-1]}" if samples else "no sample"

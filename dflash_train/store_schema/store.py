@@ -1,5 +1,6 @@
 """Create and open stores (local path or fsspec URL) and reach their parts and frozen rows."""
 
+import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -54,6 +55,24 @@ def _has_any_key(zstore) -> bool:
         return False
 
     return sync(first())
+
+
+def store_exists(url: str) -> bool:
+    """Whether anything is stored at `url` (a path that does not exist holds nothing)."""
+    if "://" not in url or url.startswith("file://"):
+        path = Path(url.removeprefix("file://"))
+        if not path.exists():
+            return False
+    return _has_any_key(zarr_store(url, read_only=True))
+
+
+def remove_local_store(url: str) -> None:
+    """Delete the store at local path `url`, if any (a URL is left alone: no recursive
+    delete here; such a copy lacks the tokenizer files it writes last)."""
+    if "://" not in url or url.startswith("file://"):
+        path = Path(url.removeprefix("file://"))
+        if path.is_dir():
+            shutil.rmtree(path)
 
 
 def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024) -> "Store":

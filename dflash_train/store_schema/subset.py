@@ -1,33 +1,53 @@
 """A new store holding some (or all) of another store's samples, with its frozen rows and files.
 
-Used to re-code a store (benchmarks) and to evaluate on a slice of one (quickstart: the
-held-out answers that do not loop). Parts keep their indices and source-row ranges, so a
-kept sample keeps its part and row; a part with nothing kept is written empty and complete.
+Used to re-code a store (`dflash store convert`: another hidden dtype, or fp8 context, without
+running the target again), and to evaluate on a slice of one (quickstart: the held-out answers
+that do not loop). Parts keep their indices and source-row ranges, so a kept sample keeps its
+part and row; a part with nothing kept is written empty and complete.
 """
 
 from collections.abc import Callable
+from dataclasses import replace
 
+from tqdm import tqdm
+
+from dflash_train.store_schema.layout import torch_dtype
 from dflash_train.store_schema.sample import Sample
 from dflash_train.store_schema.store import create_store, open_store
 
+KEEP_CONTEXT_DTYPE = "keep"
+"""`copy_store(context_dtype=...)`: store context as the source does."""
 
-def copy_store(src_url: str, dst_url: str, keep: Callable[[Sample], bool] | None = None
-               ) -> tuple[int, int]:
+
+def copy_store(src_url: str, dst_url: str, keep: Callable[[Sample], bool] | None = None, *,
+               hidden_dtype: str | None = None, context_dtype: str | None = KEEP_CONTEXT_DTYPE,
+               progress: bool = False) -> tuple[int, int]:
     """Copy the committed samples of `src_url` that `keep` accepts (all by default) into a new
-    store at `dst_url`; returns (samples kept, samples seen)."""
+    store at `dst_url`; returns (samples kept, samples seen). hidden_dtype: the copy's hidden
+    dtype (None: the source's); context_dtype: how the copy stores context (None: in its
+    hidden dtype; "float8_e4m3": fp8; KEEP_CONTEXT_DTYPE: as the source). The copy's context
+    is the source's as readers see it, cast to the hidden dtype, then encoded: fp8 from a
+    float32 store is thus quantized from bf16 values, as extract in bf16 would."""
     src = open_store(src_url)
-    dst = create_store(dst_url, src.meta, shard_tokens=src.shard_tokens)
+    meta = replace(src.meta, hidden_dtype=hidden_dtype or src.meta.hidden_dtype,
+                   context_dtype=src.meta.context_dtype if context_dtype == KEEP_CONTEXT_DTYPE
+                   else context_dtype, schema_version=None)
+    dtype = torch_dtype(meta.hidden_dtype)
+    dst = create_store(dst_url, meta, shard_tokens=src.shard_tokens)
     rows = src.target_rows()
     dst.write_target_rows(rows["embed_tokens"], rows["lm_head"], rows["final_norm"])
     dst.write_files("target", src.read_files("target"))
     kept = seen = 0
+    bar = tqdm(total=src.num_samples, unit="sample", disable=not progress, desc="copy")
     for part in src.parts():
         writer = dst.part_writer(part.index, part.row_start, part.row_stop)
         for sample in part.iter_samples():
             seen += 1
+            bar.update()
             if keep is None or keep(sample):
-                writer.append(sample)
+                writer.append(replace(sample, context=sample.context.to(dtype)))
                 kept += 1
         writer.finish()
+    bar.close()
     dst.write_files("tokenizer", src.read_files("tokenizer"))  # last: marks the copy usable
     return kept, seen

@@ -3,8 +3,9 @@
 validate() never raises for a problem in the store: every problem becomes a Finding, so one run
 reports all of them. Checks: schema and provenance, each part's commit record and array
 metadata, offsets and source rows, array shapes and dtypes, shards present, checksums (by
-reading every chunk), NaN/Inf, token ids within the vocabulary, verifier top-k ordering; the
-frozen target rows and carried files (metadata and chunks present, checksums).
+reading every chunk), NaN/Inf, token ids within the vocabulary, verifier top-k ordering, an
+fp8 store's scales (finite and > 0, as every writer stores them); the frozen target rows and
+carried files (metadata and chunks present, checksums).
 """
 
 from dataclasses import dataclass
@@ -14,13 +15,15 @@ import zarr
 
 from dflash_train.store_schema.chunks import existing_keys, missing_chunks
 from dflash_train.store_schema.errors import StoreError, one_line
+from dflash_train.store_schema.fp8 import bad_scales
 from dflash_train.store_schema.layout import (
     CONTEXT_INNER_TOKENS,
     PART_KEY,
     SAMPLE_ARRAYS,
-    TOKEN_ARRAYS,
+    context_storage_dtype,
     nonfinite_hidden,
     part_path,
+    token_arrays,
 )
 from dflash_train.store_schema.store import Store, open_store
 
@@ -90,7 +93,7 @@ def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
         rows = (int(record["row_start"]), int(record["row_stop"]))
     except (KeyError, TypeError, ValueError) as e:
         return [Finding(index, None, "record", f"malformed commit record: {e}")]
-    arrays, found = _open_arrays(group, index)
+    arrays, found = _open_arrays(group, index, store.meta.context_dtype)
     if found:
         return found
     found = _check_arrays(store, index, arrays, committed, tokens, complete)
@@ -109,12 +112,13 @@ def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
     return _first_per_sample(found)
 
 
-def _open_arrays(group: zarr.Group, index: int) -> tuple[dict[str, zarr.Array], list[Finding]]:
+def _open_arrays(group: zarr.Group, index: int, context_dtype: str | None
+                 ) -> tuple[dict[str, zarr.Array], list[Finding]]:
     """The part's arrays by name; a torn or undecodable array zarr.json is a finding (without
     its metadata none of the part's samples can be located), a missing array is left to
     _check_arrays."""
     arrays, found = {}, []
-    for name in [a.name for a in TOKEN_ARRAYS] + list(SAMPLE_ARRAYS):
+    for name in [a.name for a in token_arrays(context_dtype)] + list(SAMPLE_ARRAYS):
         try:
             arrays[name] = group[name]
         except KeyError:
@@ -154,8 +158,9 @@ def _check_arrays(store, index, arrays, committed, tokens, complete) -> list[Fin
     f = []
     meta = store.meta
     want_inner = {"context": (meta.num_context_layers, meta.target.hidden_size),
+                  "context_scale": (meta.num_context_layers,),
                   "verifier_topk_ids": (meta.top_k,), "verifier_topk_logits": (meta.top_k,)}
-    for spec in TOKEN_ARRAYS:
+    for spec in token_arrays(meta.context_dtype):
         arr = arrays.get(spec.name)
         if arr is None:
             f.append(Finding(index, None, "layout", f"array {spec.name} is missing"))
@@ -164,6 +169,11 @@ def _check_arrays(store, index, arrays, committed, tokens, complete) -> list[Fin
         if tuple(arr.shape[1:]) != inner:
             f.append(Finding(index, None, "layout", f"{spec.name} has per-token shape "
                              f"{tuple(arr.shape[1:])}, expected {inner}"))
+        dtype = context_storage_dtype(meta.hidden_dtype, meta.context_dtype) \
+            if spec.name == "context" else spec.dtype
+        if np.dtype(arr.dtype) != np.dtype(dtype):  # e.g. an fp8 store's uint8 context
+            f.append(Finding(index, None, "layout", f"{spec.name} holds {arr.dtype}, expected "
+                             f"{np.dtype(dtype)} for {meta.context_encoding} context"))
         if arr.shape[0] < tokens or (complete and arr.shape[0] != tokens):
             f.append(Finding(index, None, "offsets", f"{spec.name} holds {arr.shape[0]} tokens "
                              f"but the commit record says {tokens}"))
@@ -221,7 +231,7 @@ def _check_shards_present(store, index, arrays, tokens, offsets) -> list[Finding
     f = []
     keys = existing_keys(store.root.store,
                          "/".join(p for p in (store.root.path, part_path(index)) if p))
-    for spec in TOKEN_ARRAYS:
+    for spec in token_arrays(store.meta.context_dtype):
         for start, stop, key in missing_chunks(arrays[spec.name], tokens, keys):
             f += _span_findings(index, offsets, start, stop, "missing",
                                 f"{spec.name} chunk '{key}' is missing")
@@ -235,17 +245,21 @@ def _check_data(store, index, arrays, offsets) -> list[Finding]:
     vocab = meta.target.vocab_size
     tokens = int(offsets[-1])
     step = store.shard_tokens
+    specs = token_arrays(meta.context_dtype)
     for start in range(0, tokens, step):
         stop = min(start + step, tokens)
         data = {}
-        for spec in TOKEN_ARRAYS:
+        for spec in specs:
             try:
                 data[spec.name] = arrays[spec.name][start:stop]
             except Exception as e:  # codecs raise ValueError/RuntimeError on corrupt bytes
                 f += _localise_corruption(index, arrays[spec.name], offsets, start, stop, e)
-        if len(data) < len(TOKEN_ARRAYS):
+        if len(data) < len(specs):
             continue
-        f += _check_values(index, offsets, start, data, meta.hidden_dtype, vocab)
+        f += _check_values(index, offsets, start, data, meta.context_encoding, vocab)
+        if "context_scale" in data:
+            f += _check_scales(index, offsets, start, data["context_scale"],
+                               meta.context_layer_ids)
     return f
 
 
@@ -280,6 +294,24 @@ def _check_values(index, offsets, start, data, hidden_dtype, vocab) -> list[Find
     for kind, bad in problems.items():
         for s in sorted({_sample_of(offsets, start + int(t)) for t in np.flatnonzero(bad)}):
             f.append(Finding(index, s, kind, what[kind]))
+    return f
+
+
+def _check_scales(index, offsets, start, scales, layer_ids) -> list[Finding]:
+    """An fp8 scale that no writer stores (NaN, Inf, 0, negative): its row would dequantize
+    to garbage or zeros without any checksum failing (e.g. a chunk rewritten as zeros). One
+    finding per sample, naming its damaged token span and layers."""
+    bad = bad_scales(scales)
+    f = []
+    for s in sorted({_sample_of(offsets, start + int(t)) for t in np.flatnonzero(bad.any(1))}):
+        a, b = max(int(offsets[s]), start), min(int(offsets[s + 1]), start + len(scales))
+        rows = bad[a - start:b - start]
+        tokens = np.flatnonzero(rows.any(1)) + a
+        layers = [layer_ids[i] for i in np.flatnonzero(rows.any(0))]
+        first = scales[tokens[0] - start][rows[tokens[0] - a]][0]
+        f.append(Finding(index, s, "scale", f"context_scale is {first} at {rows.sum()} "
+                         f"(token, layer) rows of tokens [{tokens[0]}, {tokens[-1] + 1}), "
+                         f"layers {layers}: an fp8 scale must be finite and > 0"))
     return f
 
 

@@ -16,7 +16,8 @@ from dflash_train.store_schema import (
 HIDDEN, LAYERS, TOP_K, VOCAB = 16, 3, 4, 97
 
 
-def make_meta(num_parts: int = 2, hidden_dtype: str = "bfloat16", **target) -> StoreMeta:
+def make_meta(num_parts: int = 2, hidden_dtype: str = "bfloat16", context_dtype=None,
+              **target) -> StoreMeta:
     t = dict(name_or_path="tiny", revision=None, model_type="qwen3_5", num_hidden_layers=8,
              hidden_size=HIDDEN, vocab_size=VOCAB, config_sha256="0" * 64)
     t.update(target)
@@ -31,6 +32,7 @@ def make_meta(num_parts: int = 2, hidden_dtype: str = "bfloat16", **target) -> S
         top_k=TOP_K,
         hidden_dtype=hidden_dtype,
         num_parts=num_parts,
+        context_dtype=context_dtype,
     )
 
 

@@ -15,7 +15,7 @@ from dflash_train.store_schema import (
     validate,
 )
 from dflash_train.store_schema.integrity import refuse_unless_skipping
-from dflash_train.store_schema.layout import part_path
+from dflash_train.store_schema.layout import SCHEMA_VERSION, part_path
 from tests.store_schema.conftest import flip_bytes, make_meta, random_sample
 
 SHARD = 1024
@@ -92,11 +92,12 @@ def test_nan_in_context_names_its_sample(store_path):
 def test_schema_version_from_the_future_is_refused(store_path):
     meta_file = store_path / "zarr.json"
     doc = json.loads(meta_file.read_text())
-    doc["attributes"]["dflash"]["schema_version"] = 2
+    doc["attributes"]["dflash"]["schema_version"] = SCHEMA_VERSION + 1
     meta_file.write_text(json.dumps(doc))
     findings = validate(str(store_path))
     assert [(f.part, f.kind) for f in findings] == [(None, "schema")]
-    assert "schema version 2" in findings[0].message and "Upgrade" in findings[0].message
+    message = findings[0].message
+    assert f"schema version {SCHEMA_VERSION + 1}" in message and "Upgrade" in message
 
 
 def test_complete_part_with_a_missing_shard_names_the_samples_it_held(store_path):
