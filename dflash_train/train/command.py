@@ -43,9 +43,12 @@ _FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items
 @click.option("--device", help=f"{DEVICE_HELP}{RANKS_HELP}  [default: {DEFAULT_DEVICE}]")
 @click.option("--seed", type=int, help="Seed of weights, anchors and noise.  [default: 0]")
 @click.option("--set", "sets", multiple=True, metavar="SECTION.FIELD=VALUE",
-              help="Any other setting, e.g. --set optim.weight_decay=0.01, or --set "
-                   "model.kind=dflash2 for a DFlash 2 drafter (model.selector_codebooks, "
-                   "loss.selector_weight, loss.selector_out_of_top_k; repeatable).")
+              help="Any other setting (repeatable), e.g. --set optim.weight_decay=0.01; "
+                   "--set loss.position_weights=dpace for D-PACE weights (loss.dpace_alpha); "
+                   "--set optim.optimizer=muon for Muon on the 2-D weights (optim.muon_lr, "
+                   "...); --set model.kind=dflash2 for a DFlash 2 drafter "
+                   "(model.selector_codebooks, loss.selector_weight, "
+                   "loss.selector_out_of_top_k).")
 @click.option("--fsdp", is_flag=True, default=None,
               help="Under torchrun: shard the drafter with FSDP2 instead of DDP.")
 @click.option("--skip-corrupt", is_flag=True, default=None,
