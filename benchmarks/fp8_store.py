@@ -19,7 +19,6 @@ DIR/results.json. Not a test.
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -35,18 +34,13 @@ from dflash_train.store_schema.layout import FP8_CONTEXT
 from dflash_train.store_schema.subset import copy_store
 from dflash_train.train.data import LoaderConfig, StoreLoader
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+from benchmarks.runs import dflash  # noqa: E402
+
 ARMS = {"bf16": None, "fp8": FP8_CONTEXT}
 TRAIN_SETTINGS = ["model.num_hidden_layers=1", "loader.batch_tokens=4096",
                   "run.anchors_per_seq=16", "optim.lr=3e-3", "run.precision=fp32",
                   "run.device=cpu"]
-
-
-def dflash(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        sys.exit(f"dflash {args[0]} failed:\n{done.stderr[-3000:]}{done.stdout[-3000:]}")
-    return done.stdout
 
 
 def write_copy(src, url: str, context_dtype: str | None, parts: dict) -> float:

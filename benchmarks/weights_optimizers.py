@@ -13,10 +13,11 @@ Runs never overlap; on a shared machine the step times are still noisy. Not a te
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
+from benchmarks.runs import dflash, median_step_s  # noqa: E402
 
 ARMS = {
     "decay-adamw": [],
@@ -24,19 +25,6 @@ ARMS = {
     "decay-muon": ["--set", "optim.optimizer=muon"],
     "dpace-muon": ["--set", "loss.position_weights=dpace", "--set", "optim.optimizer=muon"],
 }
-
-
-def dflash(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        sys.exit(f"dflash {args[0]} failed:\n{done.stderr[-3000:]}{done.stdout[-3000:]}")
-    return done.stdout
-
-
-def median_step_s(run: Path) -> float:
-    steps = [json.loads(line)["step_s"] for line in (run / "log.jsonl").open()]
-    return statistics.median(steps[1:] or steps)  # the first step warms caches up
 
 
 def main() -> None:

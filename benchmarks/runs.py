@@ -1,0 +1,23 @@
+"""Running `dflash` as a user would, for the benchmarks that train and evaluate arms side by
+side (weights_optimizers, dflash2_vs_dflash, fp8_store)."""
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def dflash(*args: str) -> str:
+    """stdout of `python -m dflash_train ARGS`; exits with its output's end when it fails."""
+    done = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        sys.exit(f"dflash {args[0]} failed:\n{done.stderr[-3000:]}{done.stdout[-3000:]}")
+    return done.stdout
+
+
+def median_step_s(run: Path) -> float:
+    """Median seconds per optimiser step of a run directory, from its log.jsonl."""
+    steps = [json.loads(line)["step_s"] for line in (run / "log.jsonl").open()]
+    return statistics.median(steps[1:] or steps)  # the first step warms caches up
