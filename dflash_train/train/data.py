@@ -597,6 +597,10 @@ class _UnitReader:
         return batch
 
 
+PREFETCH_JOIN_S = 60.0
+"""How long closing the loader waits for the batch its thread is building."""
+
+
 def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:
     """Run the iterator in a background thread, `depth` items ahead; re-raise its errors."""
     if depth <= 0:
@@ -633,3 +637,6 @@ def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:
             yield item
     finally:
         stop.set()
+        # Wait for the batch it is building: a thread still inside torch or a codec when the
+        # interpreter exits can abort the process after the run has finished.
+        thread.join(timeout=PREFETCH_JOIN_S)

@@ -2,6 +2,7 @@
 
 import platform
 import sys
+import threading
 
 import pytest
 import torch
@@ -183,3 +184,15 @@ def test_glibc_mmap_threshold_is_pinned_unless_the_user_set_it(monkeypatch):
     assert pin_mmap_threshold() is False
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     assert pin_mmap_threshold() is True
+
+
+def test_a_loader_closed_mid_epoch_leaves_no_prefetch_thread_working(store_url):
+    """A run that stops at max_steps closes the loader while its thread builds the next
+    batch; a thread left inside torch at interpreter exit can abort the finished process."""
+    before = set(threading.enumerate())
+    batches = StoreLoader([store_url], _cfg(prefetch_batches=2)).epoch(0)
+    next(batches)
+    started = set(threading.enumerate()) - before
+    assert started, "the loader prefetches in a thread of its own"
+    batches.close()
+    assert not any(t.is_alive() for t in started)
