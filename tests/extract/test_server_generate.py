@@ -24,6 +24,7 @@ from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.server_generate import ReplyError, match_model, read_completion
 from dflash_train.extract.writer import KILL_AFTER_ENV
 from dflash_train.store_schema import open_store, validate
+from dflash_train.store_schema.info import top1_agreement
 from tests.evaluate.conftest import EOS_ID, save_eos_target
 
 NEW = 8
@@ -123,6 +124,8 @@ def test_a_store_regenerated_through_servers_equals_the_builtin_one(target, data
                         server_requests=3)
         assert_same_samples(store_samples(out), builtin)
         assert validate(out) == []
+        agree, answers = top1_agreement(open_store(out))  # one fp32 model on both sides
+        assert agree == answers == sum(int(s.loss_mask.sum()) for s in builtin)
         # both servers did their share, each prompt was asked once
         assert all(s.prompts for s in servers)
         assert sum(len(s.prompts) for s in servers) == len(builtin)
