@@ -173,16 +173,14 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
             on_done(len(new))
         return row, new
 
-    made: dict[int, list[int]] = {}
-    with ThreadPoolExecutor(max_workers=in_flight) as pool:
+    pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="dflash-server")
+    try:
         futures = [pool.submit(one, i, row, p) for i, (row, p) in enumerate(prompts)]
-        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        failed = [f for f in futures if f.done() and not f.cancelled() and f.exception()]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f.done() and f.exception() is not None]
         if failed:
             raise failed[0].exception()
-        for f in futures:
-            row, new = f.result()
-            made[row] = new
-    return made
+        return dict(f.result() for f in futures)
+    finally:
+        # on a failure or Ctrl-C: drop the queued requests, leave the in-flight ones be
+        pool.shutdown(wait=False, cancel_futures=True)
