@@ -84,6 +84,14 @@ def _rank_and_world() -> tuple[int, int]:
 @click.option("--dry-run", is_flag=True,
               help="Print bytes/token, total size and the parts plan; load no model.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+@click.option("--server", "servers", multiple=True, metavar="URL",
+              help="With --regenerate: an OpenAI-compatible server (vLLM) serving --model, "
+                   "e.g. http://127.0.0.1:8000, that generates instead of the loaded target "
+                   "(prompts and completions as token ids, greedy); repeat for several. "
+                   "One serving another model is refused before anything is written.")
+@click.option("--server-requests", default=_DEFAULTS.server_requests, show_default=True,
+              type=click.IntRange(1),
+              help="Completion requests in flight at once across all --server URLs.")
 def extract(**options) -> None:
     """Run the target once over a dataset and fill a feature store.
 
@@ -92,6 +100,7 @@ def extract(**options) -> None:
     from dflash_train.extract.pipeline import run_extract
 
     options["data"] = list(options["data"])
+    options["servers"] = list(options["servers"])
     cfg = ExtractConfig(**options)
     try:
         rank, world = _rank_and_world()

@@ -63,3 +63,8 @@ class ExtractConfig:
     """Show a progress bar."""
     extra: dict = field(default_factory=dict)
     """Free-form provenance recorded in the store."""
+    servers: list[str] = field(default_factory=list)
+    """OpenAI-compatible servers (vLLM) serving the target that generate for `regenerate`
+    instead of the loaded target; empty: the built-in generation."""
+    server_requests: int = 32
+    """Completion requests in flight at once across `servers` (bounds their memory too)."""

@@ -54,6 +54,7 @@ from dflash_train.extract.prepare import (
     render_rows,
     shrink_total,
 )
+from dflash_train.extract.server_generate import Server, check_servers
 from dflash_train.extract.verifier import verifier_topk
 from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
 from dflash_train.store_schema import (
@@ -169,6 +170,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
                "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None, **cfg.extra},
     )
     _refuse_different_store(cfg.out, meta, echo if rank == 0 else lambda *_: None)
+    servers = _checked_servers(cfg, info, scanned)
 
     target = load_target(cfg.model, device=str(device), dtype=dtype, load_as=cfg.load_as,
                          revision=cfg.revision, progress=cfg.progress)
@@ -178,9 +180,22 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
         echo(note)
     try:
         return _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids, mine,
-                           scanned, bpt, rank, world_size)
+                           scanned, bpt, rank, world_size, servers)
     except OSError as e:
         raise ExtractError(_write_failure(cfg.out, e)) from e
+
+
+def _checked_servers(cfg: ExtractConfig, info: TargetInfo, scanned: list[Item]
+                     ) -> list[Server]:
+    """--server URLs checked to serve the target before the model loads or a sample is
+    written; a server must hold a prompt and its completion up to max_length."""
+    if not cfg.servers:
+        return []
+    if not cfg.regenerate:
+        raise ExtractError("--server generates answers: it needs --regenerate")
+    longest = max((len(i.input_ids) for i in scanned), default=0)
+    need = min(cfg.max_length, longest + cfg.max_new_tokens)
+    return check_servers(cfg.servers, [cfg.model, info.name_or_path], need)
 
 
 def _write_failure(out: str, e: OSError) -> str:
@@ -194,7 +209,7 @@ def _write_failure(out: str, e: OSError) -> str:
 def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
                 tok_files: dict[str, bytes], source: ChatSource, tokenizer, layer_ids: list[int],
                 mine: list[PartPlan], scanned: list[Item], bpt: int, rank: int,
-                world_size: int) -> Summary:
+                world_size: int, servers: list[Server]) -> Summary:
     """Create or reopen the store, copy the frozen rows, extract my parts."""
     with _exclusive(cfg.out, "create", wait=True):
         store = create_store(cfg.out, meta, shard_tokens=cfg.shard_tokens)
@@ -219,7 +234,7 @@ def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
         for part in mine:
             with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
                 _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
-                              writer, bars, planned, summary)
+                              writer, bars, planned, summary, servers)
                 writer.wait()  # the claim must outlive the part's last write
     finally:
         bars.close()
@@ -357,7 +372,8 @@ def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]
 
 def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
                   layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter,
-                  bars: Bars, planned: dict[int, int], summary: Summary) -> None:
+                  bars: Bars, planned: dict[int, int], summary: Summary,
+                  servers: list[Server]) -> None:
     pw = store.part_writer(part.index, part.row_start, part.row_stop, FLUSH_SHARDS)
     budget = sum(planned.get(row, 0) for row in range(part.row_start, part.row_stop))
     if pw.complete:
@@ -378,7 +394,8 @@ def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, t
         for p in prompts:
             if p.row >= first:
                 prompt_fits(p, cfg, counts)
-        todo = regenerate_items(target.model, tokenizer, fitting, cfg, first, bars.generate)
+        todo = regenerate_items(target.model, tokenizer, fitting, cfg, first, bars.generate,
+                                servers, target.info.vocab_size)
     todo = [k for i in todo if (k := apply_length_policy(i, cfg, counts)) is not None]
     shrink_total(bars.forward, budget - sum(len(i.input_ids) for i in todo))
     summary.counts.add(counts)

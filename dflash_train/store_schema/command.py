@@ -6,7 +6,7 @@ import sys
 import click
 
 from dflash_train.store_schema.errors import StoreError
-from dflash_train.store_schema.info import summarize
+from dflash_train.store_schema.info import summarize, top1_agreement
 from dflash_train.store_schema.integrity import check_before_reading, refusal
 from dflash_train.store_schema.layout import FP8_CONTEXT, HIDDEN_DTYPES
 from dflash_train.store_schema.stats import store_stats
@@ -28,6 +28,7 @@ def info(path: str, as_json: bool) -> None:
     try:
         s = open_store(path)
         summary = summarize(s)
+        agree, answers = top1_agreement(s) if s.meta.source.regenerated else (0, 0)
     except StoreError as e:
         raise click.ClickException(str(e)) from e
     meta = s.meta
@@ -35,7 +36,8 @@ def info(path: str, as_json: bool) -> None:
         out = {"meta": meta.to_dict(), "shard_tokens": s.shard_tokens, **vars(summary),
                "bytes_per_token": summary.bytes_per_token,
                "context_bytes_per_token": summary.context_bytes_per_token,
-               "compression_ratio": summary.compression_ratio}
+               "compression_ratio": summary.compression_ratio,
+               "top1_agreement": [agree, answers] if meta.source.regenerated else None}
         click.echo(json.dumps(out, indent=2))
         return
     t = meta.target
@@ -68,6 +70,10 @@ def info(path: str, as_json: bool) -> None:
         + (f"; DAMAGED {_short(summary.parts_damaged)} (metadata unreadable: run "
            f"`dflash store validate {path}`)" if summary.parts_damaged else ""),
     ]
+    if answers:
+        lines.append(f"top-1 agree    {agree:,} of {answers:,} regenerated tokens "
+                     f"({agree / answers:.2%}) equal the forward's top-1 (offline == live "
+                     "only where they do)")
     if summary.frozen_damaged:
         lines.append(f"DAMAGED        {', '.join(summary.frozen_damaged)} (run `dflash store "
                      f"validate {path}`)")

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+import numpy as np
 from zarr.core.sync import sync
 
 from dflash_train.store_schema.errors import StoreError
@@ -124,3 +125,26 @@ def _prod(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def top1_agreement(store: Store, window: int = 1 << 18) -> tuple[int, int]:
+    """(answer tokens equal to the extract forward's top-1 at the token before them, answer
+    tokens) over the readable parts' committed samples. On a regenerated store anything
+    short of all of them is generation drift (a server's kernels or dtype against this
+    forward), and offline replay equals live decoding only where they agree. Reads three
+    token arrays `window` tokens at a time."""
+    agree = total = 0
+    damaged = set(store.unreadable_parts())
+    for p in store.parts():
+        if p.index in damaged or not p.num_tokens:
+            continue
+        starts = p.offsets()[:-1]
+        for lo in range(0, p.num_tokens, window):
+            a, hi = max(lo - 1, 0), min(p.num_tokens, lo + window)
+            t = p.read_tokens(a, hi, ("input_ids", "loss_mask", "verifier_topk_ids"))
+            # label positions a+1 .. hi-1, each predicted by the token before it
+            keep = t["loss_mask"][1:] & ~np.isin(np.arange(a + 1, hi), starts)
+            hits = t["input_ids"][1:] == t["verifier_topk_ids"][:-1, 0]
+            agree += int(hits[keep].sum())
+            total += int(keep.sum())
+    return agree, total

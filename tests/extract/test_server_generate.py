@@ -1,0 +1,229 @@
+"""`extract --regenerate --server URL`: a fake vLLM (http.server in a thread, answering from the
+tiny target's own greedy decoding without a cache) must give the built-in store token for token;
+a server of another model, an error or a malformed reply is refused naming what and where."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    assert_same_samples,
+    cli_args,
+    make_chats,
+    run_cli,
+    run_extract_cfg,
+    store_samples,
+    write_jsonl,
+)
+from transformers import AutoModelForCausalLM
+
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.server_generate import ReplyError, match_model, read_completion
+from dflash_train.extract.writer import KILL_AFTER_ENV
+from dflash_train.store_schema import open_store, validate
+from dflash_train.store_schema.info import top1_agreement
+from tests.evaluate.conftest import EOS_ID, save_eos_target
+
+NEW = 8
+
+
+class FakeVllm:
+    """Answers /v1/models and /v1/completions as vLLM does (token ids in, token ids out)."""
+
+    def __init__(self, model_dir: str, served_id: str | None = None, max_model_len: int = 4096):
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.card = {"id": served_id or model_dir, "object": "model", "root": served_id or
+                     model_dir, "max_model_len": max_model_len}
+        self.lock = threading.Lock()
+        self.prompts: list[list[int]] = []
+        self.fail: dict[tuple, tuple[int, dict]] = {}
+        """prompt ids -> (HTTP status, body) answered instead of a completion."""
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._send(200, {"object": "list", "data": [fake.card]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._send(*fake.complete(body))
+
+            def _send(self, status: int, reply: dict):
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def complete(self, body: dict) -> tuple[int, dict]:
+        prompt = body["prompt"]
+        with self.lock:
+            self.prompts.append(prompt)
+        if tuple(prompt) in self.fail:
+            return self.fail[tuple(prompt)]
+        assert body["temperature"] == 0 and body["return_token_ids"] is True
+        assert body["model"] == self.card["id"]
+        ids, stop = list(prompt), set(body["stop_token_ids"])
+        with self.lock, torch.no_grad():
+            for _ in range(body["max_tokens"]):
+                ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
+                if ids[-1] in stop:
+                    break
+        new = ids[len(prompt):]
+        finish = "stop" if new[-1] in stop else "length"
+        return 200, {"choices": [{"index": 0, "text": "", "token_ids": new,
+                                  "prompt_token_ids": prompt, "finish_reason": finish}]}
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return save_eos_target(tmp_path_factory.mktemp("eos_target"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", make_chats(14))
+
+
+@pytest.fixture(scope="module")
+def builtin(target, data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("builtin") / "hs.zarr")
+    run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=NEW)
+    return store_samples(out)
+
+
+@pytest.fixture
+def server(target):
+    fake = FakeVllm(target)
+    yield fake
+    fake.close()
+
+
+def test_a_store_regenerated_through_servers_equals_the_builtin_one(target, data, builtin,
+                                                                    tmp_path):
+    servers = [FakeVllm(target), FakeVllm(target)]
+    try:
+        out = str(tmp_path / "hs.zarr")
+        run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=NEW,
+                        servers=[s.url for s in servers[:1]] + [servers[1].url + "/v1/"],
+                        server_requests=3)
+        assert_same_samples(store_samples(out), builtin)
+        assert validate(out) == []
+        agree, answers = top1_agreement(open_store(out))  # one fp32 model on both sides
+        assert agree == answers == sum(int(s.loss_mask.sum()) for s in builtin)
+        # both servers did their share, each prompt was asked once
+        assert all(s.prompts for s in servers)
+        assert sum(len(s.prompts) for s in servers) == len(builtin)
+    finally:
+        for s in servers:
+            s.close()
+    ends = [s.input_ids[-1].item() == EOS_ID for s in builtin]
+    assert any(ends) and not all(ends), "test needs answers ending on eos and on the cap"
+
+
+def test_a_server_of_another_model_is_refused_before_anything_is_written(target, data,
+                                                                          tmp_path):
+    other = FakeVllm(target, served_id="Qwen/Qwen3-8B")
+    try:
+        out = tmp_path / "hs.zarr"
+        with pytest.raises(ExtractError, match=r"serves \['Qwen/Qwen3-8B'\], not --model"):
+            run_extract_cfg(target, data, str(out), regenerate=True, max_new_tokens=NEW,
+                            servers=[other.url])
+        assert not out.exists() and other.prompts == []
+    finally:
+        other.close()
+
+
+def test_a_server_too_short_for_the_samples_is_refused(target, data, tmp_path):
+    short = FakeVllm(target, served_id=Path(target).name, max_model_len=8)
+    try:
+        with pytest.raises(ExtractError, match="max_model_len 8.*--max-model-len"):
+            run_extract_cfg(target, data, str(tmp_path / "hs.zarr"), regenerate=True,
+                            max_new_tokens=NEW, servers=[short.url])
+    finally:
+        short.close()
+
+
+def test_server_needs_regenerate(target, data, server, tmp_path):
+    with pytest.raises(ExtractError, match="needs --regenerate"):
+        run_extract_cfg(target, data, str(tmp_path / "hs.zarr"), servers=[server.url])
+
+
+def test_a_server_error_names_the_row_and_the_server(target, data, builtin, server,
+                                                     tmp_path):
+    row = builtin[7]
+    prompt = row.input_ids[~row.loss_mask].tolist()
+    server.fail[tuple(prompt)] = (500, {"error": "out of memory"})
+    with pytest.raises(ExtractError, match=rf"row 7: --server {server.url}: HTTP 500 .*"
+                                           "out of memory"):
+        run_extract_cfg(target, data, str(tmp_path / "hs.zarr"), regenerate=True,
+                        max_new_tokens=NEW, servers=[server.url])
+
+
+def test_a_killed_run_resumes_without_asking_for_what_it_kept(target, data, builtin, server,
+                                                               tmp_path):
+    out = str(tmp_path / "hs.zarr")
+    args = cli_args(target, data, out) + ["--regenerate", "--max-new-tokens", str(NEW),
+                                          "--server", server.url]
+    killed = run_cli(args, **{KILL_AFTER_ENV: "4"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    kept = {int(r) for p in open_store(out).parts() for r in p.sources()}
+    assert kept and len(kept) < len(builtin)
+    server.prompts.clear()
+    run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=NEW,
+                    servers=[server.url])
+    assert_same_samples(store_samples(out), builtin)
+    kept_prompts = [s.input_ids[~s.loss_mask].tolist() for s in builtin if s.source_row in kept]
+    assert not any(p in server.prompts for p in kept_prompts)
+    assert len(server.prompts) == len(builtin) - len(kept)
+
+
+def _reply(ids, **choice) -> dict:
+    return {"choices": [{"token_ids": ids, **choice}]}
+
+
+@pytest.mark.parametrize("reply, why", [
+    ({"choices": []}, "no single choice"),
+    (_reply(None, text="a b c"), "no token ids"),
+    (_reply([1, 2.0, 3, 4]), "token id 2.0 is not"),
+    (_reply([1, float("nan"), 3, 4]), "token id nan is not"),
+    (_reply([1, True, 3, 4]), "token id True is not"),
+    (_reply([1, 500, 3, 4]), "token id 500 is not"),
+    (_reply([1, -1, 3, 4]), "token id -1 is not"),
+    (_reply([5, 6], finish_reason="stop"), "2 tokens, no eos and not the 4 asked"),
+    (_reply([5, 6, 7, 8, 9]), "5 tokens, no eos"),
+    (_reply([5, 6, 7, 8], prompt_token_ids=[1, 2]), "another prompt"),
+])
+def test_malformed_replies_are_refused(reply, why):
+    with pytest.raises(ReplyError, match=why):
+        read_completion(reply, [1, 2, 3], max_tokens=4, eos_ids=[3], vocab_size=300)
+
+
+def test_a_completion_is_kept_verbatim_up_to_its_first_eos():
+    assert read_completion(_reply([5, 3, 7]), [1], 4, [3], 300) == [5, 3]
+    assert read_completion(_reply([5, 6, 7, 8]), [1], 4, [3], 300) == [5, 6, 7, 8]
+
+
+def test_models_are_matched_by_id_root_or_last_path_component():
+    card = {"id": "tiny", "root": "/models/qwen3-tiny", "max_model_len": 64}
+    for target in ("tiny", "/models/qwen3-tiny", "/elsewhere/qwen3-tiny/", "org/qwen3-tiny"):
+        assert match_model("u", {"data": [card]}, [target], 64).model == "tiny"
+    with pytest.raises(ExtractError, match="not --model qwen3-big"):
+        match_model("u", {"data": [card]}, ["qwen3-big"], 64)
+    with pytest.raises(ExtractError, match="no list of models"):
+        match_model("u", {"object": "list"}, ["tiny"], 64)
