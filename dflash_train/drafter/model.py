@@ -53,6 +53,8 @@ AttentionBackend = Literal["auto", "flex", "dense", "split"]
 KeysValues = tuple[torch.Tensor, torch.Tensor]
 Attend = Callable[[torch.Tensor, KeysValues, KeysValues], torch.Tensor]
 """attend(queries, context (keys, values), the blocks' own (keys, values)) -> outputs."""
+PROPOSE_CHUNK_BLOCKS = 64
+"""Blocks whose full logits [S, V] `propose` holds at once (64 x 15 x 248K fp32 is ~1 GB)."""
 
 _compiled_flex: Callable | None = None
 
@@ -293,15 +295,23 @@ class DFlashDrafter(nn.Module):
             raise DrafterError("no target lm_head attached; call attach_target_head first")
         return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
 
-    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+                chunk_blocks: int = PROPOSE_CHUNK_BLOCKS) -> torch.Tensor:
         """Greedy drafts [..., S] of a block's slots 1..S (hidden [..., S, H] after the
         final norm) whose anchor tokens are anchor_ids [...]: each slot's argmax logit, or
-        for DFlash 2 the selector's walk from the anchor over each slot's top candidates."""
-        logits = self.logits(hidden)
-        if self.candidate_selector is None:
-            return logits.argmax(-1)
-        return self.candidate_selector.walk(hidden, logits, anchor_ids,
-                                            self.target_embed_tokens)
+        for DFlash 2 the selector's walk from the anchor over each slot's top candidates.
+        `chunk_blocks` blocks' [S, V] logits at a time."""
+        flat, anchors = hidden.reshape(-1, *hidden.shape[-2:]), anchor_ids.reshape(-1)
+        drafts = []
+        for start in range(0, flat.shape[0], chunk_blocks):
+            h = flat[start:start + chunk_blocks]
+            logits = self.logits(h)
+            drafts.append(logits.argmax(-1) if self.candidate_selector is None else
+                          self.candidate_selector.walk(h, logits, anchors[start:start +
+                                                       chunk_blocks], self.target_embed_tokens))
+        if not drafts:
+            return flat.new_zeros(flat.shape[:-1], dtype=torch.long).reshape(hidden.shape[:-1])
+        return torch.cat(drafts).reshape(hidden.shape[:-1])
 
     def project_context(self, context: torch.Tensor) -> torch.Tensor:
         """ctx = hidden_norm(fc(features)); features [N, T, n, H] or [N, T, n*H]."""

@@ -18,10 +18,7 @@ import torch.nn.functional as F
 
 from dflash_train.blocks import draft_topk
 from dflash_train.drafter import ContextCache, DFlashDrafter, build_block_ids
-
-WALK_CHUNK_BLOCKS = 64
-"""Blocks whose full logits [B-1, V] the DFlash 2 walk holds at once (64 x 15 x 248K fp32 is
-~1 GB; the argmax path's draft_topk chunks its rows the same way)."""
+from dflash_train.drafter.model import PROPOSE_CHUNK_BLOCKS
 
 
 class BlockDrafter:
@@ -95,7 +92,7 @@ class BlockDrafter:
         return F.pad(logp, pad).cpu(), F.pad(ids, pad, value=-1).cpu()
 
     def _walk(self, slots: torch.Tensor, anchor_tokens: torch.Tensor,
-              chunk: int = WALK_CHUNK_BLOCKS) -> tuple[torch.Tensor, torch.Tensor]:
+              chunk: int = PROPOSE_CHUNK_BLOCKS) -> tuple[torch.Tensor, torch.Tensor]:
         """The selector walk [N, K, S] of blocks' slots [N, K, S, H] and each chosen token's
         fp32 log-prob under its slot's logits, `chunk` blocks of [S, V] logits at a time."""
         flat, anchors = slots.flatten(0, 1), anchor_tokens.flatten()

@@ -121,6 +121,9 @@ def test_the_walk_takes_any_leading_shape():
             for k in range(4):
                 one = model.propose(hidden[s, k][None], ids[s, k, :1])[0]
                 assert torch.equal(walks[s, k], one)
+        # chunked over blocks (logits [S, V] of `chunk_blocks` blocks at a time): the same walks
+        for chunk in (1, 3):
+            assert torch.equal(model.propose(hidden, ids[:, :, 0], chunk_blocks=chunk), walks)
 
 
 def test_the_convs_learn_from_their_identity_init():
