@@ -260,6 +260,13 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    def __post_init__(self) -> None:
+        # Checked here, across sections, so the run is refused before its directory exists.
+        if self.model.kind == "dflash2" and self.loss.kind == "kl-topk":
+            raise TrainError("loss.kind kl-topk does not train a DFlash 2 selector (its term "
+                             "is a hard CE over each slot's top-K); use loss.kind ce with "
+                             "model.kind dflash2")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -522,6 +522,16 @@ def test_a_selector_weight_of_zero_trains_no_selector(synthetic_store, tmp_path)
     assert torch.all(model.candidate_selector.successor_codebook == 0)
 
 
+def test_dflash2_with_the_kl_loss_is_refused_before_the_run_dir_exists(synthetic_store,
+                                                                       tmp_path):
+    out = tmp_path / "kl"
+    result = CliRunner().invoke(main, ["train", "--store", synthetic_store, "--out", str(out),
+                                       "--set", "model.kind=dflash2", "--set",
+                                       "loss.kind=kl-topk", "--no-progress"])
+    assert result.exit_code != 0 and "kl-topk does not train a DFlash 2" in result.output
+    assert "Traceback" not in result.output and not out.exists()
+
+
 def test_dflash2_settings_are_checked_against_the_kind(synthetic_store, tmp_path):
     with pytest.raises(TrainError, match="model.selector_rank must be left unset unless"):
         load_config(None, {"model.selector_rank": 8})
