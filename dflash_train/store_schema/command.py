@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from dflash_train.store_schema.errors import StoreError
+from dflash_train.store_schema.errors import StoreError, one_line
 from dflash_train.store_schema.info import summarize, top1_agreement
 from dflash_train.store_schema.integrity import check_before_reading, refusal
 from dflash_train.store_schema.layout import FP8_CONTEXT, HIDDEN_DTYPES
@@ -20,6 +20,15 @@ def store() -> None:
     """Inspect and check a feature store (local path or fsspec URL such as s3://b/hs.zarr)."""
 
 
+def _agreement(s) -> tuple[int, int] | str:
+    """top1_agreement, or why it cannot be read: info still describes a damaged store."""
+    try:
+        return top1_agreement(s)
+    except Exception as e:  # zarr and the codecs raise ValueError, RuntimeError, OSError, ...
+        return one_line(f"a token array cannot be read ({type(e).__name__}: {e}); run "
+                        f"`dflash store validate`")
+
+
 @store.command("info")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
@@ -28,16 +37,16 @@ def info(path: str, as_json: bool) -> None:
     try:
         s = open_store(path)
         summary = summarize(s)
-        agree, answers = top1_agreement(s) if s.meta.source.regenerated else (0, 0)
     except StoreError as e:
         raise click.ClickException(str(e)) from e
+    agreement = _agreement(s) if s.meta.source.regenerated else None
     meta = s.meta
     if as_json:
         out = {"meta": meta.to_dict(), "shard_tokens": s.shard_tokens, **vars(summary),
                "bytes_per_token": summary.bytes_per_token,
                "context_bytes_per_token": summary.context_bytes_per_token,
                "compression_ratio": summary.compression_ratio,
-               "top1_agreement": [agree, answers] if meta.source.regenerated else None}
+               "top1_agreement": list(agreement) if isinstance(agreement, tuple) else None}
         click.echo(json.dumps(out, indent=2))
         return
     t = meta.target
@@ -70,7 +79,10 @@ def info(path: str, as_json: bool) -> None:
         + (f"; DAMAGED {_short(summary.parts_damaged)} (metadata unreadable: run "
            f"`dflash store validate {path}`)" if summary.parts_damaged else ""),
     ]
-    if answers:
+    if isinstance(agreement, str):
+        lines.append(f"top-1 agree    n/a: {agreement}")
+    elif agreement and agreement[1]:
+        agree, answers = agreement
         lines.append(f"top-1 agree    {agree:,} of {answers:,} regenerated tokens "
                      f"({agree / answers:.2%}) equal the forward's top-1 (offline == live "
                      "only where they do)")

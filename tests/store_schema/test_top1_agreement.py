@@ -57,3 +57,16 @@ def test_info_reports_it_for_regenerated_stores_only(tmp_path):
     assert json.loads(CliRunner().invoke(store, ["info", regen, "--json"]).output)[
         "top1_agreement"] == [agree, total]
     assert "top-1 agree" not in CliRunner().invoke(store, ["info", plain]).output
+
+
+def test_info_still_describes_a_regenerated_store_whose_token_bytes_are_damaged(tmp_path):
+    url = write_synthetic_store(str(tmp_path / "r.zarr"), _samples(2), regenerated=True)
+    chunk = next(p for p in (tmp_path / "r.zarr" / "parts").glob("*/input_ids/c/*")
+                 if p.is_file())
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    result = CliRunner().invoke(store, ["info", url])
+    assert result.exit_code == 0, result.output
+    assert "top-1 agree    n/a: a token array cannot be read" in result.output
+    assert "dflash store validate" in result.output
