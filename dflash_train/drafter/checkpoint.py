@@ -64,7 +64,7 @@ from dflash_train.drafter.config import (
     DrafterConfig,
     DrafterKind,
 )
-from dflash_train.drafter.dflash2 import FACTORS
+from dflash_train.drafter.dflash2 import FACTORS, embedded_codebook
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.model import DFlashDrafter
 from dflash_train.hashing import file_sha256
@@ -325,7 +325,7 @@ def with_materialised_codebooks(model: DFlashDrafter, weights: dict[str, torch.T
     out = dict(weights)
     for name, factor in FACTORS.items():
         w = weights[f"candidate_selector.{factor}"]
-        out[f"candidate_selector.{name}"] = (embed.to(w.device, w.dtype) @ w).detach()
+        out[f"candidate_selector.{name}"] = embedded_codebook(embed, w.detach())
     return out
 
 

@@ -101,6 +101,18 @@ FACTORS = {"predecessor_codebook": "predecessor_factor", "successor_codebook": "
 """Codebook name -> the [H, r] factor W a factorised selector trains in its place (A = E W)."""
 
 
+CODEBOOK_ROWS = 16384
+"""Embedding rows per matmul when a factorised codebook E W is materialised."""
+
+
+@torch.no_grad()
+def embedded_codebook(embed: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """E W [V, r] in factor's dtype and device, CODEBOOK_ROWS rows of E at a time: a whole
+    float32 copy of a 248K x 5120 bf16 embedding would be 5 GB beside the run."""
+    return torch.cat([embed[a:a + CODEBOOK_ROWS].to(factor.device, factor.dtype) @ factor
+                      for a in range(0, embed.shape[0], CODEBOOK_ROWS)])
+
+
 class CandidateSelector(nn.Module):
     """Rescores each slot's top-K candidates by its predecessor token; walks a block.
 
@@ -160,7 +172,7 @@ class CandidateSelector(nn.Module):
         if embed is None:
             raise ValueError("materialising factorised codebooks needs the target's token "
                              "embedding; attach the target head first")
-        return {name: embed.to(getattr(self, factor).dtype) @ getattr(self, factor).detach()
+        return {name: embedded_codebook(embed, getattr(self, factor).detach())
                 for name, factor in FACTORS.items()}
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -294,3 +294,16 @@ def test_a_warm_start_copies_the_backbone_and_starts_as_the_dflash_drafter():
                                dflash.logits(want[:, :, 1:]).argmax(-1))
     with pytest.raises(DrafterError, match="takes a DFlash drafter"):
         dflash2_from(tiny_dflash2(1))
+
+
+def test_a_factorised_codebook_materialises_in_row_chunks_as_one_product(monkeypatch):
+    from dflash_train.drafter import dflash2
+
+    embed = torch.randn(103, 12, dtype=torch.bfloat16)
+    factor = torch.randn(12, 5, dtype=torch.float64)
+    whole = embed.double() @ factor
+    for rows in (1, 10, 103, 1000):
+        monkeypatch.setattr(dflash2, "CODEBOOK_ROWS", rows)
+        got = dflash2.embedded_codebook(embed, factor)
+        assert got.dtype == torch.float64 and got.shape == (103, 5)
+        torch.testing.assert_close(got, whole, rtol=0, atol=0)
