@@ -8,10 +8,11 @@ writes the store; the target's forward still runs in extract itself.
 """
 
 import json
+import queue
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -173,14 +174,42 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
             on_done(len(new))
         return row, new
 
-    pool = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="dflash-server")
+    # Daemon threads, not a ThreadPoolExecutor: after the first failure (or Ctrl-C) the
+    # error is raised at once and the process may exit while other generations are still
+    # in flight; an executor's threads are joined at exit, up to COMPLETION_TIMEOUT_S each.
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    for job in enumerate(prompts):
+        jobs.put(job)
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    stop, ended = threading.Event(), threading.Semaphore(0)
+
+    def worker() -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    i, (row, prompt) = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                row, new = one(i, row, prompt)
+                results[row] = new
+        except BaseException as e:  # raised in the caller's thread, below
+            errors.append(e)
+            stop.set()
+        finally:
+            ended.release()
+
+    workers = [threading.Thread(target=worker, daemon=True, name=f"dflash-server-{n}")
+               for n in range(max(1, min(in_flight, len(prompts))))]
+    for w in workers:
+        w.start()
     try:
-        futures = [pool.submit(one, i, row, p) for i, (row, p) in enumerate(prompts)]
-        wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in futures if f.done() and f.exception() is not None]
-        if failed:
-            raise failed[0].exception()
-        return dict(f.result() for f in futures)
+        for _ in workers:
+            ended.acquire()
+            if errors:
+                break
     finally:
-        # on a failure or Ctrl-C: drop the queued requests, leave the in-flight ones be
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop.set()
+    if errors:
+        raise errors[0]
+    return {row: results[row] for row, _ in prompts}

@@ -3,7 +3,10 @@ tiny target's own greedy decoding without a cache) must give the built-in store 
 a server of another model, an error or a malformed reply is refused naming what and where."""
 
 import json
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -227,3 +230,43 @@ def test_models_are_matched_by_id_root_or_last_path_component():
         match_model("u", {"data": [card]}, ["qwen3-big"], 64)
     with pytest.raises(ExtractError, match="no list of models"):
         match_model("u", {"object": "list"}, ["tiny"], 64)
+
+
+SLOW_SERVER_RUN = r'''
+import json, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.server_generate import Server, server_continuations
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["prompt"] != [1]:
+            time.sleep(30)  # a long generation still in flight
+        data = b'{"choices": []}'  # prompt [1]: a malformed reply, at once
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+threading.Thread(target=httpd.serve_forever, daemon=True).start()
+server = Server(f"http://127.0.0.1:{httpd.server_address[1]}", "m", None)
+try:
+    server_continuations([server], [(5, [2]), (6, [3]), (7, [1])], max_new_tokens=4,
+                         eos_ids=[0], vocab_size=10, in_flight=3)
+except ExtractError as e:
+    print(e)
+    sys.exit(3)
+'''
+
+
+def test_a_failed_request_ends_the_process_without_waiting_for_those_in_flight():
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", SLOW_SERVER_RUN], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "row 7: --server http://127.0.0.1:" in done.stdout
+    assert time.monotonic() - start < 20  # the two other requests would hold it 30 s
