@@ -188,13 +188,15 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
 def _checked_servers(cfg: ExtractConfig, info: TargetInfo, scanned: list[Item]
                      ) -> list[Server]:
     """--server URLs checked to serve the target before the model loads or a sample is
-    written; a server must hold a prompt and its completion up to max_length."""
+    written; a server must hold a prompt and its completion up to max_length + 1 tokens, so
+    an answer that runs past max_length reaches --overlong as the built-in path's does
+    (skipped or truncated there, never silently kept at exactly max_length)."""
     if not cfg.servers:
         return []
     if not cfg.regenerate:
         raise ExtractError("--server generates answers: it needs --regenerate")
     longest = max((len(i.input_ids) for i in scanned), default=0)
-    need = min(cfg.max_length, longest + cfg.max_new_tokens)
+    need = min(cfg.max_length + 1, longest + cfg.max_new_tokens)
     return check_servers(cfg.servers, [cfg.model, info.name_or_path], need)
 
 

@@ -270,3 +270,25 @@ def test_a_failed_request_ends_the_process_without_waiting_for_those_in_flight()
     assert done.returncode == 3, done.stderr[-2000:]
     assert "row 7: --server http://127.0.0.1:" in done.stdout
     assert time.monotonic() - start < 20  # the two other requests would hold it 30 s
+
+
+def test_answers_running_past_max_length_meet_overlong_as_the_builtin_ones_do(target, data,
+                                                                               tmp_path):
+    """A server must hold max_length + 1 tokens: one capped at exactly max_length would hand
+    back answers cut to fit, which --overlong skip then keeps where the built-in path skips."""
+    settings = dict(regenerate=True, max_new_tokens=NEW, max_length=34, overlong="skip")
+    run_extract_cfg(target, data, str(tmp_path / "builtin.zarr"), **settings)
+    builtin = store_samples(str(tmp_path / "builtin.zarr"))
+    assert 0 < len(builtin) < 14  # some answers ran past 34 tokens and were skipped
+    exact = FakeVllm(target, max_model_len=34)
+    roomy = FakeVllm(target, max_model_len=35)
+    try:
+        with pytest.raises(ExtractError, match="max_model_len 34.*--max-model-len 35"):
+            run_extract_cfg(target, data, str(tmp_path / "exact.zarr"), servers=[exact.url],
+                            **settings)
+        run_extract_cfg(target, data, str(tmp_path / "roomy.zarr"), servers=[roomy.url],
+                        **settings)
+        assert_same_samples(store_samples(str(tmp_path / "roomy.zarr")), builtin)
+    finally:
+        exact.close()
+        roomy.close()
