@@ -432,8 +432,8 @@ def run_served(plan: ServedPlan, checkpoints: dict[str, tuple[str, int]],
     try:
         exports = export_for_serving({n: p for n, (p, _) in checkpoints.items()}, torch_dtype,
                                      workdir)
-    except EvalError:
-        shutil.rmtree(workdir, ignore_errors=True)  # nothing in it worth keeping yet
+    except BaseException:  # Ctrl-C and a full disk too: half-written exports are worth nothing
+        shutil.rmtree(workdir, ignore_errors=True)
         raise
     for name, (_, block_size) in checkpoints.items():
         echo(f"served: {name}: vLLM {plan.python.vllm} serves {plan.target} in {plan.dtype} "
@@ -441,7 +441,10 @@ def run_served(plan: ServedPlan, checkpoints: dict[str, tuple[str, int]],
         request = build_request(plan.target, str(exports[name]), block_size, prompts, stop,
                                 plan.dtype, plan.max_position)
         raw = run_driver(plan.python, request, workdir / name, name)
-        results[name] = served_results(name, prompts, raw, block_size)
+        try:
+            results[name] = served_results(name, prompts, raw, block_size)
+        except EvalError as e:
+            raise EvalError(f"{e} (vLLM's result and log kept in {workdir / name})") from e
         seconds = raw.get("seconds") or {}
         echo(f"served: {name}: done (load {seconds.get('load', 0):.0f} s, generate "
              f"{seconds.get('generate', 0):.1f} s)")

@@ -263,3 +263,20 @@ def test_served_options_are_checked_before_anything_runs(tmp_path, regen_store,
                       "--no-progress", random_drafter_dir)
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "--served: no vLLM found" in result.output and "vllm_venv.sh" in result.output
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt])
+def test_an_export_that_fails_in_any_way_leaves_no_scratch_directory(tmp_path, monkeypatch,
+                                                                     failure):
+    def export(*args):
+        raise failure
+
+    monkeypatch.setattr(served_mod, "export_for_serving", export)
+    monkeypatch.setattr(served_mod.tempfile, "tempdir", str(tmp_path))
+    plan = served_mod.ServedPlan(served_mod.VllmPython("python", "0", "0"), "target",
+                                 "float32", None)
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=4, max_length=64)
+    with pytest.raises(type(failure) if isinstance(failure, OSError) else failure):
+        served_mod.run_served(plan, {"s": ("ckpt", 4)}, [_sample(PROMPT + [20, 21])], stop,
+                              echo=lambda _: None)
+    assert list(tmp_path.iterdir()) == []
