@@ -15,11 +15,9 @@ import torch
 from conftest import (
     assert_same_samples,
     cli_args,
-    make_chats,
     run_cli,
     run_extract_cfg,
     store_samples,
-    write_jsonl,
 )
 from transformers import AutoModelForCausalLM
 
@@ -99,8 +97,8 @@ def target(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", make_chats(14))
+def data(chats_jsonl):
+    return chats_jsonl  # the extract tests' shared 14 chats
 
 
 @pytest.fixture(scope="module")
