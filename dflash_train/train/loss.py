@@ -182,7 +182,8 @@ def block_ce_loss(
     if weights_out is not None:
         weigh = partial(_kept_weights, weigh, rows=rows, shape=valid.shape, out=weights_out)
     return _weighted_loss(
-        _ce_rows, targets, rows, weigh, logits, hidden, lm_head_weight, chunk_rows, global_sum
+        _ce_rows, targets, rows, weigh, logits, hidden, lm_head_weight, chunk_rows, global_sum,
+        head_rows=head_cross_entropy,
     )
 
 
@@ -383,6 +384,47 @@ def _dpace_row_weights(row_loss: torch.Tensor, *, valid: torch.Tensor, rows: tor
     return w.reshape(-1)[rows.to(ce.device)]
 
 
+def head_cross_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                       labels: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS
+                       ) -> torch.Tensor:
+    """Per-row hard CE [M] of hidden rows [M, H] through a frozen lm_head [V, H], as
+    `_ce_rows(hidden @ lm_head.T, labels)`, `chunk_rows` rows at a time.
+
+    Each row's loss gradient with respect to its hidden state, (softmax - onehot) @ lm_head, is
+    built in the forward while the chunk's logits exist, and only that [M, H] is kept. The
+    backward is then a per-row scale: two lm_head matmuls per row where recomputing the logits
+    in backward takes three, and the step's time is mostly those matmuls. The lm_head gets no
+    gradient (it is the target's, frozen)."""
+    return _HeadCrossEntropy.apply(hidden, lm_head_weight, labels, chunk_rows)
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, lm_head_weight, labels, chunk_rows):
+        losses, grads = [], []
+        for s in range(0, hidden.shape[0], chunk_rows):
+            logits = F.linear(hidden[s:s + chunk_rows], lm_head_weight)
+            wide = _at_least_fp32(logits)
+            y = labels[s:s + chunk_rows, None]
+            lse = torch.logsumexp(wide, dim=-1, keepdim=True)
+            losses.append((lse - wide.gather(-1, y))[:, 0])
+            # softmax - onehot, in the logits' own dtype for the matmul back to [m, H]: the
+            # dtype autograd would give the gradient of F.linear under the same autocast
+            probs = (wide - lse).exp_()
+            probs.scatter_add_(-1, y, probs.new_full(y.shape, -1.0))
+            grads.append(probs.to(logits.dtype) @ lm_head_weight.to(logits.dtype))
+        ctx.hidden_dtype = hidden.dtype
+        empty = hidden.new_zeros(0, hidden.shape[-1])
+        ctx.save_for_backward(torch.cat(grads) if grads else empty)
+        return torch.cat(losses) if losses else hidden.new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (row_grads,) = ctx.saved_tensors
+        grad = grad_loss[:, None].to(row_grads.dtype) * row_grads
+        return grad.to(ctx.hidden_dtype), None, None, None
+
+
 def _chunk_rows_loss(
     row_loss: Callable[..., torch.Tensor],
     hidden: torch.Tensor,
@@ -403,9 +445,11 @@ def _weighted_loss(
     lm_head_weight: torch.Tensor | None,
     chunk_rows: int,
     global_sum: GlobalSum | None,
+    head_rows: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_i w_i * loss_i over the selected rows / the (global) sum of w, with w = weigh(loss)
-    from the detached per-row losses."""
+    from the detached per-row losses. `head_rows(hidden, lm_head, *targets, chunk_rows)`, when
+    given, computes row_loss through a frozen lm_head in one pass (head_cross_entropy)."""
     if (logits is None) == (hidden is None):
         raise BlockError("pass exactly one of logits= or hidden= (with lm_head_weight=)")
     if hidden is not None and lm_head_weight is None:
@@ -416,6 +460,8 @@ def _weighted_loss(
     flat = source.reshape(-1, source.shape[-1])[rows]  # [M, V] or [M, H]
     if logits is not None:
         per_row = row_loss(flat, *targets)
+    elif head_rows is not None and not lm_head_weight.requires_grad:
+        per_row = head_rows(flat, lm_head_weight, *targets, chunk_rows)
     else:
         fn = partial(_chunk_rows_loss, row_loss)
         # Recompute each chunk's logits in backward instead of keeping [M, V] alive: with

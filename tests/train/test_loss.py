@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash_train.blocks import BLOCK_SIZE, IGNORE_LABEL, BlockError
 from dflash_train.drafter.dflash2 import CandidateSelector
@@ -117,6 +118,48 @@ def test_hidden_path_never_saves_full_logits_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block_ce_loss(labels, valid, logits=h @ weight.T)
     assert max(saved) >= rows * 2000  # the check above would catch an unchunked path
+
+
+def _lm_head_flops(weight_requires_grad: bool) -> int:
+    """FLOPs of one forward + backward of the hidden path, with the lm_head frozen or not."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, _, labels, valid = _batch(3, n=8)
+    valid[:, 1:] = True
+    weight = torch.randn(500, H, dtype=torch.float64, requires_grad=weight_requires_grad)
+    labels = torch.randint(0, 500, labels.shape)
+    h = hidden.clone().requires_grad_()
+    with FlopCounterMode(display=False) as counter:
+        block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight, chunk_rows=16).backward()
+    return counter.get_total_flops(), int(valid.sum()) * 500 * H * 2
+
+
+def test_frozen_lm_head_costs_two_matmuls_per_row_not_three():
+    # logits, then their input gradient built in the same pass; recomputing the logits in
+    # backward (the path a trainable lm_head still takes) would be a third
+    frozen, one_matmul = _lm_head_flops(False)
+    assert frozen == 2 * one_matmul
+    trainable, _ = _lm_head_flops(True)
+    assert trainable >= 3 * one_matmul
+
+
+@pytest.mark.parametrize("position_weights", ["decay", "dpace"])
+def test_hidden_path_under_bf16_autocast_matches_autograd_through_the_logits(position_weights):
+    hidden, weight, labels, valid = _batch(6, n=6)
+    hidden, weight = hidden.float() * 3, weight.float()
+    grads, losses = [], []
+    for via_logits in (True, False):
+        h = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kw = dict(logits=F.linear(h, weight)) if via_logits else \
+                dict(hidden=h, lm_head_weight=weight, chunk_rows=7)
+            loss = block_ce_loss(labels, valid, position_weights=position_weights, **kw)
+        loss.backward()
+        losses.append(loss)
+        grads.append(h.grad)
+    torch.testing.assert_close(losses[1], losses[0])
+    # both round the logits' gradient to bf16 before the matmul back to H
+    torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=2e-3)
 
 
 def test_slots_without_labels_get_no_gradient():
