@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_train.devices import resolve_device
+from dflash_train.devices import native_bf16, resolve_device
 
 
 class StageError(Exception):
@@ -78,3 +78,18 @@ def test_extract_without_device_runs_where_auto_points_with_the_dtype_of_that_de
     cuda = torch.cuda.is_available()
     assert meta.created_with.device == ("cuda" if cuda else "cpu")
     assert meta.hidden_dtype == ("bfloat16" if cuda else "float32")
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, want", [
+    (True, True, "amx"), (False, True, "avx512_bf16"), (False, False, None)])
+def test_native_bf16_names_the_cpu_feature_that_runs_it(monkeypatch, amx, avx512_bf16, want):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert native_bf16(torch.device("cpu")) == want
+    assert native_bf16(torch.device("cuda", 0)) == "cuda"
+
+
+def test_native_bf16_is_none_on_a_torch_without_the_cpu_probes(monkeypatch):
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    assert native_bf16(torch.device("cpu")) is None
