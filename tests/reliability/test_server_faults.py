@@ -1,0 +1,107 @@
+"""`extract --regenerate --server URL` against servers that misbehave: a URL that is not one,
+answers that are not HTTP or stop short, a connection closed or held silent, a server of
+another model. Each ends in one line naming the URL (and the row, once one is asked), a
+non-zero exit, and nothing written that a later step would take for the target's answers."""
+
+import pytest
+from click.testing import CliRunner
+
+from dflash_train.extract.command import extract
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.server_generate import Server, server_continuations
+from dflash_train.store_schema import open_store
+from dflash_train.store_schema.info import top1_agreement
+from tests.reliability.extract_support import NUM_ROWS, cli_args, shared_inputs
+from tests.reliability.fake_server import FaultyServer
+
+NEW = 8
+"""Tokens generated per prompt: 14 rows x 8 = 112 answer tokens, enough to judge agreement."""
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return shared_inputs(tmp_path_factory.getbasetemp())
+
+
+def _extract(inputs, out, *server_args: str):
+    model, data = inputs
+    args = cli_args(model, data, str(out)) + ["--regenerate", "--max-new-tokens", str(NEW),
+                                              *server_args]
+    return CliRunner().invoke(extract, args)
+
+
+def _one_line_error(result) -> str:
+    """The error line of a run that failed as a user mistake must: exit 1, no traceback."""
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # not a traceback
+    lines = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:abc", "http://[::1", "127.0.0.1:8000",
+                                 "ftp://127.0.0.1:8000"])
+def test_a_malformed_server_url_is_one_line_naming_it_and_nothing_is_written(inputs, tmp_path,
+                                                                             url):
+    out = tmp_path / "hs.zarr"
+    line = _one_line_error(_extract(inputs, out, "--server", url))
+    assert f"--server {url!r} is not a server URL" in line and "http://127.0.0.1:8000" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("fault, why", [
+    ("not_http", "did not answer in HTTP"),
+    ("cut_short", "cut its answer short"),
+    ("close", "closed the connection without answering"),
+])
+def test_every_transport_failure_names_the_row_and_the_server(fault, why):
+    with FaultyServer("m", fault) as fake:
+        with pytest.raises(ExtractError) as e:
+            server_continuations([Server(fake.url, "m", None)], [(5, [2, 3])],
+                                 max_new_tokens=4, eos_ids=[3], vocab_size=300, in_flight=1)
+    assert str(e.value).startswith(f"row 5: --server {fake.url}: ")
+    assert why in str(e.value) and "re-run to resume" in str(e.value)
+
+
+def test_an_answer_that_is_not_http_stops_extract_in_one_line(inputs, tmp_path):
+    out = tmp_path / "hs.zarr"
+    with FaultyServer(inputs[0], "not_http") as fake:
+        line = _one_line_error(_extract(inputs, out, "--server", fake.url))
+    assert f"--server {fake.url}: " in line and "did not answer in HTTP" in line
+    assert "row " in line
+    assert not any(p.num_samples for p in open_store(str(out)).parts())
+
+
+def test_a_silent_server_is_named_while_waiting_and_given_up_on_after_the_timeout():
+    notes: list[str] = []
+    with FaultyServer("m", "silent") as fake:
+        with pytest.raises(ExtractError, match=rf"row 5: --server {fake.url}: no answer from "
+                                               r".* within 1 s \(--server-timeout\)"):
+            server_continuations([Server(fake.url, "m", None)], [(5, [2, 3])],
+                                 max_new_tokens=4, eos_ids=[3], vocab_size=300, in_flight=1,
+                                 timeout=1.0, note=notes.append)
+    assert len(notes) == 1, notes  # named once, not once per tick
+    assert notes[0].startswith(f"waiting on --server {fake.url} for row 5")
+    assert "gives up after 1 s" in notes[0]
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
+def test_server_timeout_is_refused_unless_finite_and_positive(inputs, tmp_path, value):
+    out = tmp_path / "hs.zarr"
+    line = _one_line_error(_extract(inputs, out, "--server", "http://127.0.0.1:9",
+                                    "--server-timeout", value))
+    assert "--server-timeout must be a finite number of seconds > 0" in line
+    assert not out.exists()
+
+
+def test_a_server_of_another_model_is_refused_by_how_rarely_it_agrees(inputs, tmp_path):
+    """The server's card names --model, so only the forward can tell: its answers are ids
+    the target's own top-1 rarely picks."""
+    out = tmp_path / "hs.zarr"
+    with FaultyServer(inputs[0], "other_model") as fake:
+        line = _one_line_error(_extract(inputs, out, "--server", fake.url))
+    assert fake.completions == NUM_ROWS
+    agree, total = top1_agreement(open_store(str(out)))  # what store info would report
+    assert total == NUM_ROWS * NEW and agree / total < 0.5
+    assert f"{agree:,} of {total:,} answer tokens ({agree / total:.2%})" in line
+    assert "another model than --model" in line and f"{out} holds its answers" in line
