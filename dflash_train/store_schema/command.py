@@ -1,7 +1,9 @@
 """`dflash store ...`: look inside a feature store and check it."""
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import click
 
@@ -204,21 +206,65 @@ def convert(src: str, dst: str, context_dtype: str, hidden_dtype: str | None,
         damage = check_before_reading(s, [p.index for p in s.parts()])
         if damage:
             raise refusal(damage)
-        if store_exists(dst):
-            raise StoreError(f"{dst} already exists: convert writes a new store")
-        try:
-            kept, _ = copy_store(src, dst, hidden_dtype=hidden_dtype,
-                                 context_dtype=None if context_dtype == "same"
-                                 else context_dtype, progress=progress)
-        except BaseException:
-            remove_local_store(dst)  # no half-written store left behind (local paths)
-            raise
+        _refuse_existing(dst)
+        kept = _convert_into(src, dst, hidden_dtype=hidden_dtype,
+                             context_dtype=None if context_dtype == "same" else context_dtype,
+                             progress=progress)
         summary = summarize(open_store(dst))
     except StoreError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"{dst}: {kept:,} samples, {summary.tokens:,} tokens, "
                f"{summary.bytes_per_token:,.1f} bytes/token (context "
                f"{summary.context_bytes_per_token:,.1f})")
+
+
+CONVERTING_SUFFIX = ".converting"
+"""A local convert writes `.DST-NAME.converting` beside DST and renames it to DST once whole:
+a killed convert leaves no DST for `validate` to call ok or `train` to read in part."""
+
+
+def _local_path(url: str) -> Path | None:
+    return Path(url.removeprefix("file://")) if "://" not in url or url.startswith(
+        "file://") else None
+
+
+def _refuse_existing(dst: str) -> None:
+    """DST must not exist (an empty directory aside): convert never writes over anything."""
+    path = _local_path(dst)
+    if path is None:
+        if store_exists(dst):
+            raise StoreError(f"{dst} already exists: convert writes a new store; give another "
+                             "DST or remove it")
+        return
+    if path.is_dir() and not any(path.iterdir()):
+        return
+    if path.exists() or path.is_symlink():
+        what = "a directory" if path.is_dir() else "a file"
+        raise StoreError(f"{dst} already exists ({what}): convert writes a new store; give "
+                         "another DST or remove it")
+
+
+def _convert_into(src: str, dst: str, **how) -> int:
+    """copy_store(src, dst) through a temporary name for a local DST (renamed when whole);
+    an object store is written in place, its tokenizer files last (a copy without them is
+    refused by every reader). Returns the samples copied."""
+    path = _local_path(dst)
+    if path is None:
+        return copy_store(src, dst, **how)[0]
+    tmp = path.with_name(f".{path.name}{CONVERTING_SUFFIX}")
+    if tmp.exists():
+        click.echo(f"note: removing {tmp}, the partial copy of an interrupted convert into "
+                   f"{dst}", err=True)
+        shutil.rmtree(tmp)
+    try:
+        kept, _ = copy_store(src, str(tmp), **how)
+    except BaseException:
+        remove_local_store(str(tmp))  # nothing half-written left behind
+        raise
+    if path.is_dir():
+        path.rmdir()  # the empty directory _refuse_existing let through
+    tmp.rename(path)
+    return kept
 
 
 def _human(n: float) -> str:
