@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from dflash_train.extract.command import extract
 from tests.extract.tiny_gguf import write_tiny_gguf
+from tests.reliability.cli_errors import one_line_error
 from tests.reliability.extract_support import cli_args, shared_inputs
 
 
@@ -38,11 +39,8 @@ def test_a_damaged_gguf_is_named_as_one(tmp_path_factory, tmp_path, damage):
     model = tmp_path / "model.gguf"
     damage(model)
     out = tmp_path / "hs.zarr"
-    result = CliRunner().invoke(extract, cli_args(str(model), data, str(out)))
-    assert result.exit_code == 1, result.output
-    assert isinstance(result.exception, SystemExit), result.exception  # not a traceback
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"Error: --model {model}: a damaged GGUF "
-                                                   "file (it starts with the GGUF magic")
-    assert "download or convert it again" in lines[0] and "JSON" not in lines[0]
+    line = one_line_error(CliRunner().invoke(extract, cli_args(str(model), data, str(out))))
+    assert line.startswith(f"Error: --model {model}: a damaged GGUF file (it starts with the "
+                           "GGUF magic")
+    assert "download or convert it again" in line and "JSON" not in line
     assert not out.exists()

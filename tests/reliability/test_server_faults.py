@@ -11,6 +11,7 @@ from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.server_generate import Server, server_continuations
 from dflash_train.store_schema import open_store
 from dflash_train.store_schema.info import top1_agreement
+from tests.reliability.cli_errors import one_line_error
 from tests.reliability.extract_support import NUM_ROWS, cli_args, shared_inputs
 from tests.reliability.fake_server import FaultyServer
 
@@ -30,21 +31,12 @@ def _extract(inputs, out, *server_args: str):
     return CliRunner().invoke(extract, args)
 
 
-def _one_line_error(result) -> str:
-    """The error line of a run that failed as a user mistake must: exit 1, no traceback."""
-    assert result.exit_code == 1, result.output
-    assert isinstance(result.exception, SystemExit), result.exception  # not a traceback
-    lines = [line for line in result.output.splitlines() if line.startswith("Error: ")]
-    assert len(lines) == 1, result.output
-    return lines[0]
-
-
 @pytest.mark.parametrize("url", ["http://127.0.0.1:abc", "http://[::1", "127.0.0.1:8000",
                                  "ftp://127.0.0.1:8000"])
 def test_a_malformed_server_url_is_one_line_naming_it_and_nothing_is_written(inputs, tmp_path,
                                                                              url):
     out = tmp_path / "hs.zarr"
-    line = _one_line_error(_extract(inputs, out, "--server", url))
+    line = one_line_error(_extract(inputs, out, "--server", url))
     assert f"--server {url!r} is not a server URL" in line and "http://127.0.0.1:8000" in line
     assert not out.exists()
 
@@ -66,7 +58,7 @@ def test_every_transport_failure_names_the_row_and_the_server(fault, why):
 def test_an_answer_that_is_not_http_stops_extract_in_one_line(inputs, tmp_path):
     out = tmp_path / "hs.zarr"
     with FaultyServer(inputs[0], "not_http") as fake:
-        line = _one_line_error(_extract(inputs, out, "--server", fake.url))
+        line = one_line_error(_extract(inputs, out, "--server", fake.url))
     assert f"--server {fake.url}: " in line and "did not answer in HTTP" in line
     assert "row " in line
     assert not any(p.num_samples for p in open_store(str(out)).parts())
@@ -88,7 +80,7 @@ def test_a_silent_server_is_named_while_waiting_and_given_up_on_after_the_timeou
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
 def test_server_timeout_is_refused_unless_finite_and_positive(inputs, tmp_path, value):
     out = tmp_path / "hs.zarr"
-    line = _one_line_error(_extract(inputs, out, "--server", "http://127.0.0.1:9",
+    line = one_line_error(_extract(inputs, out, "--server", "http://127.0.0.1:9",
                                     "--server-timeout", value))
     assert "--server-timeout must be a finite number of seconds > 0" in line
     assert not out.exists()
@@ -99,7 +91,7 @@ def test_a_server_of_another_model_is_refused_by_how_rarely_it_agrees(inputs, tm
     the target's own top-1 rarely picks."""
     out = tmp_path / "hs.zarr"
     with FaultyServer(inputs[0], "other_model") as fake:
-        line = _one_line_error(_extract(inputs, out, "--server", fake.url))
+        line = one_line_error(_extract(inputs, out, "--server", fake.url))
     assert fake.completions == NUM_ROWS
     agree, total = top1_agreement(open_store(str(out)))  # what store info would report
     assert total == NUM_ROWS * NEW and agree / total < 0.5

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from dflash_train.store_schema import open_store, validate
 from dflash_train.store_schema.command import store
 from dflash_train.store_schema.layout import part_path
+from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,19 +49,11 @@ def _convert(*args: str):
     return CliRunner().invoke(store, ["convert", *args, "--no-progress"])
 
 
-def _one_line_error(result) -> str:
-    assert result.exit_code == 1, result.output
-    assert isinstance(result.exception, SystemExit), result.exception  # not a traceback
-    lines = [line for line in result.output.splitlines() if line.startswith("Error: ")]
-    assert len(lines) == 1, result.output
-    return lines[0]
-
-
 def test_a_dst_that_is_a_file_is_refused_and_kept(tmp_path):
     src = _source(tmp_path)
     dst = tmp_path / "notes.txt"
     dst.write_text("mine\n")
-    line = _one_line_error(_convert(src, str(dst)))
+    line = one_line_error(_convert(src, str(dst)))
     assert f"{dst} already exists (a file)" in line
     assert dst.read_text() == "mine\n"
 
@@ -95,7 +88,7 @@ def test_a_value_past_float16_is_refused_as_an_overflow_naming_it(tmp_path):
     context[second_start + 3, 1, 5] = np.float32(1e5)
     assert validate(src) == []  # a sound float32 store: 1e5 is an ordinary value there
     dst = tmp_path / "half.zarr"
-    line = _one_line_error(_convert(src, str(dst), "--hidden-dtype", "float16"))
+    line = one_line_error(_convert(src, str(dst), "--hidden-dtype", "float16"))
     assert f"{src} part 1 sample 1 (source row 13)" in line
     assert "context value 100000 (token 3, layer 2, channel 5) overflows float16" in line
     assert "NaN" not in line

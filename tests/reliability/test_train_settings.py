@@ -22,6 +22,7 @@ from dflash_train.train.checkpoint import KILL_IN_SAVE_ENV, latest_checkpoint
 from dflash_train.train.config import load_config
 from dflash_train.train.errors import TrainError
 from tests.evaluate.conftest import drafter_config
+from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,12 +35,6 @@ def _train(store: str, out, *args: str):
                                      *args])
 
 
-def _one_line_error(result) -> str:
-    assert result.exit_code == 1, result.output
-    assert isinstance(result.exception, SystemExit), result.exception  # not a traceback
-    return result.output
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     return make_store(str(tmp_path_factory.mktemp("store") / "hs.zarr"))
@@ -50,7 +45,7 @@ def test_a_dflash2_convolution_wider_than_the_block_is_refused_before_the_run_di
                                                                                  tmp_path,
                                                                                  taps):
     out = tmp_path / "run"
-    said = _one_line_error(_train(store, out, "--set", "model.kind=dflash2", "--set",
+    said = one_line_error(_train(store, out, "--set", "model.kind=dflash2", "--set",
                                   f"model.conv_kernel_size={taps}", "--max-steps", "1"))
     assert "model.conv_kernel_size must be at most 16 (the block size" in said
     assert f"got {taps}" in said and not out.exists()
@@ -94,7 +89,7 @@ def test_a_setting_that_cannot_act_under_the_others_is_refused_naming_both(sets,
 
 def test_an_inert_setting_is_refused_before_the_run_dir_exists(store, tmp_path):
     out = tmp_path / "run"
-    said = _one_line_error(_train(store, out, "--set", "optim.muon_ns_steps=7"))
+    said = one_line_error(_train(store, out, "--set", "optim.muon_ns_steps=7"))
     assert "optim.muon_ns_steps must be 5 unless optim.optimizer is muon" in said
     assert not out.exists()
 
