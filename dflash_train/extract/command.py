@@ -96,7 +96,8 @@ def _rank_and_world() -> tuple[int, int]:
               type=float, metavar="SECONDS",
               help="Seconds a --server request may go unanswered before extract stops naming "
                    "the row and server (a completion answers only once it is whole: cover the "
-                   "longest generation). A request slow past 30 s is named on stderr.")
+                   "longest generation). 30 s without any answer names the oldest request "
+                   "on stderr.")
 def extract(**options) -> None:
     """Run the target once over a dataset and fill a feature store.
 

@@ -30,8 +30,9 @@ from dflash_train.extract.server_http import (
 MODELS_TIMEOUT_S = 30.0
 """Most seconds /v1/models may take (less when --server-timeout is less)."""
 SLOW_REQUEST_S = 30.0
-"""A completion in flight this long (or a quarter of --server-timeout, if less) is named once
-on stderr, so a silent server is never waited on without a word."""
+"""No answer from any server for this long (or a quarter of --server-timeout, if less) names
+the oldest request in flight on stderr, so a silent server is never waited on without a
+word."""
 
 
 @dataclass(frozen=True)
@@ -140,13 +141,17 @@ def _stderr_note(line: str) -> None:
 
 
 class _InFlight:
-    """The requests sent and not yet answered, to name the slow ones once each."""
+    """The requests sent and not yet answered. When none has been answered for `slow_s`,
+    the oldest is named once (again only after the next answer): a busy server answering
+    steadily is never named, a silent one always is."""
 
     def __init__(self, slow_s: float, timeout: float, note: Callable[[str], None]):
         self.slow_s, self.timeout, self.note = slow_s, timeout, note
         self.sent: dict[int, tuple[str, float]] = {}
         """row -> (server URL, when it was sent)."""
-        self.named: set[int] = set()
+        self.last_answer = time.monotonic()
+        self.named = False
+        """Whether this stall (the time since the last answer) was named already."""
         self.lock = threading.Lock()
 
     def start(self, row: int, url: str) -> None:
@@ -156,20 +161,20 @@ class _InFlight:
     def end(self, row: int) -> None:
         with self.lock:
             self.sent.pop(row, None)
+            self.last_answer, self.named = time.monotonic(), False
 
-    def name_slow(self) -> None:
+    def name_stall(self) -> None:
         now = time.monotonic()
         with self.lock:
-            slow = [(row, url, now - t) for row, (url, t) in self.sent.items()
-                    if now - t >= self.slow_s and row not in self.named]
-            self.named.update(row for row, _, _ in slow)
-            waiting = len(self.sent)
-        if slow:
-            row, url, age = max(slow, key=lambda s: s[2])
-            self.note(f"waiting on --server {url} for row {row} ({age:.0f} s so far; "
-                      f"{waiting} request(s) in flight, {len(slow)} newly slow): a long "
-                      f"generation, or a server gone silent; each request gives up after "
-                      f"{self.timeout:g} s without an answer (--server-timeout)")
+            if self.named or not self.sent or now - self.last_answer < self.slow_s:
+                return
+            row, (url, sent) = min(self.sent.items(), key=lambda item: item[1][1])
+            self.named, waiting = True, len(self.sent)
+        self.note(f"waiting on --server {url} for row {row} ({now - sent:.0f} s so far, no "
+                  f"answer to any of {waiting} request(s) in flight for "
+                  f"{now - self.last_answer:.0f} s): a long generation, or a server gone "
+                  f"silent; each request gives up after {self.timeout:g} s without an answer "
+                  "(--server-timeout)")
 
 
 def server_continuations(servers: list[Server], prompts: list[tuple[int, list[int]]], *,
@@ -180,7 +185,8 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
     """{row: greedy new tokens} for each (row, prompt ids), prompt i sent to server i mod n,
     at most `in_flight` requests at a time, each given up after `timeout` seconds of
     silence. The first failure stops the rest and is raised as an ExtractError naming the
-    row and the server; a request slower than SLOW_REQUEST_S is named through `note`."""
+    row and the server; SLOW_REQUEST_S without any answer names the oldest request through
+    `note`."""
     waiting = _InFlight(min(SLOW_REQUEST_S, timeout / 4), timeout, note)
 
     def one(i: int, row: int, prompt: list[int]) -> tuple[int, list[int]]:
@@ -234,7 +240,7 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
     try:
         for _ in workers:
             while not ended.acquire(timeout=waiting.slow_s):
-                waiting.name_slow()
+                waiting.name_stall()
             if errors:
                 break
     finally:

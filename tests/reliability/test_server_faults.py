@@ -6,6 +6,7 @@ non-zero exit, and nothing written that a later step would take for the target's
 import pytest
 from click.testing import CliRunner
 
+from dflash_train.extract import server_generate
 from dflash_train.extract.command import extract
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.server_generate import Server, server_continuations
@@ -75,6 +76,31 @@ def test_a_silent_server_is_named_while_waiting_and_given_up_on_after_the_timeou
     assert len(notes) == 1, notes  # named once, not once per tick
     assert notes[0].startswith(f"waiting on --server {fake.url} for row 5")
     assert "gives up after 1 s" in notes[0]
+
+
+def test_a_server_answering_steadily_is_never_named_a_silent_one_once(monkeypatch):
+    """The waiting line is for silence, not for a busy server: it names the oldest request
+    only once no answer at all came for slow_s, and once per silence (a clock of our own)."""
+    now = [0.0]
+    monkeypatch.setattr(server_generate.time, "monotonic", lambda: now[0])
+    notes: list[str] = []
+    waiting = server_generate._InFlight(slow_s=10, timeout=40, note=notes.append)
+
+    def at(t: float, *calls) -> None:
+        now[0] = t
+        for call in calls:
+            call()
+
+    at(0, lambda: waiting.start(1, "u1"), lambda: waiting.start(2, "u2"))
+    at(8, lambda: waiting.end(1))
+    at(15, waiting.name_stall)  # row 2 is 15 s old, but an answer came 7 s ago
+    assert notes == []
+    at(19, waiting.name_stall, waiting.name_stall)
+    at(25, waiting.name_stall)
+    assert len(notes) == 1 and notes[0].startswith("waiting on --server u2 for row 2 (19 s")
+    at(26, lambda: waiting.end(2), lambda: waiting.start(3, "u1"))
+    at(37, waiting.name_stall)
+    assert len(notes) == 2 and "for row 3 (11 s so far" in notes[1]
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
