@@ -3,7 +3,6 @@
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import click
 
@@ -12,7 +11,12 @@ from dflash_train.store_schema.info import summarize, top1_agreement
 from dflash_train.store_schema.integrity import check_before_reading, refusal
 from dflash_train.store_schema.layout import FP8_CONTEXT, HIDDEN_DTYPES
 from dflash_train.store_schema.stats import store_stats
-from dflash_train.store_schema.store import open_store, remove_local_store, store_exists
+from dflash_train.store_schema.store import (
+    local_path,
+    open_store,
+    remove_local_store,
+    store_exists,
+)
 from dflash_train.store_schema.subset import KEEP_CONTEXT_DTYPE, copy_store
 from dflash_train.store_schema.validate import validate
 
@@ -223,14 +227,9 @@ CONVERTING_SUFFIX = ".converting"
 a killed convert leaves no DST for `validate` to call ok or `train` to read in part."""
 
 
-def _local_path(url: str) -> Path | None:
-    return Path(url.removeprefix("file://")) if "://" not in url or url.startswith(
-        "file://") else None
-
-
 def _refuse_existing(dst: str) -> None:
     """DST must not exist (an empty directory aside): convert never writes over anything."""
-    path = _local_path(dst)
+    path = local_path(dst)
     if path is None:
         if store_exists(dst):
             raise StoreError(f"{dst} already exists: convert writes a new store; give another "
@@ -248,7 +247,7 @@ def _convert_into(src: str, dst: str, **how) -> int:
     """copy_store(src, dst) through a temporary name for a local DST (renamed when whole);
     an object store is written in place, its tokenizer files last (a copy without them is
     refused by every reader). Returns the samples copied."""
-    path = _local_path(dst)
+    path = local_path(dst)
     if path is None:
         return copy_store(src, dst, **how)[0]
     tmp = path.with_name(f".{path.name}{CONVERTING_SUFFIX}")

@@ -35,14 +35,22 @@ LAYOUT_KEY = "dflash_layout"  # root attrs: how arrays are chunked (not provenan
 _PRESENT = {"write_empty_chunks": True}
 
 
+def local_path(url: str) -> Path | None:
+    """The filesystem path of a store given as a path or file:// URL; None for an object
+    store (s3://, gs://, memory://, ...)."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return Path(url.removeprefix("file://"))
+
+
 def zarr_store(url: str, read_only: bool):
     """The zarr store behind `url`: a LocalStore for paths, an FsspecStore for URLs."""
-    if "://" in url and not url.startswith("file://"):
+    path = local_path(url)
+    if path is None:
         try:
             return FsspecStore.from_url(url, read_only=read_only)
         except Exception as e:  # fsspec raises many types for a bad URL or missing backend
             raise StoreError(f"cannot open {url}: {e}") from e
-    path = Path(url.removeprefix("file://"))
     if read_only and not path.exists():
         raise StoreError(f"{url}: no such store")
     return LocalStore(path, read_only=read_only)
@@ -59,20 +67,18 @@ def _has_any_key(zstore) -> bool:
 
 def store_exists(url: str) -> bool:
     """Whether anything is stored at `url` (a path that does not exist holds nothing)."""
-    if "://" not in url or url.startswith("file://"):
-        path = Path(url.removeprefix("file://"))
-        if not path.exists():
-            return False
+    path = local_path(url)
+    if path is not None and not path.exists():
+        return False
     return _has_any_key(zarr_store(url, read_only=True))
 
 
 def remove_local_store(url: str) -> None:
     """Delete the store at local path `url`, if any (a URL is left alone: no recursive
     delete here; such a copy lacks the tokenizer files it writes last)."""
-    if "://" not in url or url.startswith("file://"):
-        path = Path(url.removeprefix("file://"))
-        if path.is_dir():
-            shutil.rmtree(path)
+    path = local_path(url)
+    if path is not None and path.is_dir():
+        shutil.rmtree(path)
 
 
 def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024) -> "Store":
