@@ -292,8 +292,8 @@ class ActsOnlyWhen:
             section, name = key.split(".")
             value, default = getattr(getattr(cfg, section), name), _default(section, name)
             shown = "left unset" if default is None else str(default)
-            require(_same(value, default), key, f"{shown} unless {self.when} (it has no "
-                    "effect otherwise)", value)
+            require(value == default, key, f"{shown} unless {self.when} (it has no effect "
+                    "otherwise)", value)
 
 
 ACTS_ONLY_WHEN = (
@@ -319,13 +319,9 @@ ACTS_ONLY_WHEN = (
 
 
 def _default(section: str, name: str) -> Any:
+    """The dataclass default of `section.name`, what a config that never set it holds."""
     f = next(f for f in dataclasses.fields(_hints(TrainConfig)[section]) if f.name == name)
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
-def _same(value: Any, default: Any) -> bool:
-    return list(value) == list(default) if isinstance(value, (list, tuple)) else \
-        value == default
 
 
 def _hints(cls) -> dict[str, Any]:
