@@ -236,11 +236,13 @@ def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
                      position=1 if cfg.regenerate else 0))
     writer = BackgroundWriter()
     try:
-        for part in mine:
+        for n, part in enumerate(mine):
             with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
                 _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
                               writer, bars, planned, summary, servers)
                 writer.wait()  # the claim must outlive the part's last write
+            if servers and n == 0:  # another model's answers: refused after one part, not all
+                check_agreement(store, servers)
     finally:
         bars.close()
         writer.close()

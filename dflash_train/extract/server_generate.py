@@ -262,10 +262,10 @@ MIN_AGREEMENT_TOKENS = 64
 """Fewer answer tokens than this say too little to refuse a store on."""
 
 
-def check_agreement(store, servers: list[Server], echo) -> None:
+def check_agreement(store, servers: list[Server], echo=None) -> None:
     """Refuse a store whose served answers the target itself would not have given (the
     share store info reports, store_schema.info.top1_agreement), naming the share and what
-    to do; a merely low share is noted through `echo`."""
+    to do; a merely low share is noted through `echo`, when given."""
     from dflash_train.store_schema.info import top1_agreement
 
     agree, total = top1_agreement(store)
@@ -280,6 +280,6 @@ def check_agreement(store, servers: list[Server], echo) -> None:
             f"{said}, where the same weights agree on nearly all: the server generates with "
             f"another model than --model. {store.url} holds its answers (not the target's): "
             f"remove it, serve the target itself, and extract again")
-    if share < AGREEMENT_NOTE:
+    if share < AGREEMENT_NOTE and echo is not None:
         echo(f"note: {said}: the server's weights, dtype or quantization differ from the "
              "target's; offline replay on this store is only an estimate of live decoding")

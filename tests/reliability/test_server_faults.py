@@ -25,10 +25,10 @@ def inputs(tmp_path_factory):
     return shared_inputs(tmp_path_factory.getbasetemp())
 
 
-def _extract(inputs, out, *server_args: str):
+def _extract(inputs, out, *server_args: str, **settings):
     model, data = inputs
-    args = cli_args(model, data, str(out)) + ["--regenerate", "--max-new-tokens", str(NEW),
-                                              *server_args]
+    args = cli_args(model, data, str(out), **settings) + [
+        "--regenerate", "--max-new-tokens", str(NEW), *server_args]
     return CliRunner().invoke(extract, args)
 
 
@@ -123,3 +123,14 @@ def test_a_server_of_another_model_is_refused_by_how_rarely_it_agrees(inputs, tm
     assert total == NUM_ROWS * NEW and agree / total < 0.5
     assert f"{agree:,} of {total:,} answer tokens ({agree / total:.2%})" in line
     assert "another model than --model" in line and f"{out} holds its answers" in line
+
+
+def test_another_models_answers_are_refused_after_the_first_part_not_the_whole_run(inputs,
+                                                                                   tmp_path):
+    """Parts of 10 and 4 rows: the first part's 80 answer tokens are enough to judge."""
+    out = tmp_path / "hs.zarr"
+    with FaultyServer(inputs[0], "other_model") as fake:
+        line = one_line_error(_extract(inputs, out, "--server", fake.url, rows_per_part=10))
+    assert "another model than --model" in line
+    assert fake.completions == 10  # the second part's 4 prompts were never sent
+    assert [p.num_samples for p in open_store(str(out)).parts()] == [10]
