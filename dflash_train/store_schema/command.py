@@ -232,7 +232,8 @@ def _refuse_existing(dst: str) -> None:
     path = local_path(dst)
     if path is None:
         if store_exists(dst):
-            raise StoreError(f"{dst} already exists: convert writes a new store; give another "
+            raise StoreError(f"{dst} already exists (if a convert into it was interrupted, it "
+                             "is an unfinished copy): convert writes a new store; give another "
                              "DST or remove it")
         return
     if path.is_dir() and not any(path.iterdir()):
@@ -245,8 +246,8 @@ def _refuse_existing(dst: str) -> None:
 
 def _convert_into(src: str, dst: str, **how) -> int:
     """copy_store(src, dst) through a temporary name for a local DST (renamed when whole);
-    an object store is written in place, its tokenizer files last (a copy without them is
-    refused by every reader). Returns the samples copied."""
+    an object store is written in place, refused by every reader until the copy is whole
+    (store.COPYING_KEY). Returns the samples copied."""
     path = local_path(dst)
     if path is None:
         return copy_store(src, dst, **how)[0]

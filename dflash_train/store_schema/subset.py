@@ -35,7 +35,7 @@ def copy_store(src_url: str, dst_url: str, keep: Callable[[Sample], bool] | None
                    context_dtype=src.meta.context_dtype if context_dtype == KEEP_CONTEXT_DTYPE
                    else context_dtype, schema_version=None)
     dtype = torch_dtype(meta.hidden_dtype)
-    dst = create_store(dst_url, meta, shard_tokens=src.shard_tokens)
+    dst = create_store(dst_url, meta, shard_tokens=src.shard_tokens, copying_from=src_url)
     rows = src.target_rows()
     dst.write_target_rows(rows["embed_tokens"], rows["lm_head"], rows["final_norm"])
     dst.write_files("target", src.read_files("target"))
@@ -53,7 +53,8 @@ def copy_store(src_url: str, dst_url: str, keep: Callable[[Sample], bool] | None
                 kept += 1
         writer.finish()
     bar.close()
-    dst.write_files("tokenizer", src.read_files("tokenizer"))  # last: marks the copy usable
+    dst.write_files("tokenizer", src.read_files("tokenizer"))
+    dst.copy_done()  # last: until here every reader refuses the copy
     return kept, seen
 
 

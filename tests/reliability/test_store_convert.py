@@ -2,19 +2,22 @@
 convert killed midway, a value float16 cannot hold. Each is one line and a non-zero exit, and
 no DST is left that `validate` would call ok while it holds only part of SRC."""
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zarr
 from click.testing import CliRunner
 
-from dflash_train.store_schema import open_store, validate
+from dflash_train.store_schema import StoreError, open_store, validate
 from dflash_train.store_schema.command import store
 from dflash_train.store_schema.layout import part_path
 from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
+from tests.reliability.s3_server import serve_s3, subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 KILL_AT_SAMPLE = 15
@@ -77,6 +80,29 @@ def test_a_killed_convert_leaves_no_dst_and_a_rerun_completes_it(tmp_path):
     assert copied.complete and copied.num_samples == original.num_samples
     for a, b in zip(copied.parts(), original.parts(), strict=True):
         assert a.sources().tolist() == b.sources().tolist()
+
+
+def test_a_convert_killed_on_an_object_store_leaves_a_copy_every_reader_refuses(tmp_path):
+    """No rename on S3: the copy is written in place, marked unfinished until it is whole."""
+    src = _source(tmp_path)
+    with contextlib.ExitStack() as stack:
+        s3 = stack.enter_context(contextlib.contextmanager(serve_s3)())
+        dst = s3.url("copy.zarr")
+        killed = subprocess.run([sys.executable, "-c", KILLED_CONVERT, src, dst], cwd=REPO,
+                                env=subprocess_env(s3), capture_output=True, text=True,
+                                timeout=300)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        assert s3.keys("copy.zarr/")  # part 0 was written in place
+        unfinished = f"{dst} is an unfinished copy of {src}"
+        with pytest.raises(StoreError, match=unfinished):
+            open_store(dst)
+        assert any(unfinished in str(f) for f in validate(dst))
+        line = one_line_error(_convert(src, dst))
+        assert f"{dst} already exists (if a convert into it was interrupted" in line
+
+        whole = s3.url("whole.zarr")
+        assert _convert(src, whole).exit_code == 0
+        assert validate(whole) == [] and open_store(whole).complete
 
 
 def test_a_value_past_float16_is_refused_as_an_overflow_naming_it(tmp_path):
