@@ -25,6 +25,13 @@ DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 """Tokens per drafted block (dflash_train.blocks owns the number: docs/reference.md §3)."""
 
 
+def max_conv_kernel_size(block_size: int) -> int:
+    """Most taps a DFlash 2 in-block convolution may have: tap t reads slot i - t of the same
+    block, so taps 0 .. block_size - 1 reach every slot and any further one only the zeros
+    before the block (dflash2.causal_shift; past block_size + 1 its shapes break)."""
+    return block_size
+
+
 KNOWN_MASK_TOKEN_IDS = {"qwen3_5": 248070, "qwen3_5_text": 248070, "qwen3": 151669}
 """Mask token of the published drafters per target model_type (docs/reference.md §1); the token
 already exists in the target vocabulary and keeps the target's embedding row."""
@@ -199,6 +206,10 @@ class DrafterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DrafterError(f"{name} {value!r} must be a positive integer")
+        if self.conv_kernel_size > max_conv_kernel_size(self.block_size):
+            raise DrafterError(f"conv_kernel_size {self.conv_kernel_size} exceeds "
+                               f"{max_conv_kernel_size(self.block_size)}, the block size: a "
+                               "tap past it reads nothing of the block")
         if self.hidden_size % self.conv_group_size:
             raise DrafterError(f"conv_group_size {self.conv_group_size} does not divide "
                                f"hidden_size {self.hidden_size}")

@@ -92,6 +92,12 @@ def _rank_and_world() -> tuple[int, int]:
 @click.option("--server-requests", default=_DEFAULTS.server_requests, show_default=True,
               type=click.IntRange(1),
               help="Completion requests in flight at once across all --server URLs.")
+@click.option("--server-timeout", default=_DEFAULTS.server_timeout, show_default=True,
+              type=float, metavar="SECONDS",
+              help="Seconds a --server request may go unanswered before extract stops naming "
+                   "the row and server (a completion answers only once it is whole: cover the "
+                   "longest generation). 30 s without any answer names the oldest request "
+                   "on stderr.")
 def extract(**options) -> None:
     """Run the target once over a dataset and fill a feature store.
 

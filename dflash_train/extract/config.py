@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_train.extract.server_http import DEFAULT_TIMEOUT_S
+
 
 @dataclass
 class ExtractConfig:
@@ -68,3 +70,7 @@ class ExtractConfig:
     instead of the loaded target; empty: the built-in generation."""
     server_requests: int = 32
     """Completion requests in flight at once across `servers` (bounds their memory too)."""
+    server_timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds a request to `servers` may go without an answer before the run stops naming
+    the row and server (a non-streaming completion answers only once it is whole, so this
+    must cover the longest generation on a busy server). Finite, > 0."""

@@ -45,6 +45,20 @@ def find_gguf(name_or_path: str) -> Path | None:
     return p.resolve()
 
 
+def damage(path: Path) -> str | None:
+    """Why the gguf package cannot read the file (its metadata, tensor table, or tensors cut
+    short), or None when it can. Asked only after transformers failed on the file: some
+    damage it reports as 'a config file that is not valid JSON' (a string that is not
+    UTF-8), some as an unpack error; the package's own reader says whether the file is it."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)  # memory-maps the file: checks the tensors fit, copies none
+    except Exception as e:  # struct, numpy and UnicodeDecodeError alike: it does not parse
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
 def reader_arguments(path: Path) -> tuple[str, dict]:
     """(directory, kwargs) for transformers' from_pretrained on a GGUF file."""
     return str(path.parent), {"gguf_file": path.name}

@@ -72,7 +72,20 @@ def load_config(name_or_path: str):
             return gguf.read_config(path)
         return AutoConfig.from_pretrained(name_or_path)
     except Exception as e:  # hub / json / unknown model_type all raise different types
-        raise ExtractError(f"--model {name_or_path}: cannot read its config ({e})") from e
+        raise _unreadable(name_or_path, "cannot read its config", e) from e
+
+
+def _unreadable(name_or_path: str, what: str, e: Exception) -> ExtractError:
+    """The error for a config, tokenizer or weights transformers could not read; a .gguf
+    that the gguf package cannot read either is named as a damaged file, not by what
+    transformers made of it ('a config file that is not valid JSON', an unpack error)."""
+    path = gguf.find_gguf(name_or_path)
+    why = gguf.damage(path) if path is not None else None
+    if why:
+        return ExtractError(f"--model {path}: a damaged GGUF file (it starts with the GGUF "
+                            f"magic, but the gguf reader cannot read it: {why}); download "
+                            "or convert it again")
+    return ExtractError(f"--model {name_or_path}: {what} ({e})")
 
 
 def from_pretrained_args(name_or_path: str) -> tuple[str, dict]:
@@ -126,7 +139,7 @@ def load_tokenizer(name_or_path: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     except Exception as e:  # missing files / bad json raise different types
-        raise ExtractError(f"--model {name_or_path}: cannot load its tokenizer ({e})") from e
+        raise _unreadable(name_or_path, "cannot load its tokenizer", e) from e
     if not getattr(tokenizer, "is_fast", False):
         raise ExtractError(f"--model {name_or_path}: extract needs a fast tokenizer (offsets)")
     if not tokenizer.chat_template:
@@ -219,7 +232,7 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
     try:
         model = cls.from_pretrained(where, dtype=dtype, revision=revision, **kwargs)
     except Exception as e:  # missing weights, unknown architecture, out of memory, ...
-        raise ExtractError(f"--model {name_or_path}: cannot load as {load_as} ({e})") from e
+        raise _unreadable(name_or_path, f"cannot load as {load_as}", e) from e
     finally:
         if shown:
             hf_logging.enable_progress_bar()

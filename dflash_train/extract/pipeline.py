@@ -54,7 +54,7 @@ from dflash_train.extract.prepare import (
     render_rows,
     shrink_total,
 )
-from dflash_train.extract.server_generate import Server, check_servers
+from dflash_train.extract.server_generate import Server, check_agreement, check_servers
 from dflash_train.extract.verifier import verifier_topk
 from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
 from dflash_train.store_schema import (
@@ -179,10 +179,13 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
     if note and rank == 0:
         echo(note)
     try:
-        return _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids, mine,
-                           scanned, bpt, rank, world_size, servers)
+        summary = _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids,
+                              mine, scanned, bpt, rank, world_size, servers)
     except OSError as e:
         raise ExtractError(_write_failure(cfg.out, e)) from e
+    if servers:  # a server of another model answers fluently, only the forward can tell
+        check_agreement(open_store(cfg.out), servers, echo)
+    return summary
 
 
 def _checked_servers(cfg: ExtractConfig, info: TargetInfo, scanned: list[Item]
@@ -197,7 +200,7 @@ def _checked_servers(cfg: ExtractConfig, info: TargetInfo, scanned: list[Item]
         raise ExtractError("--server generates answers: it needs --regenerate")
     longest = max((len(i.input_ids) for i in scanned), default=0)
     need = min(cfg.max_length + 1, longest + cfg.max_new_tokens)
-    return check_servers(cfg.servers, [cfg.model, info.name_or_path], need)
+    return check_servers(cfg.servers, [cfg.model, info.name_or_path], need, cfg.server_timeout)
 
 
 def _write_failure(out: str, e: OSError) -> str:
@@ -233,11 +236,13 @@ def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
                      position=1 if cfg.regenerate else 0))
     writer = BackgroundWriter()
     try:
-        for part in mine:
+        for n, part in enumerate(mine):
             with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
                 _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
                               writer, bars, planned, summary, servers)
                 writer.wait()  # the claim must outlive the part's last write
+            if servers and n == 0:  # another model's answers: refused after one part, not all
+                check_agreement(store, servers)
     finally:
         bars.close()
         writer.close()

@@ -3,24 +3,36 @@
 Owns the HTTP side of regeneration: checking that each server serves the target, sending
 prompts as token ids to /v1/completions, reading the completion's token ids back verbatim
 (vLLM's `return_token_ids`; text is never re-tokenized: docs/reference.md §6), and keeping a
-bounded number of requests in flight across the servers. Standard library HTTP only. Never
-writes the store; the target's forward still runs in extract itself.
+bounded number of requests in flight across the servers, naming the slow ones. The transport
+(URLs, timeouts, every way an exchange fails) is server_http.py's. Never writes the store;
+the target's forward still runs in extract itself.
 """
 
-import json
 import queue
+import sys
 import threading
-import urllib.error
-import urllib.request
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from tqdm import tqdm
+
 from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.server_http import (
+    DEFAULT_TIMEOUT_S,
+    ReplyError,
+    check_timeout,
+    http_json,
+    server_url,
+)
 
 MODELS_TIMEOUT_S = 30.0
-COMPLETION_TIMEOUT_S = 3600.0
-"""A long generation on a busy server may take many minutes; a dead one is still caught."""
+"""Most seconds /v1/models may take (less when --server-timeout is less)."""
+SLOW_REQUEST_S = 30.0
+"""No answer from any server for this long (or a quarter of --server-timeout, if less) names
+the oldest request in flight on stderr, so a silent server is never waited on without a
+word."""
 
 
 @dataclass(frozen=True)
@@ -33,35 +45,6 @@ class Server:
     """The served name requests must give as `model`."""
     max_model_len: int | None
     """Longest prompt + completion it accepts, when it reports one."""
-
-
-class ReplyError(Exception):
-    """A reply that is not a greedy continuation we can store; the message says why."""
-
-
-def base_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _http_json(url: str, body: dict | None, timeout: float) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read()[:300].decode(errors="replace").replace("\n", " ")
-        raise ReplyError(f"HTTP {e.code} from {url}: {detail}") from e
-    except (urllib.error.URLError, OSError) as e:
-        raise ReplyError(f"cannot reach {url} ({getattr(e, 'reason', e)})") from e
-    try:
-        reply = json.loads(raw)
-    except ValueError as e:
-        raise ReplyError(f"{url} answered with something that is not JSON ({e})") from e
-    if not isinstance(reply, dict):
-        raise ReplyError(f"{url} answered with a JSON {type(reply).__name__}, not an object")
-    return reply
 
 
 def _names(name_or_path: str) -> set[str]:
@@ -96,13 +79,16 @@ def match_model(url: str, models: dict, targets: list[str], need_len: int) -> Se
                        "component): start it on the target, or drop it")
 
 
-def check_servers(urls: list[str], targets: list[str], need_len: int) -> list[Server]:
-    """Every --server, asked for /v1/models and checked to serve the target; refused first."""
+def check_servers(urls: list[str], targets: list[str], need_len: int, timeout: float
+                  ) -> list[Server]:
+    """Every --server, asked for /v1/models and checked to serve the target; refused first.
+    Every URL is checked to be one before any is contacted."""
+    check_timeout(timeout)
+    bases = [server_url(url) for url in urls]
     servers = []
-    for url in urls:
-        url = base_url(url)
+    for url in bases:
         try:
-            models = _http_json(f"{url}/v1/models", None, MODELS_TIMEOUT_S)
+            models = http_json(f"{url}/v1/models", None, min(MODELS_TIMEOUT_S, timeout))
         except ReplyError as e:
             raise ExtractError(f"--server {url}: {e}") from e
         servers.append(match_model(url, models, targets, need_len))
@@ -150,33 +136,81 @@ OnDone = Callable[[int], None]
 """Called with the number of tokens of each completion as it arrives."""
 
 
+def _stderr_note(line: str) -> None:
+    tqdm.write(line, file=sys.stderr)  # above any progress bar, not through it
+
+
+class _InFlight:
+    """The requests sent and not yet answered. When none has been answered for `slow_s`,
+    the oldest is named once (again only after the next answer): a busy server answering
+    steadily is never named, a silent one always is."""
+
+    def __init__(self, slow_s: float, timeout: float, note: Callable[[str], None]):
+        self.slow_s, self.timeout, self.note = slow_s, timeout, note
+        self.sent: dict[int, tuple[str, float]] = {}
+        """row -> (server URL, when it was sent)."""
+        self.last_answer = time.monotonic()
+        self.named = False
+        """Whether this stall (the time since the last answer) was named already."""
+        self.lock = threading.Lock()
+
+    def start(self, row: int, url: str) -> None:
+        with self.lock:
+            self.sent[row] = (url, time.monotonic())
+
+    def end(self, row: int) -> None:
+        with self.lock:
+            self.sent.pop(row, None)
+            self.last_answer, self.named = time.monotonic(), False
+
+    def name_stall(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if self.named or not self.sent or now - self.last_answer < self.slow_s:
+                return
+            row, (url, sent) = min(self.sent.items(), key=lambda item: item[1][1])
+            self.named, waiting = True, len(self.sent)
+        self.note(f"waiting on --server {url} for row {row} ({now - sent:.0f} s so far, no "
+                  f"answer to any of {waiting} request(s) in flight for "
+                  f"{now - self.last_answer:.0f} s): a long generation, or a server gone "
+                  f"silent; each request gives up after {self.timeout:g} s without an answer "
+                  "(--server-timeout)")
+
+
 def server_continuations(servers: list[Server], prompts: list[tuple[int, list[int]]], *,
                          max_new_tokens: int, eos_ids: list[int], vocab_size: int,
-                         in_flight: int, on_done: OnDone | None = None) -> dict[int, list[int]]:
+                         in_flight: int, timeout: float = DEFAULT_TIMEOUT_S,
+                         on_done: OnDone | None = None,
+                         note: Callable[[str], None] = _stderr_note) -> dict[int, list[int]]:
     """{row: greedy new tokens} for each (row, prompt ids), prompt i sent to server i mod n,
-    at most `in_flight` requests at a time. The first failure stops the rest and is raised
-    as an ExtractError naming the row and the server."""
+    at most `in_flight` requests at a time, each given up after `timeout` seconds of
+    silence. The first failure stops the rest and is raised as an ExtractError naming the
+    row and the server; SLOW_REQUEST_S without any answer names the oldest request through
+    `note`."""
+    waiting = _InFlight(min(SLOW_REQUEST_S, timeout / 4), timeout, note)
 
     def one(i: int, row: int, prompt: list[int]) -> tuple[int, list[int]]:
         server = servers[i % len(servers)]
         cap = max_new_tokens
         if server.max_model_len is not None:  # the stored sample stops at max_length anyway
             cap = min(cap, server.max_model_len - len(prompt))
+        waiting.start(row, server.url)
         try:
-            reply = _http_json(f"{server.url}/v1/completions",
-                               completion_request(server.model, prompt, cap, eos_ids),
-                               COMPLETION_TIMEOUT_S)
+            reply = http_json(f"{server.url}/v1/completions",
+                              completion_request(server.model, prompt, cap, eos_ids), timeout)
             new = read_completion(reply, prompt, cap, eos_ids, vocab_size)
         except ReplyError as e:
             raise ExtractError(f"row {row}: --server {server.url}: {e}; nothing of this row "
                                "was written (re-run to resume)") from e
+        finally:
+            waiting.end(row)
         if on_done is not None:
             on_done(len(new))
         return row, new
 
     # Daemon threads, not a ThreadPoolExecutor: after the first failure (or Ctrl-C) the
     # error is raised at once and the process may exit while other generations are still
-    # in flight; an executor's threads are joined at exit, up to COMPLETION_TIMEOUT_S each.
+    # in flight; an executor's threads are joined at exit, up to `timeout` each.
     jobs: queue.SimpleQueue = queue.SimpleQueue()
     for job in enumerate(prompts):
         jobs.put(job)
@@ -205,7 +239,8 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
         w.start()
     try:
         for _ in workers:
-            ended.acquire()
+            while not ended.acquire(timeout=waiting.slow_s):
+                waiting.name_stall()
             if errors:
                 break
     finally:
@@ -213,3 +248,38 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
     if errors:
         raise errors[0]
     return {row: results[row] for row, _ in prompts}
+
+
+AGREEMENT_FLOOR = 0.5
+"""Least share of served answer tokens equal to the target forward's own top-1 at the token
+before them that extract accepts. Greedy decoding by the same weights agrees on every token
+in fp32 (tests/extract/test_server_vllm.py) and on nearly all across dtypes and kernels
+(near-ties only); another model served under a name like --model's agreed on 0.27 %."""
+AGREEMENT_NOTE = 0.9
+"""Below this share (and above the floor) extract ends with a note: the same weights in
+another dtype or quantization, whose drift makes offline replay a poorer estimate."""
+MIN_AGREEMENT_TOKENS = 64
+"""Fewer answer tokens than this say too little to refuse a store on."""
+
+
+def check_agreement(store, servers: list[Server], echo=None) -> None:
+    """Refuse a store whose served answers the target itself would not have given (the
+    share store info reports, store_schema.info.top1_agreement), naming the share and what
+    to do; a merely low share is noted through `echo`, when given."""
+    from dflash_train.store_schema.info import top1_agreement
+
+    agree, total = top1_agreement(store)
+    if total < MIN_AGREEMENT_TOKENS:
+        return
+    share = agree / total
+    named = ", ".join(s.url for s in servers)
+    said = (f"--server {named}: {agree:,} of {total:,} answer tokens ({share:.2%}) equal the "
+            f"target's own top-1 at the token before them")
+    if share < AGREEMENT_FLOOR:
+        raise ExtractError(
+            f"{said}, where the same weights agree on nearly all: the server generates with "
+            f"another model than --model. {store.url} holds its answers (not the target's): "
+            f"remove it, serve the target itself, and extract again")
+    if share < AGREEMENT_NOTE and echo is not None:
+        echo(f"note: {said}: the server's weights, dtype or quantization differ from the "
+             "target's; offline replay on this store is only an estimate of live decoding")

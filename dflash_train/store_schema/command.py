@@ -1,6 +1,7 @@
 """`dflash store ...`: look inside a feature store and check it."""
 
 import json
+import shutil
 import sys
 
 import click
@@ -10,7 +11,12 @@ from dflash_train.store_schema.info import summarize, top1_agreement
 from dflash_train.store_schema.integrity import check_before_reading, refusal
 from dflash_train.store_schema.layout import FP8_CONTEXT, HIDDEN_DTYPES
 from dflash_train.store_schema.stats import store_stats
-from dflash_train.store_schema.store import open_store, remove_local_store, store_exists
+from dflash_train.store_schema.store import (
+    local_path,
+    open_store,
+    remove_local_store,
+    store_exists,
+)
 from dflash_train.store_schema.subset import KEEP_CONTEXT_DTYPE, copy_store
 from dflash_train.store_schema.validate import validate
 
@@ -204,21 +210,61 @@ def convert(src: str, dst: str, context_dtype: str, hidden_dtype: str | None,
         damage = check_before_reading(s, [p.index for p in s.parts()])
         if damage:
             raise refusal(damage)
-        if store_exists(dst):
-            raise StoreError(f"{dst} already exists: convert writes a new store")
-        try:
-            kept, _ = copy_store(src, dst, hidden_dtype=hidden_dtype,
-                                 context_dtype=None if context_dtype == "same"
-                                 else context_dtype, progress=progress)
-        except BaseException:
-            remove_local_store(dst)  # no half-written store left behind (local paths)
-            raise
+        _refuse_existing(dst)
+        kept = _convert_into(src, dst, hidden_dtype=hidden_dtype,
+                             context_dtype=None if context_dtype == "same" else context_dtype,
+                             progress=progress)
         summary = summarize(open_store(dst))
     except StoreError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"{dst}: {kept:,} samples, {summary.tokens:,} tokens, "
                f"{summary.bytes_per_token:,.1f} bytes/token (context "
                f"{summary.context_bytes_per_token:,.1f})")
+
+
+CONVERTING_SUFFIX = ".converting"
+"""A local convert writes `.DST-NAME.converting` beside DST and renames it to DST once whole:
+a killed convert leaves no DST for `validate` to call ok or `train` to read in part."""
+
+
+def _refuse_existing(dst: str) -> None:
+    """DST must not exist (an empty directory aside): convert never writes over anything."""
+    path = local_path(dst)
+    if path is None:
+        if store_exists(dst):
+            raise StoreError(f"{dst} already exists (if a convert into it was interrupted, it "
+                             "is an unfinished copy): convert writes a new store; give another "
+                             "DST or remove it")
+        return
+    if path.is_dir() and not any(path.iterdir()):
+        return
+    if path.exists() or path.is_symlink():
+        what = "a directory" if path.is_dir() else "a file"
+        raise StoreError(f"{dst} already exists ({what}): convert writes a new store; give "
+                         "another DST or remove it")
+
+
+def _convert_into(src: str, dst: str, **how) -> int:
+    """copy_store(src, dst) through a temporary name for a local DST (renamed when whole);
+    an object store is written in place, refused by every reader until the copy is whole
+    (store.COPYING_KEY). Returns the samples copied."""
+    path = local_path(dst)
+    if path is None:
+        return copy_store(src, dst, **how)[0]
+    tmp = path.with_name(f".{path.name}{CONVERTING_SUFFIX}")
+    if tmp.exists():
+        click.echo(f"note: removing {tmp}, the partial copy of an interrupted convert into "
+                   f"{dst}", err=True)
+        shutil.rmtree(tmp)
+    try:
+        kept, _ = copy_store(src, str(tmp), **how)
+    except BaseException:
+        remove_local_store(str(tmp))  # nothing half-written left behind
+        raise
+    if path.is_dir():
+        path.rmdir()  # the empty directory _refuse_existing let through
+    tmp.rename(path)
+    return kept
 
 
 def _human(n: float) -> str:

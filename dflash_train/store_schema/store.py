@@ -30,19 +30,31 @@ from dflash_train.store_schema.meta import StoreMeta
 from dflash_train.store_schema.part import Part, PartWriter
 
 LAYOUT_KEY = "dflash_layout"  # root attrs: how arrays are chunked (not provenance)
+COPYING_KEY = "dflash_copying_from"
+"""Root attr of a store copy_store is still writing (the source's URL), removed once the copy
+is whole: a copy cut short is refused by every reader, where an object store offers no rename
+to keep it out of sight until then."""
 # Every chunk of a frozen array is stored, even one equal to the fill value (zarr skips those
 # by default), so that an absent chunk always means damage.
 _PRESENT = {"write_empty_chunks": True}
 
 
+def local_path(url: str) -> Path | None:
+    """The filesystem path of a store given as a path or file:// URL; None for an object
+    store (s3://, gs://, memory://, ...)."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return Path(url.removeprefix("file://"))
+
+
 def zarr_store(url: str, read_only: bool):
     """The zarr store behind `url`: a LocalStore for paths, an FsspecStore for URLs."""
-    if "://" in url and not url.startswith("file://"):
+    path = local_path(url)
+    if path is None:
         try:
             return FsspecStore.from_url(url, read_only=read_only)
         except Exception as e:  # fsspec raises many types for a bad URL or missing backend
             raise StoreError(f"cannot open {url}: {e}") from e
-    path = Path(url.removeprefix("file://"))
     if read_only and not path.exists():
         raise StoreError(f"{url}: no such store")
     return LocalStore(path, read_only=read_only)
@@ -59,24 +71,24 @@ def _has_any_key(zstore) -> bool:
 
 def store_exists(url: str) -> bool:
     """Whether anything is stored at `url` (a path that does not exist holds nothing)."""
-    if "://" not in url or url.startswith("file://"):
-        path = Path(url.removeprefix("file://"))
-        if not path.exists():
-            return False
+    path = local_path(url)
+    if path is not None and not path.exists():
+        return False
     return _has_any_key(zarr_store(url, read_only=True))
 
 
 def remove_local_store(url: str) -> None:
     """Delete the store at local path `url`, if any (a URL is left alone: no recursive
-    delete here; such a copy lacks the tokenizer files it writes last)."""
-    if "://" not in url or url.startswith("file://"):
-        path = Path(url.removeprefix("file://"))
-        if path.is_dir():
-            shutil.rmtree(path)
+    delete here; a copy cut short there stays refused by readers, see COPYING_KEY)."""
+    path = local_path(url)
+    if path is not None and path.is_dir():
+        shutil.rmtree(path)
 
 
-def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024) -> "Store":
-    """Create a store at `url`, or reopen it for resume if one with equal provenance is there."""
+def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024,
+                 copying_from: str | None = None) -> "Store":
+    """Create a store at `url`, or reopen it for resume if one with equal provenance is there.
+    `copying_from`: a copy of that store, refused by readers until `Store.copy_done`."""
     if shard_tokens < 1 or shard_tokens % 8:
         raise StoreError(f"shard_tokens must be a positive multiple of 8, got {shard_tokens}")
     zstore = zarr_store(url, read_only=False)
@@ -92,6 +104,7 @@ def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024) -> "Sto
     root = zarr.create_group(zstore, attributes={
         META_KEY: meta.to_dict(),
         LAYOUT_KEY: {"shard_tokens": shard_tokens},
+        **({COPYING_KEY: copying_from} if copying_from is not None else {}),
     })
     root.create_group(PARTS_GROUP)
     return Store(url, root, meta, mode="r+")
@@ -106,6 +119,9 @@ def read_meta_dict(root: zarr.Group, url: str) -> dict:
     attrs = dict(root.attrs)
     if META_KEY not in attrs:
         raise StoreError(f"{url} is a zarr group but not a dflash store (no '{META_KEY}' attrs)")
+    if COPYING_KEY in attrs:
+        raise StoreError(f"{url} is an unfinished copy of {attrs[COPYING_KEY]} (a `dflash store "
+                         "convert` into it was interrupted): remove it and convert again")
     d = attrs[META_KEY]
     version = d.get("schema_version")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
@@ -227,6 +243,11 @@ class Store:
                                       f"{one_line(e)}")
 
     # -- opaque files (tokenizer) ------------------------------------------------------
+
+    def copy_done(self) -> None:
+        """Mark a copy made with create_store(copying_from=...) whole: readers accept it."""
+        self._require_writable()
+        del self.root.attrs[COPYING_KEY]
 
     def write_files(self, group: str, files: dict[str, bytes]) -> None:
         """Keep small files (e.g. the tokenizer) inside the store as uint8 arrays."""

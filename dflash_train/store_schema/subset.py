@@ -9,8 +9,10 @@ part and row; a part with nothing kept is written empty and complete.
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
 from tqdm import tqdm
 
+from dflash_train.store_schema.errors import StoreError
 from dflash_train.store_schema.layout import torch_dtype
 from dflash_train.store_schema.sample import Sample
 from dflash_train.store_schema.store import create_store, open_store
@@ -33,7 +35,7 @@ def copy_store(src_url: str, dst_url: str, keep: Callable[[Sample], bool] | None
                    context_dtype=src.meta.context_dtype if context_dtype == KEEP_CONTEXT_DTYPE
                    else context_dtype, schema_version=None)
     dtype = torch_dtype(meta.hidden_dtype)
-    dst = create_store(dst_url, meta, shard_tokens=src.shard_tokens)
+    dst = create_store(dst_url, meta, shard_tokens=src.shard_tokens, copying_from=src_url)
     rows = src.target_rows()
     dst.write_target_rows(rows["embed_tokens"], rows["lm_head"], rows["final_norm"])
     dst.write_files("target", src.read_files("target"))
@@ -41,13 +43,41 @@ def copy_store(src_url: str, dst_url: str, keep: Callable[[Sample], bool] | None
     bar = tqdm(total=src.num_samples, unit="sample", disable=not progress, desc="copy")
     for part in src.parts():
         writer = dst.part_writer(part.index, part.row_start, part.row_stop)
-        for sample in part.iter_samples():
+        for i, sample in enumerate(part.iter_samples()):
             seen += 1
             bar.update()
             if keep is None or keep(sample):
-                writer.append(replace(sample, context=sample.context.to(dtype)))
+                where = f"{src_url} part {part.index} sample {i} (source row {sample.source_row})"
+                context = _cast_context(sample.context, dtype, where, meta.context_layer_ids)
+                writer.append(replace(sample, context=context))
                 kept += 1
         writer.finish()
     bar.close()
-    dst.write_files("tokenizer", src.read_files("tokenizer"))  # last: marks the copy usable
+    dst.write_files("tokenizer", src.read_files("tokenizer"))
+    dst.copy_done()  # last: until here every reader refuses the copy
     return kept, seen
+
+
+def _cast_context(context: torch.Tensor, dtype: torch.dtype, where: str, layer_ids: list[int]
+                  ) -> torch.Tensor:
+    """`context` in `dtype`; StoreError naming the value, token and layer when a finite value
+    lies past `dtype`'s range (float16 ends at 65504: hidden-state outliers reach it), so
+    the copy refuses it as an overflow and not as NaN or Inf in the source."""
+    cast = context.to(dtype)
+    if torch.finfo(dtype).max >= torch.finfo(context.dtype).max or torch.isfinite(cast).all():
+        return cast
+    past = torch.isfinite(context) & ~torch.isfinite(cast)
+    if not past.any():
+        return cast  # NaN or Inf already in the source: the part writer names that
+    flat = torch.where(past, context.abs(), 0).flatten().argmax().item()
+    token, layer, channel = torch.unravel_index(torch.tensor(flat), context.shape)
+    value = context[token, layer, channel].item()
+    raise StoreError(
+        f"{where}: context value {value:g} (token {token.item()}, layer "
+        f"{layer_ids[layer.item()]}, channel {channel.item()}) overflows {_dtype_name(dtype)} "
+        f"(largest {torch.finfo(dtype).max:g}); convert to bfloat16 (float32's range) or "
+        "keep the source's dtype")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -155,8 +155,20 @@ def read_provenance(path: str | Path) -> StoreMeta | None:
     return StoreMeta.from_dict(json.loads(file.read_text()))
 
 
-def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, where: str) -> None:
-    """Refuse a store made from another target or layer set than the checkpoint's."""
+def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, where: str,
+                     same_data: bool = False) -> None:
+    """Refuse a store made from another target or layer set than the checkpoint's; with
+    `same_data` (a resume), any store but the one it trained on. A store is known by its
+    provenance (the target's weights fingerprint where both have one, the data's sha256, the
+    parts planned, ...), never by its path: a copy or a move of it is the same store."""
+    if same_data:
+        diffs = checkpoint.mismatches(store)
+        if diffs:
+            raise TrainError(
+                f"--resume: {where} was trained on another store than {store_url} (checkpoint "
+                "!= store):\n  " + "\n  ".join(diffs) + "\ngive the run's own store (a copy "
+                "or a move of it is the same store), or start a new run with another --out")
+        return
     diffs = checkpoint.target_mismatches(store)
     if diffs:
         raise TrainError(

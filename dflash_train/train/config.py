@@ -10,12 +10,13 @@ import math
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_train.blocks import ANCHORS_PER_SEQ
-from dflash_train.drafter.config import DFLASH2_FIELDS
+from dflash_train.blocks import ANCHORS_PER_SEQ, BLOCK_SIZE
+from dflash_train.drafter.config import DFLASH2_FIELDS, max_conv_kernel_size
 from dflash_train.train.data import LoaderConfig
 from dflash_train.train.errors import TrainError
 from dflash_train.train.loss import LossConfig
@@ -80,11 +81,11 @@ class ModelConfig:
         for name in DFLASH2_FIELDS:
             value = getattr(self, name)
             require(value is None or value >= 1, f"model.{name}", ">= 1", value)
-            require(value is None or self.kind == "dflash2", f"model.{name}",
-                    "left unset unless model.kind is dflash2", value)
-        require(self.selector_codebooks == "free" or self.kind == "dflash2",
-                "model.selector_codebooks", "free unless model.kind is dflash2",
-                self.selector_codebooks)
+        # tap t reads slot i - t of the same block: past the block there is only padding
+        limit = max_conv_kernel_size(BLOCK_SIZE)
+        require(self.conv_kernel_size is None or self.conv_kernel_size <= limit,
+                "model.conv_kernel_size", f"at most {limit} (the block size: a tap past it "
+                "reads nothing of the block)", self.conv_kernel_size)
 
     def dflash2_overrides(self) -> dict[str, Any]:
         """The DrafterConfig fields this section sets for a DFlash 2 drafter ({} for DFlash)."""
@@ -266,9 +267,61 @@ class TrainConfig:
             raise TrainError("loss.kind kl-topk does not train a DFlash 2 selector (its term "
                              "is a hard CE over each slot's top-K); use loss.kind ce with "
                              "model.kind dflash2")
+        for rule in ACTS_ONLY_WHEN:
+            rule.refuse_if_inert(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ActsOnlyWhen:
+    """Settings that have an effect only under another one. Set away from their default
+    without it, a run would silently ignore them, so the config refuses them, naming both."""
+
+    fields: tuple[str, ...]
+    """section.field of each such setting."""
+    when: str
+    """The condition, as a user would write it."""
+    holds: Callable[["TrainConfig"], bool]
+
+    def refuse_if_inert(self, cfg: "TrainConfig") -> None:
+        if self.holds(cfg):
+            return
+        for key in self.fields:
+            section, name = key.split(".")
+            value, default = getattr(getattr(cfg, section), name), _default(section, name)
+            shown = "left unset" if default is None else str(default)
+            require(value == default, key, f"{shown} unless {self.when} (it has no effect "
+                    "otherwise)", value)
+
+
+ACTS_ONLY_WHEN = (
+    ActsOnlyWhen(tuple(f"model.{n}" for n in DFLASH2_FIELDS) + (
+        "model.selector_codebooks", "loss.selector_weight", "loss.selector_out_of_top_k"),
+        "model.kind is dflash2", lambda c: c.model.kind == "dflash2"),
+    ActsOnlyWhen(("optim.muon_lr", "optim.muon_momentum", "optim.muon_nesterov",
+                  "optim.muon_ns_steps", "optim.muon_adjust_lr_fn"),
+                 "optim.optimizer is muon", lambda c: c.optim.optimizer == "muon"),
+    ActsOnlyWhen(("loss.dpace_alpha",), "loss.position_weights is dpace",
+                 lambda c: c.loss.position_weights == "dpace"),
+    ActsOnlyWhen(("loss.gamma",), "loss.position_weights is decay",
+                 lambda c: c.loss.position_weights == "decay"),
+    ActsOnlyWhen(("noise.std", "noise.absolute", "noise.std_end", "noise.schedule_steps",
+                  "noise.stats_max_tokens"), "noise.kind is uniform or gaussian",
+                 lambda c: c.noise.kind != "none"),
+    ActsOnlyWhen(("noise.schedule_steps",), "noise.std_end is set",
+                 lambda c: c.noise.std_end is not None),
+    ActsOnlyWhen(("noise.stats_max_tokens",), "noise.absolute is false (relative noise "
+                  "needs each layer's RMS)", lambda c: not c.noise.absolute),
+)
+"""Every setting that acts only under another: the one place such refusals are made."""
+
+
+def _default(section: str, name: str) -> Any:
+    """The dataclass default of `section.name`, what a config that never set it holds."""
+    f = next(f for f in dataclasses.fields(_hints(TrainConfig)[section]) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _hints(cls) -> dict[str, Any]:

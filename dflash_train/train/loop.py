@@ -269,7 +269,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     # that resolve differently today (rundir.config_changes) must not build another one.
     rows = store.target_rows()
     if point is not None:
-        check_provenance(point.provenance, store.meta, store.url, str(point.path))
+        check_provenance(point.provenance, store.meta, store.url, str(point.path), same_data=True)
         model = point.drafter
     elif cfg.model.init_from:
         model = initial_drafter(cfg.model)

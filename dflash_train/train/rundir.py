@@ -33,6 +33,7 @@ it for the latest."""
 
 RUN_MANAGEMENT_FIELDS = frozenset({
     "run.out_dir",  # the directory may have been moved; it is the one being resumed
+    "stores",  # a store is its content, not its path: checkpoint.check_provenance(same_data)
     "run.device",  # where the run executes (auto vs cpu); precision stays compared
     "run.progress",
     "run.log_every",
