@@ -1,7 +1,7 @@
 """The drafter's shape: one dataclass, the default target-layer formula, named presets.
 
 Owns every number that fixes a drafter's architecture (docs/reference.md §1, §2). It never
-touches tensors or files; `checkpoint.py` maps it to and from config.json.
+touches tensors or files; `hf_config.py` maps it to and from config.json.
 """
 
 from __future__ import annotations

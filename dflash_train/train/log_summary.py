@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_train.run_layout import LOG
 from dflash_train.train.errors import TrainError
 from dflash_train.train.record import StepRecord
 
@@ -29,7 +30,7 @@ def read_log(run_dir: str | Path) -> list[StepRecord]:
     """The records of RUN_DIR/log.jsonl, the last one of each step; a line that is not a
     record the loop writes is a TrainError naming the file and line (only the last line may
     be torn, by a crash mid-write, and is then passed over)."""
-    path = Path(run_dir) / "log.jsonl"
+    path = Path(run_dir) / LOG
     if not path.is_file():
         raise TrainError(f"{path} does not exist: is {run_dir} a training run directory?")
     records = []

@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_train.train.checkpoint import checkpoint_dir, latest_checkpoint, save_checkpoint
+from dflash_train.run_layout import SKIPPED, checkpoint_dir
+from dflash_train.train.checkpoint import latest_checkpoint, save_checkpoint
 from dflash_train.train.config import TrainConfig
 from dflash_train.train.data import Batch, empty_batch
 from dflash_train.train.errors import TrainError
 from dflash_train.train.noise import noise_std_at
 from dflash_train.train.parallel import barrier, full_states, global_norm, sum_over_ranks
 from dflash_train.train.record import StepRecord
-from dflash_train.train.run import SKIPPED_FILE, AlreadyComplete, Run, build_run
+from dflash_train.train.run import AlreadyComplete, Run, build_run
 from dflash_train.train.rundir import local_paths_absolute, run_lock
 from dflash_train.train.step import batch_accuracy, block_loss, make_blocks, noised_context
 
@@ -160,6 +161,6 @@ def _finish(run: Run, checkpoint: Path | None, last_loss: float) -> TrainResult:
     barrier(run.world)
     if run.skipped.count:
         run.echo(f"skipped {run.skipped.count} damaged sample(s) or part(s) (--skip-corrupt); "
-                 f"listed in {run.run_dir / SKIPPED_FILE}")
+                 f"listed in {run.run_dir / SKIPPED}")
     return TrainResult(run.state.step, last_loss, checkpoint or latest_checkpoint(run.run_dir),
                        run.run_dir, run.skipped.count)

@@ -19,12 +19,13 @@ from tqdm import tqdm
 
 from dflash_train.devices import resolve_device
 from dflash_train.drafter import DFlashDrafter
+from dflash_train.run_layout import CHECKPOINTS, CONFIG, LOG, SKIPPED, TENSORBOARD
 from dflash_train.store_schema import Store, StoreError
 from dflash_train.store_schema.errors import one_line
 from dflash_train.store_schema.integrity import SKIP_HINT
 from dflash_train.store_schema.stats import store_stats
 from dflash_train.train.checkpoint import (
-    CHECKPOINTS,
+    Checkpoint,
     TrainState,
     check_provenance,
     read_provenance,
@@ -45,7 +46,6 @@ from dflash_train.train.parallel import (
     wrap,
 )
 from dflash_train.train.rundir import (
-    ResumePoint,
     check_new_run_dir,
     check_resume_config,
     check_same_plan,
@@ -55,9 +55,6 @@ from dflash_train.train.rundir import (
     shape_conflicts,
 )
 from dflash_train.train.sinks import RunLog, SkipLedger, progress_bar
-
-SKIPPED_FILE = "skipped.jsonl"
-"""Run-directory file listing each damaged sample skipped under loader.skip_corrupt."""
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
@@ -141,10 +138,10 @@ def build_run(cfg: TrainConfig, resume: bool, echo=print) -> Run | AlreadyComple
     config_toml = to_toml(cfg)
     if rank == 0:
         _write_config(run_dir, config_toml)
-    log = RunLog(run_dir / "log.jsonl", run_dir / "tb" if cfg.run.tensorboard else None
+    log = RunLog(run_dir / LOG, run_dir / TENSORBOARD if cfg.run.tensorboard else None
                  ) if rank == 0 else None
     bar = progress_bar(total_steps, state.step, rank == 0 and cfg.run.progress)
-    skipped = SkipLedger(run_dir / SKIPPED_FILE, rank, echo)
+    skipped = SkipLedger(run_dir / SKIPPED, rank, echo)
     health = StepHealth(run_dir, model.config.vocab_size, cfg.optim.lr)
     for damage in loader.damage:  # found before reading: whole parts never enter the plan
         skipped.record(damage, state.step)
@@ -175,7 +172,7 @@ def _distributed() -> tuple[int, int]:
 
 
 def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, rank: int, world: int,
-                   echo) -> ResumePoint | None:
+                   echo) -> Checkpoint | None:
     """The run directory: a new run never mixes into an old one; a resume continues the run
     it finds exactly as configured (rundir.RUN_MANAGEMENT_FIELDS aside), from the newest
     checkpoint that reads whole. Every rank checks before rank 0 writes anything."""
@@ -191,7 +188,7 @@ def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, rank: int, wor
 
 
 def _resume_point(run_dir: Path, cfg: TrainConfig, rank: int, world: int,
-                  echo) -> ResumePoint:
+                  echo) -> Checkpoint:
     """The checkpoint a resume continues from, the same on every rank, its config checked
     against cfg; damaged newer ones are named and (rank 0, once every rank has chosen)
     renamed out of rotation."""
@@ -273,7 +270,7 @@ def _finished(done: TrainState, loader: StoreLoader, cfg: TrainConfig, total_ste
             or (done.epoch == last and done.batch_in_epoch >= loader.batches_per_epoch(last)))
 
 
-def _drafter(cfg: TrainConfig, point: ResumePoint | None, store: Store, rank: int, echo,
+def _drafter(cfg: TrainConfig, point: Checkpoint | None, store: Store, rank: int, echo,
              bf16: bool, device: torch.device) -> DFlashDrafter:
     """The drafter the run trains, on `device`, borrowing the store's frozen embed_tokens /
     lm_head, in training mode."""
@@ -298,7 +295,7 @@ def _drafter(cfg: TrainConfig, point: ResumePoint | None, store: Store, rank: in
     return model
 
 
-def _starting_drafter(cfg: TrainConfig, point: ResumePoint | None,
+def _starting_drafter(cfg: TrainConfig, point: Checkpoint | None,
                       store: Store) -> DFlashDrafter:
     """A resume trains the checkpoint's own drafter, as its config.json describes it:
     defaults that resolve differently today (rundir.config_changes) must not build another
@@ -363,7 +360,7 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
     return scale
 
 
-def _restore(point: ResumePoint, model: DFlashDrafter, optimizer, scheduler,
+def _restore(point: Checkpoint, model: DFlashDrafter, optimizer, scheduler,
              plan: list) -> TrainState:
     """The checkpoint's position, schedule, RNG and optimiser state, restored."""
     state, optimizer_state = restore_trainer(point.trainer, scheduler)
@@ -379,6 +376,6 @@ def _restore(point: ResumePoint, model: DFlashDrafter, optimizer, scheduler,
 def _write_config(run_dir: Path, config_toml: str) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_toml)
+        (run_dir / CONFIG).write_text(config_toml)
     except OSError as e:
         raise TrainError(f"--out {run_dir}: cannot write the run directory: {e}") from e

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from dflash_train.cli import main
 from dflash_train.drafter import load_drafter
-from dflash_train.drafter.checkpoint import CHECKSUMS_NAME
+from dflash_train.run_layout import CHECKSUMS_NAME
 from dflash_train.train.checkpoint import (
     PROVENANCE,
     TRAINER_STATE,
