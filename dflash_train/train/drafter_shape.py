@@ -1,12 +1,15 @@
-"""The drafter a run starts from: shaped for a store's target (the fields `model.*` sets,
-else a published target's released drafter, else the target's own heads), or the one
-`model.init_from` names, warm-started to DFlash 2 where asked.
+"""The drafter's shape as a run's `model.*` settings give it, both ways: resolved for a
+store's target (the fields `model.*` sets, else a published target's released drafter, else
+the target's own heads; shape_drafter), read back from a built drafter (drafter_settings, so
+a resume or init_from compares settings with the shape it really has), and the drafter a run
+starts from when `model.init_from` names one, warm-started to DFlash 2 where asked.
 
 Reads the store's target config and the init drafter; never writes, never trains.
 """
 
 import json
 from dataclasses import fields, replace
+from typing import Any
 
 from dflash_train.drafter import (
     AttentionShape,
@@ -21,6 +24,7 @@ from dflash_train.drafter.model import dflash2_from
 from dflash_train.store_schema import Store, StoreError
 from dflash_train.train.config import ModelConfig, TrainConfig
 from dflash_train.train.errors import TrainError
+from dflash_train.train.options import option_name
 
 DRAFTER_LAYERS = 5
 """Decoder layers of a drafter when the config leaves them unset (the released drafters')."""
@@ -64,8 +68,7 @@ def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
     overrides = dict(
         num_hidden_layers=layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-        layer_types=(["sliding_attention"] * shape.sliding_layers
-                     + ["full_attention"] * (layers - shape.sliding_layers)),
+        layer_types=_layer_types(shape.sliding_layers, layers),
         sliding_window=shape.sliding_window if shape.sliding_layers else None,
     )
     if m.intermediate_size is not None:
@@ -98,3 +101,40 @@ def initial_drafter(m: ModelConfig) -> DFlashDrafter:
         return dflash2_from(model, **fields)
     except DrafterError as e:
         raise TrainError(f"model.init_from {m.init_from}: warm start: {e}") from e
+
+
+def _layer_types(sliding_layers: int, layers: int) -> list[str]:
+    """model.sliding_layers as a drafter holds it: that many sliding layers first, the rest
+    full (drafter_settings reads it back with _sliding_layers)."""
+    return ["sliding_attention"] * sliding_layers + ["full_attention"] * (layers - sliding_layers)
+
+
+def _sliding_layers(drafter: DrafterConfig) -> int:
+    return drafter.layer_types.count("sliding_attention")
+
+
+def drafter_settings(drafter: DrafterConfig) -> dict[str, Any]:
+    """The `model.*` values a checkpoint's drafter actually has (None where it has none)."""
+    sliding = _sliding_layers(drafter)
+    return {
+        "model.num_hidden_layers": drafter.num_hidden_layers,
+        "model.num_attention_heads": drafter.num_attention_heads,
+        "model.num_key_value_heads": drafter.num_key_value_heads,
+        "model.head_dim": drafter.head_dim,
+        "model.intermediate_size": drafter.intermediate_size,
+        "model.sliding_layers": sliding,
+        "model.sliding_window": drafter.sliding_window if sliding else None,
+        "model.mask_token_id": drafter.mask_token_id,
+    }
+
+
+def shape_conflicts(model: ModelConfig, drafter: DrafterConfig) -> list[str]:
+    """'option: set value (the drafter has its value)' for every `model.*` field a config
+    sets that a given drafter (init_from) does not have: the drafter's shape wins, and the
+    run must not record another."""
+    conflicts = []
+    for key, has in drafter_settings(drafter).items():
+        wanted = getattr(model, key.removeprefix("model."))
+        if wanted is not None and has is not None and wanted != has:
+            conflicts.append(f"{option_name(key)} {wanted} (the drafter has {has})")
+    return conflicts

@@ -33,7 +33,7 @@ from dflash_train.train.checkpoint import (
 )
 from dflash_train.train.config import OptimConfig, TrainConfig, resolve_chunk_blocks, to_toml
 from dflash_train.train.data import StoreLoader, weights_text
-from dflash_train.train.drafter_shape import drafter_config, initial_drafter
+from dflash_train.train.drafter_shape import drafter_config, initial_drafter, shape_conflicts
 from dflash_train.train.errors import TrainError
 from dflash_train.train.health import StepHealth
 from dflash_train.train.optimizer import build_optimizer
@@ -52,7 +52,6 @@ from dflash_train.train.rundir import (
     find_resume_point,
     set_aside,
     set_aside_leftovers,
-    shape_conflicts,
 )
 from dflash_train.train.sinks import RunLog, SkipLedger, progress_bar
 

@@ -31,7 +31,8 @@ from dflash_train.train.checkpoint import (
     complete_checkpoints,
     read_checkpoint,
 )
-from dflash_train.train.config import ModelConfig, TrainConfig
+from dflash_train.train.config import TrainConfig
+from dflash_train.train.drafter_shape import drafter_settings
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import option_name
 
@@ -160,21 +161,6 @@ def local_paths_absolute(stores: list[str]) -> list[str]:
     return [s if "://" in s else os.path.abspath(s) for s in stores]
 
 
-def drafter_settings(drafter: DrafterConfig) -> dict[str, Any]:
-    """The `model.*` values a checkpoint's drafter actually has (None where it has none)."""
-    sliding = drafter.layer_types.count("sliding_attention")
-    return {
-        "model.num_hidden_layers": drafter.num_hidden_layers,
-        "model.num_attention_heads": drafter.num_attention_heads,
-        "model.num_key_value_heads": drafter.num_key_value_heads,
-        "model.head_dim": drafter.head_dim,
-        "model.intermediate_size": drafter.intermediate_size,
-        "model.sliding_layers": sliding,
-        "model.sliding_window": drafter.sliding_window if sliding else None,
-        "model.mask_token_id": drafter.mask_token_id,
-    }
-
-
 def check_same_plan(saved: list, now: list, checkpoint: Path) -> None:
     """Refuse a resume whose stores now offer other parts (or other sample counts) than the
     run planned over: its batches and schedule would silently be another run's."""
@@ -191,18 +177,6 @@ def check_same_plan(saved: list, now: list, checkpoint: Path) -> None:
                      f"unfinished part completed, or a part became damaged); no longer "
                      f"there: {show(gone)}; new: {show(new)}. Resume with the stores as they "
                      "were, or start a new run with another --out")
-
-
-def shape_conflicts(model: ModelConfig, drafter: DrafterConfig) -> list[str]:
-    """'option: set value (the drafter has its value)' for every `model.*` field a config
-    sets that a given drafter (init_from) does not have: the drafter's shape wins, and the
-    run must not record another."""
-    conflicts = []
-    for key, has in drafter_settings(drafter).items():
-        wanted = getattr(model, key.removeprefix("model."))
-        if wanted is not None and has is not None and wanted != has:
-            conflicts.append(f"{option_name(key)} {wanted} (the drafter has {has})")
-    return conflicts
 
 
 def config_changes(saved: TrainConfig, new: TrainConfig,
