@@ -22,6 +22,7 @@ from dflash_train.drafter import (
 from dflash_train.drafter.config import DRAFTER_KINDS
 from dflash_train.drafter.model import dflash2_from
 from dflash_train.store_schema import Store, StoreError
+from dflash_train.target_config import head_dim, text_part
 from dflash_train.train.config import ModelConfig, TrainConfig
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import option_name
@@ -52,11 +53,10 @@ def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
     target's released drafter attention, else the target's own heads, all layers full.
     Left unset, the released sliding layers stop one short of the drafter's layer count, so
     its last layer stays full (the released 5-layer drafter: 4 sliding + 1 full)."""
-    text = target.get("text_config") or target
+    text = text_part(target)
     layers = m.num_hidden_layers or DRAFTER_LAYERS
     base = published_attention(target) or AttentionShape(
-        text["num_attention_heads"], text["num_key_value_heads"],
-        text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+        text["num_attention_heads"], text["num_key_value_heads"], head_dim(text),
         sliding_layers=0, sliding_window=2048)
     base = replace(base, sliding_layers=min(base.sliding_layers, layers - 1))
     shape = replace(base, **{f.name: getattr(m, f.name) for f in fields(AttentionShape)
