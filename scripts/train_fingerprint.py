@@ -7,9 +7,10 @@ runs on CPU in one intra-op thread (float sums split by thread differ):
   resume     the dflash run with every checkpoint after step 4 deleted, resumed to the end,
 and prints, per run, the sha256 of the final weights (name, dtype, shape and bytes of every
 tensor), of the log.jsonl records without their wall-clock fields, and of each file the
-final checkpoint's drafter/ holds. Run it on two trees and diff the output:
+final checkpoint's drafter/ holds. It fingerprints the tree it lies in (its parent comes
+first on sys.path): run each tree's copy and diff the outputs, e.g.
 
-    PYTHONPATH=<tree> OMP_NUM_THREADS=1 python scripts/train_fingerprint.py
+    cd TREE && OMP_NUM_THREADS=1 python scripts/train_fingerprint.py > fingerprint.txt
 """
 
 import hashlib
