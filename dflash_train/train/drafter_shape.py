@@ -19,7 +19,7 @@ from dflash_train.drafter import (
     load_drafter,
     published_attention,
 )
-from dflash_train.drafter.config import DRAFTER_KINDS
+from dflash_train.drafter.config import DFLASH2_FIELDS, DRAFTER_KINDS
 from dflash_train.drafter.model import dflash2_from
 from dflash_train.store_schema import Store, StoreError
 from dflash_train.target_config import head_dim, text_part
@@ -74,7 +74,7 @@ def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
     if m.intermediate_size is not None:
         overrides["intermediate_size"] = m.intermediate_size
     return DrafterConfig.for_target(target, mask_token_id, target_layer_ids=layer_ids,
-                                    **overrides, **m.dflash2_overrides())
+                                    **overrides, **dflash2_settings(m))
 
 
 def initial_drafter(m: ModelConfig) -> DFlashDrafter:
@@ -85,7 +85,7 @@ def initial_drafter(m: ModelConfig) -> DFlashDrafter:
     except DrafterError as e:
         raise TrainError(f"model.init_from {m.init_from}: {e}") from e
     if model.config.kind == m.kind:
-        wanted = m.dflash2_overrides()
+        wanted = dflash2_settings(m)
         differ = [f"model.{k} {v} (the drafter has {getattr(model.config, k)})"
                   for k, v in wanted.items() if getattr(model.config, k) != v]
         if differ:
@@ -95,7 +95,7 @@ def initial_drafter(m: ModelConfig) -> DFlashDrafter:
     if m.kind == "dflash":
         raise TrainError(f"model.init_from {m.init_from} is a DFlash 2 drafter; pass --set "
                          "model.kind=dflash2 to train it")
-    fields = m.dflash2_overrides()
+    fields = dflash2_settings(m)
     fields.pop("kind")
     try:
         return dflash2_from(model, **fields)
@@ -111,6 +111,14 @@ def _layer_types(sliding_layers: int, layers: int) -> list[str]:
 
 def _sliding_layers(drafter: DrafterConfig) -> int:
     return drafter.layer_types.count("sliding_attention")
+
+
+def dflash2_settings(m: ModelConfig) -> dict[str, Any]:
+    """The DrafterConfig fields `m` sets for a DFlash 2 drafter ({} for DFlash)."""
+    if m.kind != "dflash2":
+        return {}
+    fields = {name: getattr(m, name) for name in DFLASH2_FIELDS if getattr(m, name) is not None}
+    return {"kind": "dflash2", "selector_codebooks": m.selector_codebooks, **fields}
 
 
 def drafter_settings(drafter: DrafterConfig) -> dict[str, Any]:
