@@ -1,7 +1,7 @@
 """Content hashes of files: the one place a whole file is read to be hashed.
 
 Used for input files (extract/data.py), GGUF targets (extract/gguf.py) and checkpoint
-checksums (drafter/checkpoint.py). Imports nothing heavy, so any stage may use it.
+checksums (drafter/files.py). Imports nothing heavy, so any stage may use it.
 """
 
 import hashlib

@@ -242,7 +242,7 @@ def save_untrained(train_cfg, out: Path) -> str:
 
     from dflash_train.drafter import DFlashDrafter, save_drafter
     from dflash_train.store_schema import open_store
-    from dflash_train.train.loop import drafter_config
+    from dflash_train.train.drafter_shape import drafter_config
 
     dcfg = drafter_config(train_cfg, open_store(train_cfg.stores[0]))
     torch.manual_seed(train_cfg.run.seed)

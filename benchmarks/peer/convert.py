@@ -21,8 +21,9 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from dflash_train.drafter.checkpoint import ARCHITECTURE, config_from_dict, save_drafter
+from dflash_train.drafter.checkpoint import save_drafter
 from dflash_train.drafter.errors import DrafterError
+from dflash_train.drafter.hf_config import ARCHITECTURE, config_from_dict
 from dflash_train.drafter.model import DFlashDrafter
 
 _DECODER_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",

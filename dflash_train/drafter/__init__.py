@@ -17,9 +17,12 @@
   `GroupedDynamicCausalConv` each decoder layer wraps around its attention and MLP, and the
   `CandidateSelector` whose greedy walk `DFlashDrafter.propose` follows.
 - `checkpoint.py`: `save_drafter` / `load_drafter` / `export_checkpoint` in the HF
-  directory format vLLM, SGLang and z-lab load (docs/reference.md §9), written atomically with
-  a sha256 record (checksums.json) that loading verifies; an overwrite replaces only an
-  empty directory or a previous export.
+  directory format vLLM, SGLang and z-lab load (docs/reference.md §9), and the AutoModel
+  shim every directory ships; `hf_config.py` maps DrafterConfig to and from config.json,
+  `hf_weights.py` reads and checks model.safetensors, `files.py` writes a directory
+  atomically with a sha256 record (checksums.json) that loading verifies, and allows an
+  overwrite of only an empty directory or a previous export. `dflash_train.run_layout`
+  names the files.
 
 Typical use (the caller applies the lm_head, in chunks if memory is tight):
 
@@ -33,13 +36,7 @@ This package never reads the feature store, samples anchors, or computes losses.
 """
 
 from dflash_train.blocks import build_block_ids
-from dflash_train.drafter.checkpoint import (
-    DRAFTER_SUBDIR,
-    export_checkpoint,
-    load_drafter,
-    read_config,
-    save_drafter,
-)
+from dflash_train.drafter.checkpoint import export_checkpoint, load_drafter, save_drafter
 from dflash_train.drafter.config import (
     AttentionShape,
     DrafterConfig,
@@ -47,8 +44,10 @@ from dflash_train.drafter.config import (
     published_attention,
 )
 from dflash_train.drafter.errors import DrafterError
+from dflash_train.drafter.hf_config import read_config
 from dflash_train.drafter.masks import BlockLayout, dense_mask, flex_block_mask
 from dflash_train.drafter.model import ContextCache, DFlashDrafter
+from dflash_train.run_layout import DRAFTER_SUBDIR
 
 __all__ = [
     "DRAFTER_SUBDIR",

@@ -1,17 +1,18 @@
 """The drafter's shape: one dataclass, the default target-layer formula, named presets.
 
 Owns every number that fixes a drafter's architecture (docs/reference.md §1, §2). It never
-touches tensors or files; `checkpoint.py` maps it to and from config.json.
+touches tensors or files; `hf_config.py` maps it to and from config.json.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dflash_train.blocks import BLOCK_SIZE
 from dflash_train.drafter.errors import DrafterError
+from dflash_train.target_config import config_field, model_type, rope_theta, text_part
 
 LayerType = Literal["full_attention", "sliding_attention"]
 DrafterKind = Literal["dflash", "dflash2"]
@@ -251,11 +252,8 @@ class DrafterConfig:
         and the DFlash layer-id formula. `target_config` is a transformers config or a dict;
         a multimodal config's `text_config` is used when present. `overrides` set any field.
         """
-        text = _get(target_config, "text_config", None) or target_config
+        text = text_part(target_config)
         num_target_layers = int(_require(text, "num_hidden_layers"))
-        rope_theta = _get(text, "rope_theta", None)
-        if rope_theta is None:
-            rope_theta = (_get(text, "rope_parameters", None) or {}).get("rope_theta", 1e6)
         fields: dict[str, Any] = dict(
             hidden_size=int(_require(text, "hidden_size")),
             vocab_size=int(_require(text, "vocab_size")),
@@ -264,9 +262,9 @@ class DrafterConfig:
             target_layer_ids=target_layer_ids
             or default_target_layer_ids(num_target_layers, num_features),
             mask_token_id=mask_token_id,
-            rms_norm_eps=float(_get(text, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(_get(text, "max_position_embeddings", 40960)),
+            rms_norm_eps=float(config_field(text, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta(text, default=1e6)),
+            max_position_embeddings=int(config_field(text, "max_position_embeddings", 40960)),
         )
         fields.update(overrides)
         return cls(**fields)
@@ -319,21 +317,16 @@ def published_attention(target_config: Any) -> AttentionShape | None:
 
     Qwen3.5-27B and Qwen3.6-27B share one architecture (qwen3_5, 64 layers, width 5120).
     """
-    text = _get(target_config, "text_config", None) or target_config
-    family = str(_get(text, "model_type", "")).startswith("qwen3_5")
-    if family and _get(text, "hidden_size", 0) == 5120 and _get(text, "num_hidden_layers", 0) == 64:
+    text = text_part(target_config)
+    family = model_type(text).startswith("qwen3_5")
+    if (family and config_field(text, "hidden_size", 0) == 5120
+            and config_field(text, "num_hidden_layers", 0) == 64):
         return QWEN3_6_27B_ATTENTION
     return None
 
 
-def _get(obj: Any, name: str, default: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
-
-
 def _require(obj: Any, name: str) -> Any:
-    value = _get(obj, name, None)
+    value = config_field(obj, name)
     if value is None:
         raise DrafterError(f"target config has no {name!r}; cannot size the drafter")
     return value

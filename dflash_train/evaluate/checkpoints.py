@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from dflash_train.drafter import DFlashDrafter, DrafterConfig, DrafterError, load_drafter
-from dflash_train.drafter.checkpoint import PROVENANCE_NAME, training_checkpoint_root
 from dflash_train.drafter.config import DRAFTER_KINDS
+from dflash_train.drafter.files import training_checkpoint_root
 from dflash_train.evaluate.errors import EvalError
+from dflash_train.run_layout import PROVENANCE
 from dflash_train.store_schema import StoreError, StoreMeta
 
 
@@ -43,7 +44,7 @@ class Checkpoint:
 
 def read_provenance(path: str | Path) -> StoreMeta | None:
     """The training store's provenance kept next to `drafter/`, or None when absent."""
-    file = Path(path) / PROVENANCE_NAME
+    file = Path(path) / PROVENANCE
     if not file.is_file():
         return None
     try:
@@ -98,7 +99,7 @@ def load_checkpoint(
     root = training_checkpoint_root(path)
     provenance = read_provenance(root if root is not None else path)
     if root is not None and provenance is None:
-        raise EvalError(f"checkpoint {path}: {root / PROVENANCE_NAME} is missing, so the store "
+        raise EvalError(f"checkpoint {path}: {root / PROVENANCE} is missing, so the store "
                         "it was trained on cannot be checked; copy the checkpoint again whole")
     problems = compatibility_problems(model.config, provenance, store)
     if problems:

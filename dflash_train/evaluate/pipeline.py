@@ -65,6 +65,7 @@ from dflash_train.evaluate.served import (
 )
 from dflash_train.evaluate.tokenizer import store_tokenizer
 from dflash_train.store_schema import Store, StoreError, open_store
+from dflash_train.target_config import config_field, text_part
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_MAX_NEW_TOKENS = 1024
@@ -431,7 +432,7 @@ def _generation_source(model: str):
 def _served_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
     """Find vLLM and check --model is the store's target, before the first forward."""
     from dflash_train.extract.errors import ExtractError
-    from dflash_train.extract.loading import load_config, target_info, text_config
+    from dflash_train.extract.loading import load_config, target_info
 
     python = find_vllm(cfg.vllm_python)
     try:
@@ -442,7 +443,7 @@ def _served_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
     check_target(cfg.model, info, store.meta.target)
     return ServedPlan(python=python, target=str(Path(cfg.model).resolve()),
                       dtype=store.meta.hidden_dtype,
-                      max_position=getattr(text_config(config), "max_position_embeddings", None))
+                      max_position=config_field(text_part(config), "max_position_embeddings"))
 
 
 def _served_check(served: dict[str, ServedResults], offline: dict, online: dict | None,

@@ -14,6 +14,8 @@ import logging
 
 import torch
 
+from dflash_train.target_config import text_part
+
 FALLBACK_NOTE = "is falling back to its reference PyTorch implementation"
 """The words every one of transformers' kernel fallback notes contains."""
 HUB_KERNELS_LOGGER = "transformers.integrations.hub_kernels"
@@ -37,7 +39,7 @@ def missing_kernels_note(config, device: torch.device) -> str | None:
     """One line when a target with linear attention runs on CUDA without fla; else None."""
     if device.type != "cuda":
         return None
-    text = getattr(config, "text_config", None) or config
+    text = text_part(config)
     if "linear_attention" not in (getattr(text, "layer_types", None) or []):
         return None
     if importlib.util.find_spec("fla") is not None:

@@ -1,6 +1,7 @@
 """Training checkpoints: written whole or not at all, resumed exactly.
 
-A checkpoint is a directory `checkpoints/step_00000100/` holding
+A checkpoint is a directory `checkpoints/step_00000100/` (its files named in run_layout)
+holding
   drafter/          the drafter in the serving format (dflash export copies it),
   trainer.pt        optimiser, scheduler, step / epoch / batch position, RNG states,
   provenance.json   the store's provenance it was trained on (checked on resume and eval),
@@ -21,42 +22,35 @@ import signal
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from dflash_train.drafter import (
-    DRAFTER_SUBDIR,
-    DFlashDrafter,
-    DrafterError,
-    load_drafter,
-    save_drafter,
-)
-from dflash_train.drafter.checkpoint import (
-    COMPLETE_NAME,
-    PROVENANCE_NAME,
-    TRAIN_CONFIG_NAME,
-    TRAINER_STATE_NAME,
+from dflash_train.drafter import DFlashDrafter, DrafterError, load_drafter, save_drafter
+from dflash_train.drafter.config import DRAFTER_KINDS
+from dflash_train.drafter.files import (
     DamagedFile,
     check_checkpoint_whole,
     check_finite,
     training_checkpoint_root,
     write_checksums,
 )
-from dflash_train.drafter.config import DRAFTER_KINDS
+from dflash_train.run_layout import (
+    CHECKPOINTS,
+    CHECKSUMMED,
+    COMPLETE,
+    CONFIG,
+    DRAFTER_SUBDIR,
+    PROVENANCE,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    checkpoint_dir,
+)
 from dflash_train.store_schema import StoreError, StoreMeta
 from dflash_train.store_schema.errors import one_line
+from dflash_train.train.config import TrainConfig, config_from_dict
 from dflash_train.train.errors import TrainError
 
-# The names live with the drafter loader, which must recognise a training checkpoint too.
-COMPLETE = COMPLETE_NAME
-PROVENANCE = PROVENANCE_NAME
-TRAINER_STATE = TRAINER_STATE_NAME
-CONFIG = TRAIN_CONFIG_NAME
-CHECKPOINTS = "checkpoints"
-CHECKSUMMED = (TRAINER_STATE, PROVENANCE, CONFIG)
-"""The checkpoint's own files recorded in its checksums.json (drafter/ has its own record)."""
-TMP_PREFIX = ".tmp-"
 KILL_IN_SAVE_ENV = "DFLASH_TRAIN_KILL_IN_SAVE_STEP"
 """Fault injection for the crash tests: SIGKILL this process while it writes the checkpoint of
 that step, after the weights and trainer state are on disk, before the marker and rename."""
@@ -74,10 +68,6 @@ class TrainState:
     """[store, part, samples] of every part the batches are planned over (StoreLoader
     .plan_inputs): a resume over other parts would replay another plan. Empty in
     checkpoints written before it was recorded."""
-
-
-def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / CHECKPOINTS / f"step_{step:08d}"
 
 
 def save_checkpoint(
@@ -137,7 +127,7 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step_*") if (p / COMPLETE).is_file()]
+    found = [p for p in root.glob(f"{STEP_PREFIX}*") if (p / COMPLETE).is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -188,24 +178,34 @@ another checkpoint than its peers."""
 
 
 @dataclass
-class CheckpointContents:
-    """A complete checkpoint read back whole."""
+class Checkpoint:
+    """A complete checkpoint read back whole: what a resume continues from."""
 
     path: Path
     drafter: DFlashDrafter
-    """The drafter as saved: its own config.json and weights, on CPU."""
+    """The drafter as saved, built from its own config.json and weights, on CPU: the one a
+    resume trains."""
     trainer: dict
     """trainer.pt: optimizer, scheduler, state, torch_rng."""
     provenance: StoreMeta
     """The store provenance it was trained on."""
-    config: dict[str, Any]
-    """config.toml as parsed TOML (the run's settings, not yet checked as a TrainConfig)."""
+    config: TrainConfig
+    """The run's settings (its config.toml)."""
+    damaged: list[tuple[Path, str]] = field(default_factory=list)
+    """Newer complete checkpoints a resume found unreadable and stepped over, newest first,
+    with the reason (rundir.find_resume_point)."""
 
 
-def read_checkpoint(path: str | Path) -> CheckpointContents:
+class SavedConfigError(TrainError):
+    """A checkpoint's config.toml reads whole but is not a config this version accepts:
+    not damage (an older checkpoint would not help), so a resume stops on it."""
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
     """Everything a resume needs from a complete checkpoint; a file that does not read back
-    whole (truncated, bit rot, a checksum that differs) is a TrainError naming it. A
-    checkpoint written before checksums.json existed is read without that check."""
+    whole (truncated, bit rot, a checksum that differs) is a TrainError naming it, a
+    config.toml that reads but is refused a SavedConfigError. A checkpoint written before
+    checksums.json existed is read without that check."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise TrainError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
@@ -232,7 +232,12 @@ def read_checkpoint(path: str | Path) -> CheckpointContents:
             raise
         raise TrainError(f"{file} is damaged and cannot be read "
                          f"({type(e).__name__}: {one_line(e)})") from e
-    return CheckpointContents(path, drafter, blob, provenance, config)
+    try:
+        settings = config_from_dict(config)
+    except TrainError as e:
+        raise SavedConfigError(f"{path / CONFIG}: cannot read the run's saved config: {e}"
+                               ) from e
+    return Checkpoint(path, drafter, blob, provenance, settings)
 
 
 def restore_trainer(blob: dict, scheduler) -> tuple[TrainState, dict]:
@@ -241,12 +246,6 @@ def restore_trainer(blob: dict, scheduler) -> tuple[TrainState, dict]:
     scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])
     return TrainState(**blob["state"]), blob["optimizer"]
-
-
-def load_trainer_state(path: str | Path, scheduler) -> tuple[TrainState, dict]:
-    """Restore scheduler and RNG from a checkpoint; returns the run position and the full
-    optimiser state (for parallel.load_optimizer_state)."""
-    return restore_trainer(read_checkpoint(path).trainer, scheduler)
 
 
 def _out_of_memory(e: Exception) -> bool:

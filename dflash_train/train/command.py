@@ -4,6 +4,7 @@ import click
 
 from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP, RANKS_HELP
 from dflash_train.drafter import DrafterError
+from dflash_train.run_layout import LOG
 from dflash_train.store_schema import StoreError
 from dflash_train.train.config import load_config
 from dflash_train.train.errors import TrainError
@@ -83,7 +84,7 @@ def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
                    f"{result.steps}); nothing to train; checkpoint {result.checkpoint}")
         return
     click.echo(f"trained {result.steps} steps, final loss {result.final_loss:.4f}; "
-               f"checkpoint {result.checkpoint}; log {result.run_dir / 'log.jsonl'}")
+               f"checkpoint {result.checkpoint}; log {result.run_dir / LOG}")
 
 
 @click.group("log")

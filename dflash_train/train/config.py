@@ -87,14 +87,6 @@ class ModelConfig:
                 "model.conv_kernel_size", f"at most {limit} (the block size: a tap past it "
                 "reads nothing of the block)", self.conv_kernel_size)
 
-    def dflash2_overrides(self) -> dict[str, Any]:
-        """The DrafterConfig fields this section sets for a DFlash 2 drafter ({} for DFlash)."""
-        if self.kind != "dflash2":
-            return {}
-        fields = {name: getattr(self, name) for name in DFLASH2_FIELDS
-                  if getattr(self, name) is not None}
-        return {"kind": "dflash2", "selector_codebooks": self.selector_codebooks, **fields}
-
 
 LR_MAX = 1.0
 """Learning rates from here up are refused: AdamW's first steps move every weight by about

@@ -1,9 +1,9 @@
 """Answers about a run from its log.jsonl, the questions people otherwise script by hand.
 
-Pure functions over the list of records the training loop writes; `read_log` refuses a line
-that is not such a record (naming the file and line), so the summaries below can index their
-fields; `summarize_log` returns a plain dict and `format_summary` the text `dflash log
-summary` prints.
+Pure functions over the step records the training loop writes (train.record.StepRecord);
+`read_log` refuses a line that is not such a record (naming the file and line), so the
+summaries below can read their fields; `summarize_log` returns a plain dict and
+`format_summary` the text `dflash log summary` prints.
 """
 
 import json
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_train.run_layout import LOG
 from dflash_train.train.errors import TrainError
+from dflash_train.train.record import StepRecord
 
 REQUIRED = {"step": "an integer", "epoch": "an integer", "loss": "a number", "lr": "a number",
             "tokens": "a number"}
@@ -24,11 +26,11 @@ _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", in
                float: "number", type(None): "null"}
 
 
-def read_log(run_dir: str | Path) -> list[dict]:
+def read_log(run_dir: str | Path) -> list[StepRecord]:
     """The records of RUN_DIR/log.jsonl, the last one of each step; a line that is not a
     record the loop writes is a TrainError naming the file and line (only the last line may
     be torn, by a crash mid-write, and is then passed over)."""
-    path = Path(run_dir) / "log.jsonl"
+    path = Path(run_dir) / LOG
     if not path.is_file():
         raise TrainError(f"{path} does not exist: is {run_dir} a training run directory?")
     records = []
@@ -54,11 +56,11 @@ def read_log(run_dir: str | Path) -> list[dict]:
             raise TrainError(f"{path} line {number}: {problem}; each line of a training log "
                              f"is a JSON object with {', '.join(REQUIRED)} (is this a dflash "
                              "training log?)")
-        records.append(record)
+        records.append(StepRecord.from_json(record))
     if not records:
         raise TrainError(f"{path} holds no records yet")
     # A resumed run appends: keep the last record written for each step.
-    by_step = {r["step"]: r for r in records}
+    by_step = {r.step: r for r in records}
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -96,23 +98,24 @@ def _mean(values) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def step_ranges(records: list[dict], parts: int) -> list[dict]:
+def step_ranges(records: list[StepRecord], parts: int) -> list[dict]:
     """Mean loss, per-slot accuracy and train tau over `parts` equal step ranges."""
     out = []
     for chunk in np.array_split(np.arange(len(records)), min(parts, len(records))):
         rs = [records[i] for i in chunk]
-        accs = [r["slot_acc"] for r in rs if r.get("slot_acc")]
+        measured = [r.accuracy for r in rs if r.accuracy is not None]
+        accs = [a.slot_acc for a in measured if a.slot_acc]
         slot_acc = None
         if accs:
             slot_acc = [_mean(col) for col in zip(*accs, strict=True)]
-        out.append({"steps": (rs[0]["step"], rs[-1]["step"]), "loss": _mean(r["loss"] for r in rs),
-                    "slot_acc": slot_acc, "train_tau": _mean(r.get("train_tau") for r in rs)})
+        out.append({"steps": (rs[0].step, rs[-1].step), "loss": _mean(r.loss for r in rs),
+                    "slot_acc": slot_acc, "train_tau": _mean(a.train_tau for a in measured)})
     return out
 
 
-def lr_phase(records: list[dict]) -> dict:
+def lr_phase(records: list[StepRecord]) -> dict:
     """Where the schedule is: warmup (rising), decay (falling) or flat, and the peak."""
-    lrs = [r["lr"] for r in records]
+    lrs = [r.lr for r in records]
     peak = int(np.argmax(lrs))
     tail = lrs[-min(5, len(lrs)):]
     if len(tail) < 2 or math.isclose(tail[0], tail[-1], rel_tol=1e-9, abs_tol=1e-15):
@@ -122,30 +125,30 @@ def lr_phase(records: list[dict]) -> dict:
     else:
         phase = "decay"
     return {"phase": phase, "current_lr": lrs[-1], "peak_lr": lrs[peak],
-            "peak_step": records[peak]["step"]}
+            "peak_step": records[peak].step}
 
 
-def epoch_boundaries(records: list[dict], window: int = 5) -> list[dict]:
+def epoch_boundaries(records: list[StepRecord], window: int = 5) -> list[dict]:
     """Loss just before and just after each epoch change (a jump means a data-order effect)."""
     out = []
     for i in range(1, len(records)):
-        if records[i]["epoch"] != records[i - 1]["epoch"]:
+        if records[i].epoch != records[i - 1].epoch:
             before = records[max(0, i - window):i]
             after = records[i:i + window]
-            out.append({"epoch": records[i]["epoch"], "step": records[i]["step"],
-                        "loss_before": _mean(r["loss"] for r in before),
-                        "loss_after": _mean(r["loss"] for r in after)})
+            out.append({"epoch": records[i].epoch, "step": records[i].step,
+                        "loss_before": _mean(r.loss for r in before),
+                        "loss_after": _mean(r.loss for r in after)})
     return out
 
 
-def noise_effect(records: list[dict]) -> dict:
+def noise_effect(records: list[StepRecord]) -> dict:
     """Noise level and loss in the first and last fifth of the run."""
     k = max(1, len(records) // 5)
     early, late = records[:k], records[-k:]
-    return {"early": {"noise_std": _mean(r.get("noise_std") for r in early),
-                      "loss": _mean(r["loss"] for r in early)},
-            "late": {"noise_std": _mean(r.get("noise_std") for r in late),
-                     "loss": _mean(r["loss"] for r in late)}}
+    return {"early": {"noise_std": _mean(r.noise_std for r in early),
+                      "loss": _mean(r.loss for r in early)},
+            "late": {"noise_std": _mean(r.noise_std for r in late),
+                     "loss": _mean(r.loss for r in late)}}
 
 
 def _percentiles(values) -> dict:
@@ -154,22 +157,23 @@ def _percentiles(values) -> dict:
             "p90": float(np.percentile(a, 90)), "min": float(a.min()), "max": float(a.max())}
 
 
-def summarize_log(records: list[dict], parts: int = 5) -> dict:
-    waits = sum(r.get("data_wait_s", 0.0) for r in records)
-    busy = sum(r.get("step_s", 0.0) for r in records)
-    speeds = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+def summarize_log(records: list[StepRecord], parts: int = 5) -> dict:
+    # a field an older or hand-written log lacks counts as 0 in these sums
+    waits = sum(r.data_wait_s or 0.0 for r in records)
+    busy = sum(r.step_s or 0.0 for r in records)
+    speeds = [r.tokens_per_s for r in records if r.tokens_per_s]
     speed = _percentiles(speeds) if speeds else None
     if speed is not None:
         speed["cv"] = float(np.std(speeds) / np.mean(speeds)) if np.mean(speeds) else 0.0
     return {
-        "steps": records[-1]["step"],
-        "epochs_seen": sorted({r["epoch"] for r in records}),
+        "steps": records[-1].step,
+        "epochs_seen": sorted({r.epoch for r in records}),
         "ranges": step_ranges(records, parts),
         "lr": lr_phase(records),
         "epoch_boundaries": epoch_boundaries(records),
         "noise": noise_effect(records),
-        "batch_tokens": _percentiles([r["tokens"] for r in records]),
-        "batch_samples": _percentiles([r.get("samples", 0) for r in records]),
+        "batch_tokens": _percentiles([r.tokens for r in records]),
+        "batch_samples": _percentiles([r.samples or 0 for r in records]),
         "tokens_per_s": speed,
         "data_wait_share": waits / (waits + busy) if waits + busy > 0 else None,
     }

@@ -12,24 +12,29 @@ import contextlib
 import fcntl
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.store_schema import StoreMeta
-from dflash_train.train.checkpoint import CHECKPOINTS, CONFIG, complete_checkpoints, read_checkpoint
-from dflash_train.train.config import ModelConfig, TrainConfig, config_from_dict
+from dflash_train.drafter import DrafterConfig
+from dflash_train.run_layout import (
+    ABORTED_PREFIX,
+    CHECKPOINTS,
+    CONFIG,
+    DAMAGED_PREFIX,
+    LOCK_FILE,
+    RUN_FILES,
+)
+from dflash_train.train.checkpoint import (
+    Checkpoint,
+    SavedConfigError,
+    complete_checkpoints,
+    read_checkpoint,
+)
+from dflash_train.train.config import TrainConfig
+from dflash_train.train.drafter_shape import drafter_settings
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import option_name
-
-RUN_FILES = (CHECKPOINTS, "log.jsonl", CONFIG, "skipped.jsonl", "tb")
-"""What a run leaves in its directory; any of them means the directory holds a run."""
-
-DAMAGED_PREFIX = "damaged-"
-"""A damaged checkpoint a resume stepped over is renamed `damaged-step_...`: out of rotation
-(`step_*`), so a later save can neither prune the resumed run's checkpoints for it nor take
-it for the latest."""
 
 RUN_MANAGEMENT_FIELDS = frozenset({
     "run.out_dir",  # the directory may have been moved; it is the one being resumed
@@ -53,33 +58,6 @@ RUN_MANAGEMENT_FIELDS = frozenset({
 """The fields a `--resume` may change: how a run is watched, kept, read or memory-budgeted,
 never which weights it computes. Every other field must equal the checkpoint's config.toml,
 except a `model.*` field left at None (its default), which takes whatever the checkpoint has."""
-
-ABORTED_PREFIX = "aborted-"
-"""A run that stopped before its first checkpoint leaves files a new run moves to
-`aborted-N/` (never deleted) before it starts in the same directory."""
-
-
-@dataclass
-class ResumePoint:
-    """The newest checkpoint that reads whole, and what was read from it."""
-
-    path: Path
-    drafter: DFlashDrafter
-    """The checkpoint's drafter, built from its own config.json: the one the run trains."""
-    trainer: dict
-    """trainer.pt: optimizer, scheduler, state, torch_rng."""
-    provenance: StoreMeta
-    """The store provenance the run was trained on."""
-    config: TrainConfig
-    """The run's settings (the checkpoint's config.toml)."""
-    damaged: list[tuple[Path, str]]
-    """Newer complete checkpoints that could not be read, newest first, with the reason."""
-
-
-LOCK_FILE = ".lock"
-"""Held (flock) by rank 0 of the run using the directory; the kernel drops it when that
-process dies, so a crashed run never leaves a stale lock."""
-
 
 @contextlib.contextmanager
 def run_lock(run_dir: Path, rank: int) -> Iterator[None]:
@@ -147,9 +125,9 @@ def set_aside_leftovers(run_dir: Path) -> tuple[list[str], Path] | None:
     return leftovers, aside
 
 
-def find_resume_point(run_dir: Path) -> ResumePoint:
+def find_resume_point(run_dir: Path) -> Checkpoint:
     """The newest complete checkpoint whose files all read back whole (checksums, weights,
-    trainer state, provenance, config)."""
+    trainer state, provenance, config), with the newer ones it stepped over as damaged."""
     refuse_file(run_dir)
     found = complete_checkpoints(run_dir)
     if not found:
@@ -159,15 +137,11 @@ def find_resume_point(run_dir: Path) -> ResumePoint:
     damaged = []
     for path in reversed(found):
         try:
-            read = read_checkpoint(path)
+            return replace(read_checkpoint(path), damaged=damaged)
+        except SavedConfigError:
+            raise
         except TrainError as e:
             damaged.append((path, str(e)))
-            continue
-        try:
-            config = config_from_dict(read.config)
-        except TrainError as e:
-            raise TrainError(f"{path / CONFIG}: cannot read the run's saved config: {e}") from e
-        return ResumePoint(path, read.drafter, read.trainer, read.provenance, config, damaged)
     raise TrainError(f"--resume: no checkpoint under {run_dir / CHECKPOINTS} reads whole; "
                      f"the newest: {damaged[0][1]}")
 
@@ -188,21 +162,6 @@ def local_paths_absolute(stores: list[str]) -> list[str]:
     return [s if "://" in s else os.path.abspath(s) for s in stores]
 
 
-def drafter_settings(drafter: DrafterConfig) -> dict[str, Any]:
-    """The `model.*` values a checkpoint's drafter actually has (None where it has none)."""
-    sliding = drafter.layer_types.count("sliding_attention")
-    return {
-        "model.num_hidden_layers": drafter.num_hidden_layers,
-        "model.num_attention_heads": drafter.num_attention_heads,
-        "model.num_key_value_heads": drafter.num_key_value_heads,
-        "model.head_dim": drafter.head_dim,
-        "model.intermediate_size": drafter.intermediate_size,
-        "model.sliding_layers": sliding,
-        "model.sliding_window": drafter.sliding_window if sliding else None,
-        "model.mask_token_id": drafter.mask_token_id,
-    }
-
-
 def check_same_plan(saved: list, now: list, checkpoint: Path) -> None:
     """Refuse a resume whose stores now offer other parts (or other sample counts) than the
     run planned over: its batches and schedule would silently be another run's."""
@@ -219,18 +178,6 @@ def check_same_plan(saved: list, now: list, checkpoint: Path) -> None:
                      f"unfinished part completed, or a part became damaged); no longer "
                      f"there: {show(gone)}; new: {show(new)}. Resume with the stores as they "
                      "were, or start a new run with another --out")
-
-
-def shape_conflicts(model: ModelConfig, drafter: DrafterConfig) -> list[str]:
-    """'option: set value (the drafter has its value)' for every `model.*` field a config
-    sets that a given drafter (init_from) does not have: the drafter's shape wins, and the
-    run must not record another."""
-    conflicts = []
-    for key, has in drafter_settings(drafter).items():
-        wanted = getattr(model, key.removeprefix("model."))
-        if wanted is not None and has is not None and wanted != has:
-            conflicts.append(f"{option_name(key)} {wanted} (the drafter has {has})")
-    return conflicts
 
 
 def config_changes(saved: TrainConfig, new: TrainConfig,
@@ -252,7 +199,7 @@ def config_changes(saved: TrainConfig, new: TrainConfig,
             and _norm(a.get(k)) != _norm(b.get(k))]
 
 
-def check_resume_config(point: ResumePoint, new: TrainConfig) -> None:
+def check_resume_config(point: Checkpoint, new: TrainConfig) -> None:
     """Refuse a resume whose settings would train other weights than the run's."""
     changes = config_changes(point.config, new, point.drafter.config)
     if changes:

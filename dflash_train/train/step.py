@@ -1,4 +1,5 @@
-"""One training batch turned into anchored blocks, labels and the loss.
+"""One training batch turned into anchored blocks, labels and the loss, and how the drafts
+of its blocks did.
 
 Labels and which slots count are built from the stored verifier ids and loss mask BEFORE noise
 exists; noise is then added to a copy of the context that only the drafter's fc sees.
@@ -14,9 +15,11 @@ from dflash_train.blocks import (
     anchor_generator,
     block_input_ids,
     block_labels,
+    draft_topk,
     sample_anchors,
     verifier_rows,
 )
+from dflash_train.evaluate.metrics import AcceptanceStats
 from dflash_train.train.data import Batch, SampleRef
 from dflash_train.train.loss import (
     GlobalSum,
@@ -26,6 +29,7 @@ from dflash_train.train.loss import (
     selector_ce_loss,
 )
 from dflash_train.train.noise import NoiseConfig, add_context_noise
+from dflash_train.train.record import BatchAccuracy
 
 
 @dataclass
@@ -162,3 +166,31 @@ def block_loss(
                             embed=drafter.target_embed_tokens, chunk_rows=cfg.chunk_rows,
                             global_sum=global_sum)
     return unary + cfg.selector_weight * term
+
+
+@torch.no_grad()
+def batch_accuracy(hidden: torch.Tensor, blocks: Blocks, model) -> BatchAccuracy:
+    """Per-slot accuracy of the drafts and the training tau estimate on this batch's blocks:
+    each slot's argmax, or a DFlash 2 drafter's selector walk, whose selector_recall is the
+    fraction of labelled slots whose label is among the slot's top-K candidates."""
+    hidden = hidden.flatten(0, 1).float()
+    labels, valid = blocks.labels.flatten(0, 1), blocks.valid.flatten(0, 1)
+    recall = None
+    if model.candidate_selector is None:
+        _, ids = draft_topk(hidden, model.target_lm_head.float(), k=1)
+        ids = ids.cpu()
+    else:
+        anchors = blocks.block_ids[:, :, 0].flatten().to(hidden.device)
+        walk = model.propose(hidden[:, 1:].to(model.fc.weight.dtype), anchors).cpu()
+        ids = torch.cat([torch.full_like(walk[:, :1], -1), walk], dim=1)
+        _, top = draft_topk(hidden, model.target_lm_head.float(),
+                            k=model.candidate_selector.top_k)
+        hit = (top.cpu() == labels[..., None]).any(-1) & valid
+        hit[:, 0] = False
+        counted = valid.clone()
+        counted[:, 0] = False
+        recall = float(hit.sum()) / max(1, int(counted.sum()))
+    stats = AcceptanceStats(block_size=hidden.shape[1], recall_at=(1,))
+    stats.update(ids, labels, valid)
+    s = stats.summary()
+    return BatchAccuracy(s["slot_accuracy"], s["mean_tau"], recall)

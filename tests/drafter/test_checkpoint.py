@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dflash_train.drafter.checkpoint as checkpoint
+import dflash_train.drafter.files as files
 from dflash_train.drafter import (
     DRAFTER_SUBDIR,
     DFlashDrafter,
@@ -22,7 +23,7 @@ from dflash_train.drafter import (
     read_config,
     save_drafter,
 )
-from dflash_train.drafter.checkpoint import config_from_dict, config_to_dict
+from dflash_train.drafter.hf_config import config_from_dict, config_to_dict
 
 from .conftest import random_batch, tiny_drafter
 
@@ -476,9 +477,9 @@ def test_saved_and_exported_drafters_get_the_modes_the_umask_gives(tmp_path, mas
 
 
 def test_the_umask_is_read_where_the_kernel_does_not_report_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "PROC_STATUS", tmp_path / "no-proc")
+    monkeypatch.setattr(files, "PROC_STATUS", tmp_path / "no-proc")
     with _umask(0o027):
-        assert checkpoint.new_file_modes() == (0o640, 0o750)
+        assert files.new_file_modes() == (0o640, 0o750)
         assert os.umask(0o027) == 0o027  # left as it was
 
 

@@ -110,7 +110,7 @@ def test_default_mask_token_prefers_tokenizer_then_published_then_a_spare_row_or
 
 def test_a_llama_target_lends_its_grouped_query_heads_to_the_drafter():
     from dflash_train.train.config import ModelConfig
-    from dflash_train.train.loop import shape_drafter
+    from dflash_train.train.drafter_shape import shape_drafter
 
     smollm2 = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,

@@ -14,8 +14,8 @@ from dflash_train.drafter import (
     read_config,
     save_drafter,
 )
-from dflash_train.drafter.checkpoint import config_to_dict
 from dflash_train.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv
+from dflash_train.drafter.hf_config import config_to_dict
 from dflash_train.drafter.model import dflash2_from
 
 from .conftest import DFLASH2, HIDDEN, random_batch, tiny_config, tiny_dflash2, tiny_drafter

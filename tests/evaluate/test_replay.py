@@ -23,8 +23,8 @@ from dflash_train.evaluate.replay import (
 from dflash_train.evaluate.report import estimate_warning
 from dflash_train.store_schema import open_store
 from dflash_train.train.config import ModelConfig
+from dflash_train.train.drafter_shape import initial_drafter
 from dflash_train.train.errors import TrainError
-from dflash_train.train.loop import initial_drafter
 from tests.evaluate.conftest import (
     VOCAB_SIZE,
     random_drafter,

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_train.cli import main
-from dflash_train.drafter.checkpoint import CHECKSUMS_NAME, DRAFTER_SUBDIR, WEIGHTS_NAME
+from dflash_train.run_layout import CHECKSUMS_NAME, DRAFTER_SUBDIR, WEIGHTS_NAME
 from dflash_train.train.checkpoint import (
     COMPLETE,
     PROVENANCE,

@@ -25,7 +25,7 @@ from dflash_train.train.checkpoint import (
     save_checkpoint,
 )
 from dflash_train.train.config import TrainConfig, to_toml
-from dflash_train.train.loop import drafter_config
+from dflash_train.train.drafter_shape import drafter_config
 from tests.train.conftest import VOCAB, build_store
 
 ARGS = ["--layers", "1", "--batch-tokens", "256", "--anchors-per-seq", "8", "--no-progress",

@@ -10,7 +10,7 @@ from dflash_train.drafter import DFlashDrafter
 from dflash_train.store_schema import open_store
 from dflash_train.train.checkpoint import TrainState, read_checkpoint, save_checkpoint
 from dflash_train.train.config import TrainConfig, to_toml
-from dflash_train.train.loop import drafter_config
+from dflash_train.train.drafter_shape import drafter_config
 
 
 @pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755),

@@ -52,7 +52,7 @@ def test_resumed_runs_keep_the_last_record_of_each_step(tmp_path):
     recs = _records()
     again = dict(recs[-1], loss=-1.0)
     _write(tmp_path / "run", recs + [again])
-    assert read_log(tmp_path / "run")[-1]["loss"] == -1.0
+    assert read_log(tmp_path / "run")[-1].loss == -1.0
 
 
 def test_command_prints_text_and_refuses_a_directory_without_a_log(tmp_path):

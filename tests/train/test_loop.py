@@ -21,8 +21,9 @@ from dflash_train.store_schema import StoreError, open_store
 from dflash_train.train.checkpoint import latest_checkpoint
 from dflash_train.train.config import ModelConfig, load_config
 from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.drafter_shape import shape_drafter
 from dflash_train.train.errors import TrainError
-from dflash_train.train.loop import shape_drafter, train
+from dflash_train.train.loop import train
 from dflash_train.train.noise import NoiseConfig
 from dflash_train.train.step import make_blocks, noised_context
 from tests.train.conftest import MASK, build_store
@@ -398,7 +399,7 @@ def test_a_tiny_drafter_reports_its_exact_parameter_count(synthetic_store, tmp_p
 
 
 def test_parameter_counts_keep_their_digits():
-    from dflash_train.train.loop import parameter_count
+    from dflash_train.train.run import parameter_count
 
     assert parameter_count(12_345) == "12,345"
     assert parameter_count(1_234_567) == "1.23M"

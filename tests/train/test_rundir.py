@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from dflash_train.cli import main
 from dflash_train.drafter import load_drafter
-from dflash_train.drafter.checkpoint import CHECKSUMS_NAME
+from dflash_train.run_layout import CHECKSUMS_NAME
 from dflash_train.train.checkpoint import (
     PROVENANCE,
     TRAINER_STATE,
@@ -24,8 +24,9 @@ from dflash_train.train.checkpoint import (
 )
 from dflash_train.train.config import TrainConfig, load_config
 from dflash_train.train.errors import TrainError
-from dflash_train.train.loop import check_same_choice, train
+from dflash_train.train.loop import train
 from dflash_train.train.parallel import gather_objects
+from dflash_train.train.run import check_same_choice
 from dflash_train.train.rundir import RUN_MANAGEMENT_FIELDS, config_changes, find_resume_point
 from dflash_train.train.step import make_blocks
 
@@ -320,6 +321,7 @@ def test_ranks_that_chose_different_checkpoints_are_refused(tmp_path):
 def test_a_resumed_run_lets_go_of_the_checkpoint_it_read(synthetic_store, run_copy,
                                                          monkeypatch):
     import dflash_train.train.loop as loop
+    import dflash_train.train.run as run
 
     shutil.rmtree(checkpoint_dir(run_copy, STEPS))  # two steps left to train
     refs = []
@@ -336,7 +338,7 @@ def test_a_resumed_run_lets_go_of_the_checkpoint_it_read(synthetic_store, run_co
         alive_while_training.append([r() is not None for r in refs])
         return make_blocks(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "find_resume_point", find)
+    monkeypatch.setattr(run, "find_resume_point", find)
     monkeypatch.setattr(loop, "make_blocks", blocks)
     result = CliRunner().invoke(main, _args(synthetic_store, run_copy, "--resume"))
     assert result.exit_code == 0, result.output

@@ -1,0 +1,381 @@
+"""Everything a training run holds before its first step, built in the order a reader
+expects: where it runs, its directory (new, or resumed from a checkpoint), its data, its
+drafter, the optimiser and schedule, its position, and the rank-0 sinks.
+
+Every refusal a run can meet before training (a directory holding another run, a changed
+setting on resume, nothing to train on, a store of another target) happens here, on every
+rank, before rank 0 writes anything but the lock. Never takes a training step.
+"""
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dflash_train.devices import resolve_device
+from dflash_train.drafter import DFlashDrafter
+from dflash_train.run_layout import CHECKPOINTS, CONFIG, LOG, SKIPPED, TENSORBOARD
+from dflash_train.store_schema import Store, StoreError
+from dflash_train.store_schema.errors import one_line
+from dflash_train.store_schema.integrity import SKIP_HINT
+from dflash_train.store_schema.stats import store_stats
+from dflash_train.train.checkpoint import (
+    Checkpoint,
+    TrainState,
+    check_provenance,
+    read_provenance,
+    restore_trainer,
+)
+from dflash_train.train.config import OptimConfig, TrainConfig, resolve_chunk_blocks, to_toml
+from dflash_train.train.data import StoreLoader, weights_text
+from dflash_train.train.drafter_shape import drafter_config, initial_drafter, shape_conflicts
+from dflash_train.train.errors import TrainError
+from dflash_train.train.health import StepHealth
+from dflash_train.train.optimizer import build_optimizer
+from dflash_train.train.options import option_name
+from dflash_train.train.parallel import (
+    barrier,
+    gather_objects,
+    load_optimizer_state,
+    parallel_mode,
+    wrap,
+)
+from dflash_train.train.rundir import (
+    check_new_run_dir,
+    check_resume_config,
+    check_same_plan,
+    find_resume_point,
+    set_aside,
+    set_aside_leftovers,
+)
+from dflash_train.train.sinks import RunLog, SkipLedger, progress_bar
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """Whether the forward runs under bf16 autocast (and the target head is kept in bf16):
+    asked for, or left to `auto` on CUDA, where bf16 matmuls are fast; elsewhere float32."""
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+@dataclass
+class AlreadyComplete:
+    """A --resume found the run finished: nothing is built, trained or written."""
+
+    step: int
+    checkpoint: Path
+
+
+@dataclass
+class Run:
+    """A run ready for its next step; `state` is where it is and moves with every step."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    rank: int
+    world: int
+    device: torch.device
+    bf16: bool
+    """The forward under bf16 autocast (use_bf16)."""
+    loader: StoreLoader
+    total_steps: int
+    pad_blocks_to: int
+    """Blocks per sequence rounded up to a multiple of this (few shapes for compiled kernels)."""
+    model: DFlashDrafter
+    """The drafter itself: what is saved, and what owns the target head."""
+    forward: torch.nn.Module
+    """What the forward is called on: `model` wrapped for DDP / FSDP (or `model` itself)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    state: TrainState
+    layer_rms: torch.Tensor | None
+    """Per context layer RMS that relative noise scales by (None: absolute or no noise)."""
+    config_toml: str
+    log: RunLog | None
+    """log.jsonl (and TensorBoard): rank 0 only."""
+    bar: tqdm
+    skipped: SkipLedger
+    health: StepHealth
+    echo: Callable[[str], None]
+
+    @property
+    def store(self) -> Store:
+        return self.loader.stores[0]
+
+
+def build_run(cfg: TrainConfig, resume: bool, echo=print) -> Run | AlreadyComplete:
+    """The run `cfg` describes, new or (`resume`) continued from its newest whole checkpoint."""
+    rank, world, device = _placement(cfg)
+    bf16 = use_bf16(cfg.run.precision, device)
+    run_dir = Path(cfg.run.out_dir)
+    torch.manual_seed(cfg.run.seed)
+    point = _claim_run_dir(run_dir, cfg, resume, rank, world, echo)
+    loader, total_steps = _open_data(cfg, rank, world, device.type == "cuda", echo)
+    plan = loader.plan_inputs()
+    if point is not None:
+        done = TrainState(**point.trainer["state"])
+        check_same_plan(done.plan, plan, point.path)
+        if _finished(done, loader, cfg, total_steps):
+            return AlreadyComplete(done.step, point.path)
+    model = _drafter(cfg, point, loader.stores[0], rank, echo, bf16, device)
+    layer_rms = _layer_rms(cfg, loader, device)
+    # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
+    forward = wrap(model, parallel_mode(world, cfg.run.fsdp), device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = _scheduler(optimizer, cfg.optim, total_steps)
+    state = TrainState(plan=plan)
+    if point is not None:
+        state = _restore(point, model, optimizer, scheduler, plan)
+        if rank == 0:
+            echo(f"resumed from {point.path} (step {state.step}, epoch {state.epoch})")
+    # The optimizer holds its state now: the checkpoint as read (trainer.pt with a second
+    # copy of the Adam moments) is let go when this returns, before the first step.
+    config_toml = to_toml(cfg)
+    if rank == 0:
+        _write_config(run_dir, config_toml)
+    log = RunLog(run_dir / LOG, run_dir / TENSORBOARD if cfg.run.tensorboard else None
+                 ) if rank == 0 else None
+    bar = progress_bar(total_steps, state.step, rank == 0 and cfg.run.progress)
+    skipped = SkipLedger(run_dir / SKIPPED, rank, echo)
+    health = StepHealth(run_dir, model.config.vocab_size, cfg.optim.lr)
+    for damage in loader.damage:  # found before reading: whole parts never enter the plan
+        skipped.record(damage, state.step)
+    return Run(cfg, run_dir, rank, world, device, bf16, loader, total_steps,
+               cfg.run.pad_blocks_to or (32 if device.type == "cuda" else 1), model, forward,
+               optimizer, scheduler, state, layer_rms, config_toml, log, bar, skipped, health,
+               echo)
+
+
+def _placement(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    """This process's rank, the world size and the device it trains on."""
+    rank, world = _distributed()
+    device = resolve_device(cfg.run.device, TrainError, rank)
+    if device.type == "cuda":
+        # NCCL object collectives (the resume agreement) place buffers on the current device
+        torch.cuda.set_device(device)
+    elif cfg.run.attention == "flex":
+        raise TrainError(f"run.attention flex trains on CUDA only (flex_attention has no "
+                         f"backward on {device.type}); use split or dense")
+    return rank, world, device
+
+
+def _distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, rank: int, world: int,
+                   echo) -> Checkpoint | None:
+    """The run directory: a new run never mixes into an old one; a resume continues the run
+    it finds exactly as configured (rundir.RUN_MANAGEMENT_FIELDS aside), from the newest
+    checkpoint that reads whole. Every rank checks before rank 0 writes anything."""
+    point = _resume_point(run_dir, cfg, rank, world, echo) if resume else None
+    if point is None:
+        check_new_run_dir(run_dir)
+        moved = set_aside_leftovers(run_dir) if rank == 0 else None
+        if moved:
+            echo(f"note: {run_dir} holds a run that stopped before its first checkpoint; "
+                 f"moved its {', '.join(moved[0])} to {moved[1]} and starting a new run")
+    barrier(world)
+    return point
+
+
+def _resume_point(run_dir: Path, cfg: TrainConfig, rank: int, world: int,
+                  echo) -> Checkpoint:
+    """The checkpoint a resume continues from, the same on every rank, its config checked
+    against cfg; damaged newer ones are named and (rank 0, once every rank has chosen)
+    renamed out of rotation."""
+    try:
+        point, failure = find_resume_point(run_dir), None
+    except Exception as e:  # told to the other ranks first, so that none waits forever
+        point, failure = None, e
+    choice = point.path.name if point is not None else f"none ({type(failure).__name__})"
+    check_same_choice(gather_objects(choice, world), run_dir)
+    if failure is not None:
+        raise failure
+    check_resume_config(point, cfg)
+    barrier(world)
+    for path, reason in point.damaged:
+        aside = set_aside(path) if rank == 0 else path
+        if rank == 0:
+            echo(f"note: {reason}; resuming from the previous complete checkpoint "
+                 f"{point.path.name} instead (the damaged one is kept as {aside})")
+    return point
+
+
+def check_same_choice(choices: list[str], run_dir: Path) -> None:
+    """Refuse a resume whose ranks chose different checkpoints (one rank read a file as
+    damaged that another read whole): they would continue from different steps."""
+    if len(set(choices)) > 1:
+        named = ", ".join(f"rank {r}: {c}" for r, c in enumerate(choices))
+        raise TrainError(f"--resume: the ranks chose different checkpoints under "
+                         f"{run_dir / CHECKPOINTS} ({named}); check that every rank sees the "
+                         "same files, then resume again")
+
+
+def _open_data(cfg: TrainConfig, rank: int, world: int, cuda: bool,
+               echo) -> tuple[StoreLoader, int]:
+    """The loader (a deterministic plan over complete parts; this rank reads only its
+    share) and the steps the run takes. On CUDA batches are padded to few shapes, so
+    compiled flex attention does not recompile often."""
+    loader_cfg = replace(cfg.loader, pad_to=cfg.loader.pad_to if not cuda or
+                         cfg.loader.pad_to > 1 else 256)
+    loader = StoreLoader(cfg.stores, loader_cfg, rank=rank, world=world)
+    if rank == 0:
+        _announce_unfinished(loader, echo)
+    if not loader.has_trainable_block():
+        raise TrainError(_nothing_to_train(cfg))
+    total_steps = loader.batches_per_epoch() * cfg.optim.epochs
+    if cfg.optim.max_steps is not None:
+        total_steps = min(total_steps, cfg.optim.max_steps)
+    if total_steps == 0:
+        raise TrainError(f"{option_name('loader.store_weights')} "
+                         f"{weights_text(cfg.loader.store_weights or [])} draws no sample in "
+                         "epoch 0: nothing to train on; raise the weights")
+    return loader, total_steps
+
+
+def _announce_unfinished(loader: StoreLoader, echo) -> None:
+    """One line naming the parts left out because extraction has not finished them."""
+    named = [f"{s.url} part(s) {', '.join(map(str, parts))}" for s in loader.stores
+             if (parts := s.unfinished_parts())]
+    if named:
+        echo(f"leaving out unfinished parts (extraction still running or stopped; training "
+             f"on complete parts only): {'; '.join(named)}")
+
+
+def _nothing_to_train(cfg: TrainConfig) -> str:
+    where = ", ".join(cfg.stores)
+    if cfg.loader.max_length:
+        return (f"{option_name('loader.max_length')} {cfg.loader.max_length} leaves nothing "
+                f"to train on in {where}: no sample has a trainable block (two consecutive "
+                "loss-mask tokens after the first) within its first "
+                f"{cfg.loader.max_length} tokens; raise it")
+    return (f"nothing to train on in {where}: no sample has a trainable block (two "
+            "consecutive loss-mask tokens after the first)")
+
+
+def _finished(done: TrainState, loader: StoreLoader, cfg: TrainConfig, total_steps: int) -> bool:
+    """Whether a checkpoint's position is the end of the run (its last epoch's last batch
+    may have been saved before the epoch counter moved on)."""
+    last = cfg.optim.epochs - 1
+    return (done.step >= total_steps or done.epoch > last
+            or (done.epoch == last and done.batch_in_epoch >= loader.batches_per_epoch(last)))
+
+
+def _drafter(cfg: TrainConfig, point: Checkpoint | None, store: Store, rank: int, echo,
+             bf16: bool, device: torch.device) -> DFlashDrafter:
+    """The drafter the run trains, on `device`, borrowing the store's frozen embed_tokens /
+    lm_head, in training mode."""
+    rows = store.target_rows()
+    model = _starting_drafter(cfg, point, store)
+    if cfg.run.fsdp and model.config.kind == "dflash2":
+        # The selector term reads the selector's weights outside the forward, where FSDP2
+        # has not gathered them.
+        raise TrainError("run.fsdp does not train a DFlash 2 drafter yet; use DDP (drop "
+                         "--fsdp)")
+    if rank == 0:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        echo(f"drafter: {model.config.describe()}; {parameter_count(trainable)} trainable "
+             "parameters")
+    head_dtype = torch.bfloat16 if bf16 else torch.float32
+    model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
+                             rows["lm_head"].to(device, head_dtype))
+    model.to(device)
+    model.gradient_checkpointing = cfg.run.gradient_checkpointing
+    model.chunk_blocks = resolve_chunk_blocks(cfg.run, device.type == "cuda")
+    model.train()
+    return model
+
+
+def _starting_drafter(cfg: TrainConfig, point: Checkpoint | None,
+                      store: Store) -> DFlashDrafter:
+    """A resume trains the checkpoint's own drafter, as its config.json describes it:
+    defaults that resolve differently today (rundir.config_changes) must not build another
+    one. Else the one model.init_from names, else a new one for the store's target."""
+    if point is not None:
+        check_provenance(point.provenance, store.meta, store.url, str(point.path),
+                         same_data=True)
+        return point.drafter
+    if not cfg.model.init_from:
+        return DFlashDrafter(drafter_config(cfg, store))
+    model = initial_drafter(cfg.model)
+    conflicts = shape_conflicts(cfg.model, model.config)
+    if conflicts:
+        raise TrainError(f"model.init_from {cfg.model.init_from} fixes the drafter's shape; "
+                         f"these settings differ from it: {'; '.join(conflicts)}")
+    init_meta = read_provenance(cfg.model.init_from)
+    if init_meta is not None:
+        check_provenance(init_meta, store.meta, store.url, cfg.model.init_from)
+    return model
+
+
+def parameter_count(n: int) -> str:
+    """An honest count: exact below a million, else millions or billions to 3 digits."""
+    if n < 10**6:
+        return f"{n:,}"
+    if n < 10**9:
+        return f"{n / 1e6:.3g}M"
+    return f"{n / 1e9:.3g}B"
+
+
+def _layer_rms(cfg: TrainConfig, loader: StoreLoader, device: torch.device
+               ) -> torch.Tensor | None:
+    """The first store's per-layer context RMS, for noise relative to it (else None). Over
+    the parts the loader checked and found sound (its check is not repeated); a shard
+    failing its checksum is refused here too, or, when skipping, left out."""
+    if cfg.noise.kind == "none" or cfg.noise.absolute:
+        return None
+    store = loader.stores[0]
+    damaged_parts = {d.part for d in loader.damage if d.store == store.url}
+    sound = [p.index for i, p in loader.parts if i == 0 and p.index not in damaged_parts]
+    try:
+        stats = store_stats(store, skip_damaged=cfg.loader.skip_corrupt, checked_parts=sound,
+                            max_tokens=cfg.noise.stats_max_tokens)
+    except StoreError as e:  # unreadable context; skipping steps around it, as in reading
+        raise StoreError(f"{e}; pass {SKIP_HINT} to skip the damaged samples") from e
+    return torch.tensor(stats.rms, device=device)
+
+
+def _scheduler(optimizer, optim: OptimConfig, total_steps: int):
+    """Linear warmup over optim.warmup_ratio of the run, then cosine to min_lr_ratio."""
+    warmup = max(1, round(optim.warmup_ratio * total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, _lr_lambda(total_steps, warmup, optim.min_lr_ratio))
+
+
+def _lr_lambda(total: int, warmup: int, min_ratio: float):
+    def scale(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return scale
+
+
+def _restore(point: Checkpoint, model: DFlashDrafter, optimizer, scheduler,
+             plan: list) -> TrainState:
+    """The checkpoint's position, schedule, RNG and optimiser state, restored."""
+    state, optimizer_state = restore_trainer(point.trainer, scheduler)
+    state.plan = plan  # checked equal above; recorded again by checkpoints before it was
+    try:
+        load_optimizer_state(model, optimizer, optimizer_state)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise TrainError(f"{point.path}: its optimizer state does not fit this drafter "
+                         f"({one_line(e)})") from e
+    return state
+
+
+def _write_config(run_dir: Path, config_toml: str) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / CONFIG).write_text(config_toml)
+    except OSError as e:
+        raise TrainError(f"--out {run_dir}: cannot write the run directory: {e}") from e
