@@ -187,7 +187,8 @@ class RunConfig:
     device: str = "auto"
     """auto: cuda when available, else cpu."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """auto: bf16 autocast on CUDA, fp32 on CPU."""
+    """auto: bf16 autocast where bf16 matmuls run natively (CUDA; a CPU with AMX or AVX-512
+    BF16), else fp32; the run's first lines say which. bf16 keeps fp32 master weights."""
     anchors_per_seq: int = ANCHORS_PER_SEQ
     """Blocks per sequence per epoch (re-sampled every epoch)."""
     pad_blocks_to: int | None = None

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from dflash_train.devices import resolve_device
+from dflash_train.devices import native_bf16, resolve_device
 from dflash_train.drafter import DFlashDrafter
 from dflash_train.run_layout import CHECKPOINTS, CONFIG, LOG, SKIPPED, TENSORBOARD
 from dflash_train.store_schema import Store, StoreError
@@ -58,8 +58,21 @@ from dflash_train.train.sinks import RunLog, SkipLedger, progress_bar
 
 def use_bf16(precision: str, device: torch.device) -> bool:
     """Whether the forward runs under bf16 autocast (and the target head is kept in bf16):
-    asked for, or left to `auto` on CUDA, where bf16 matmuls are fast; elsewhere float32."""
-    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    asked for, or left to `auto` where bf16 matmuls run natively (CUDA, a CPU with AMX or
+    AVX-512 BF16: devices.native_bf16); elsewhere float32, which emulated bf16 would slow."""
+    return precision == "bf16" or (precision == "auto" and native_bf16(device) is not None)
+
+
+def precision_note(precision: str, device: torch.device) -> str | None:
+    """The run's first lines say what `auto` chose and why; None for an explicit choice."""
+    if precision != "auto":
+        return None
+    native = native_bf16(device)
+    if native is None:
+        return (f"precision: fp32 (run.precision=auto: {device.type} has no native bf16 "
+                "matmul)")
+    return (f"precision: bf16 autocast (run.precision=auto: {native} runs bf16 matmuls "
+            "natively; --set run.precision=fp32 for float32)")
 
 
 @dataclass
@@ -111,6 +124,9 @@ def build_run(cfg: TrainConfig, resume: bool, echo=print) -> Run | AlreadyComple
     """The run `cfg` describes, new or (`resume`) continued from its newest whole checkpoint."""
     rank, world, device = _placement(cfg)
     bf16 = use_bf16(cfg.run.precision, device)
+    note = precision_note(cfg.run.precision, device)
+    if note and rank == 0:
+        echo(note)
     run_dir = Path(cfg.run.out_dir)
     torch.manual_seed(cfg.run.seed)
     point = _claim_run_dir(run_dir, cfg, resume, rank, world, echo)
