@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash, median_step_s  # noqa: E402
+from benchmarks.runs import dflash, median_step_s, train_arms  # noqa: E402
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -53,12 +53,7 @@ def main() -> None:
     common += ["--max-steps", str(a.steps), "--no-progress", "--device", "cpu"]
     for s in a.sets:
         common += ["--set", s]
-    checkpoints = {}
-    for name, extra in arms.items():
-        print(f"training {name}", file=sys.stderr, flush=True)
-        again = ["--resume"] if (out / name / "checkpoints").is_dir() else []
-        dflash("train", "--out", str(out / name), *again, *common, *extra)
-        (checkpoints[name],) = sorted((out / name / "checkpoints").glob("step_*"))[-1:]
+    checkpoints = train_arms(out, arms, common)
     report = json.loads(dflash("eval", "--store", a.held_out, "--json",
                                *map(str, checkpoints.values())))
     (out / "eval.json").write_text(json.dumps(report, indent=2))

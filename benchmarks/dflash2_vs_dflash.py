@@ -24,7 +24,7 @@ from dflash_train.drafter import load_drafter
 from dflash_train.drafter.config import DRAFTER_KINDS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash, median_step_s  # noqa: E402
+from benchmarks.runs import dflash, median_step_s, train_arms  # noqa: E402
 
 DFLASH2 = ["--set", "model.kind=dflash2"]
 ARMS = {
@@ -65,12 +65,7 @@ def main() -> None:
     arms = dict(ARMS)
     if a.warm_from:
         arms["dflash2-warm"] = [*DFLASH2, "--set", f"model.init_from={a.warm_from}"]
-    checkpoints = {}
-    for name, extra in arms.items():
-        print(f"training {name}", file=sys.stderr, flush=True)
-        again = ["--resume"] if (out / name / "checkpoints").is_dir() else []
-        dflash("train", "--out", str(out / name), *again, *common, *extra)
-        (checkpoints[name],) = sorted((out / name / "checkpoints").glob("step_*"))[-1:]
+    checkpoints = train_arms(out, arms, common)
     evaluated = [*map(str, checkpoints.values())]
     if a.warm_from:
         evaluated.append(a.warm_from)

@@ -21,3 +21,16 @@ def median_step_s(run: Path) -> float:
     """Median seconds per optimiser step of a run directory, from its log.jsonl."""
     steps = [json.loads(line)["step_s"] for line in (run / "log.jsonl").open()]
     return statistics.median(steps[1:] or steps)  # the first step warms caches up
+
+
+def train_arms(out: Path, arms: dict[str, list[str]], common: list[str]) -> dict[str, Path]:
+    """`dflash train` each arm (its extra arguments after `common`) into out/NAME, one after
+    another; an arm already there is resumed (nothing is trained if it is complete). Returns
+    each arm's final checkpoint."""
+    checkpoints = {}
+    for name, extra in arms.items():
+        print(f"training {name}", file=sys.stderr, flush=True)
+        again = ["--resume"] if (out / name / "checkpoints").is_dir() else []
+        dflash("train", "--out", str(out / name), *again, *common, *extra)
+        (checkpoints[name],) = sorted((out / name / "checkpoints").glob("step_*"))[-1:]
+    return checkpoints
