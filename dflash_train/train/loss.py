@@ -26,7 +26,9 @@ anchor, then the previous slot's label), weighed by the same position weights w 
 term (decay, or D-PACE from the unary CE), the out-of-top-K rule LossConfig's.
 
 This module owns the formulas and the memory-safe way to apply the frozen lm_head (row
-chunks, recomputed in backward). It must never build labels from anything but the verifier
+chunks whose logits never outlive their chunk: hard CE builds each row's input gradient in
+the forward, head_cross_entropy; the KL, or a trainable head, recomputes them in backward).
+It must never build labels from anything but the verifier
 targets it is given, and never touch the noise or the optimiser.
 """
 
@@ -51,7 +53,7 @@ DEFAULT_DPACE_ALPHA = 0.5
 the prefix products from collapsing to 0 behind one unconfident slot early in training."""
 
 DEFAULT_CHUNK_ROWS = 2048
-"""Block slots per lm_head chunk: 2048 x 248K fp32 logits is ~2 GB, recomputed in backward."""
+"""Block slots per lm_head chunk: 2048 x 248K fp32 logits is ~2 GB, alive one chunk at a time."""
 
 PositionWeights = Literal["decay", "dpace"]
 OutOfTopK = Literal["strict", "inject", "drop"]
