@@ -31,6 +31,11 @@ from tests.train.conftest import MASK, build_store
 REPO = Path(__file__).resolve().parents[2]
 
 
+FP32 = {"run.precision": "fp32"}
+"""For tests comparing two computations to float32 rounding: under run.precision=auto a CPU
+with native bf16 trains in bf16, which rounds each path differently."""
+
+
 def _cfg(store, out, **extra):
     overrides = {"stores": [store], "run.out_dir": str(out), "model.num_hidden_layers": 1,
                  "loader.batch_tokens": 256, "run.anchors_per_seq": 8, "optim.lr": 3e-3,
@@ -219,8 +224,8 @@ def test_tensorboard_events_carry_the_logged_scalars(synthetic_store, tmp_path):
 
 
 def test_padding_batches_and_blocks_leaves_the_loss_unchanged(synthetic_store, tmp_path):
-    plain = train(_cfg(synthetic_store, tmp_path / "a", **{"optim.max_steps": 3}))
-    padded = train(_cfg(synthetic_store, tmp_path / "b", **{
+    plain = train(_cfg(synthetic_store, tmp_path / "a", **FP32, **{"optim.max_steps": 3}))
+    padded = train(_cfg(synthetic_store, tmp_path / "b", **FP32, **{
         "optim.max_steps": 3, "loader.pad_to": 64, "run.pad_blocks_to": 16}))
     losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "log.jsonl").open()]
               for run in ("a", "b")]
@@ -239,10 +244,10 @@ def _assert_same_weights(a_checkpoint, b_checkpoint) -> None:
 def test_chunked_blocks_train_what_one_pass_trains(synthetic_store, tmp_path):
     # 4 blocks a chunk: every batch (~5 sequences x 8 anchors) runs in many chunks, each
     # recomputed in backward; the losses and weights are those of one pass over all blocks.
-    whole = train(_cfg(synthetic_store, tmp_path / "a", **{"optim.max_steps": 3,
-                                                           "run.chunk_blocks": 0}))
-    chunked = train(_cfg(synthetic_store, tmp_path / "b", **{"optim.max_steps": 3,
-                                                             "run.chunk_blocks": 4}))
+    whole = train(_cfg(synthetic_store, tmp_path / "a", **FP32, **{"optim.max_steps": 3,
+                                                                     "run.chunk_blocks": 0}))
+    chunked = train(_cfg(synthetic_store, tmp_path / "b", **FP32, **{"optim.max_steps": 3,
+                                                                       "run.chunk_blocks": 4}))
     logs = [[json.loads(line) for line in (tmp_path / run / "log.jsonl").open()]
             for run in ("a", "b")]
     assert min(r["blocks"] for r in logs[1]) > 4
@@ -263,7 +268,7 @@ def test_dense_attention_trains_what_split_attention_trains(synthetic_store, tmp
                             lambda *a, name=name, build=build: built.append(name) or build(*a))
     runs = {}
     for name in ("dense", "split"):
-        runs[name] = train(_cfg(synthetic_store, tmp_path / name, **{
+        runs[name] = train(_cfg(synthetic_store, tmp_path / name, **FP32, **{
             "optim.max_steps": 3, "run.attention": name}))
         assert set(built) == {name}
         built.clear()
