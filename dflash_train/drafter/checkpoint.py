@@ -49,10 +49,11 @@ from dflash_train.drafter.hf_config import ARCHITECTURES, config_to_dict, read_c
 from dflash_train.drafter.hf_weights import (
     check_keys,
     factorised_as,
+    published,
     read_weights,
     with_materialised_codebooks,
 )
-from dflash_train.drafter.model import DFlashDrafter
+from dflash_train.drafter.model import DFlashDrafter, check_draft_ids
 from dflash_train.run_layout import (
     CONFIG_NAME,
     DRAFTER_SUBDIR,
@@ -75,10 +76,11 @@ def save_drafter(
     state_dict: the full weights when the model's own are sharded (FSDP); default its own.
     """
     weights = model.state_dict() if state_dict is None else state_dict
-    weights = with_materialised_codebooks(model, weights)
+    weights = published(with_materialised_codebooks(model, weights))
     check_finite(weights, f"{out_dir}: the drafter's weights")
     state = {
-        name: (t if dtype is None else t.to(dtype)).detach().to("cpu").contiguous()
+        name: (t if dtype is None or not t.is_floating_point() else t.to(dtype))
+        .detach().to("cpu").contiguous()
         for name, t in weights.items()
     }
     stored = state["fc.weight"].dtype
@@ -130,6 +132,11 @@ def load_drafter(
     with torch.device("meta"):
         model = DFlashDrafter(config)
     check_keys(model, state, directory)
+    if config.draft_vocab_size is not None:
+        try:
+            check_draft_ids(state["draft_ids"], config)
+        except DrafterError as e:
+            raise DrafterError(f"{directory}: d2t: {e}") from e
     model.load_state_dict(state, assign=True)
     return model.to(device=device, dtype=dtype)
 

@@ -140,6 +140,11 @@ class DrafterConfig:
     (2 H r parameters instead of 2 V r). Engines only ever see free codebooks: export
     writes E W. config.json names it only where it is factorised (our checkpoints)."""
 
+    draft_vocab_size: int | None = None
+    """Rows of the drafter's own lm_head: the target's lm_head rows at `draft_ids` (its most
+    frequent labels), served by vLLM through the checkpoint's `d2t` map (draft id i drafts
+    target id i + d2t[i]); None: the target's whole vocabulary. DFlash drafters only."""
+
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
@@ -157,6 +162,8 @@ class DrafterConfig:
                 f"{self.num_key_value_heads} kv heads of {self.head_dim}, MLP "
                 f"{self.intermediate_size}, block {self.block_size}, target layers "
                 f"{self.target_layer_ids}")
+        if self.draft_vocab_size is not None:
+            line += f", draft vocabulary {self.draft_vocab_size} of {self.vocab_size}"
         if self.kind == "dflash2":
             line += (f"; DFlash 2: convs of {self.conv_kernel_size} taps in groups of "
                      f"{self.conv_group_size}, selector rank {self.selector_rank} over the "
@@ -199,8 +206,25 @@ class DrafterConfig:
             )
         if self.kind not in DRAFTER_KINDS:
             raise DrafterError(f"kind {self.kind!r}: must be one of {', '.join(DRAFTER_KINDS)}")
+        self._validate_draft_vocab()
         if self.kind == "dflash2":
             self._validate_dflash2()
+
+    def _validate_draft_vocab(self) -> None:
+        n = self.draft_vocab_size
+        if n is None:
+            return
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size:
+            raise DrafterError(f"draft_vocab_size {n!r} must be an integer in [1, "
+                               f"{self.vocab_size}] (the target's vocabulary)")
+        if self.kind != "dflash":
+            raise DrafterError("draft_vocab_size applies to DFlash drafters only: a DFlash 2 "
+                               "selector scores candidates over the whole vocabulary")
+
+    @property
+    def draft_vocab(self) -> int:
+        """Ids the drafter can propose: draft_vocab_size, else the whole vocabulary."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     def _validate_dflash2(self) -> None:
         for name in DFLASH2_FIELDS:

@@ -95,6 +95,9 @@ def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
             raw["dflash_config"]["selector_codebooks"] = config.selector_codebooks
     if config.is_causal is not None:
         raw["is_causal"] = config.is_causal
+    if config.draft_vocab_size is not None:
+        # vLLM's DFlash model sizes its lm_head by this and loads d2t beside it.
+        raw["draft_vocab_size"] = config.draft_vocab_size
     # Unknown for third-party drafters without it: a null here makes SGLang fall back to the
     # drafter's own layer count and reject the target layer ids, and no value can be derived
     # exactly (max(target_layer_ids) + 1 is only a lower bound), so the key is left out.
@@ -144,6 +147,9 @@ def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> Draft
         raise DrafterError(f"{source}: no rope_theta (top level or rope_parameters)")
     is_causal = raw.get("is_causal", draft.get("causal"))
     heads = int(raw["num_attention_heads"])
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and int(draft_vocab) == int(raw["vocab_size"]):
+        draft_vocab = None  # the whole vocabulary, as z-lab's configs spell it
     return DrafterConfig(
         hidden_size=int(raw["hidden_size"]),
         vocab_size=int(raw["vocab_size"]),
@@ -163,6 +169,7 @@ def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> Draft
         is_causal=None if is_causal is None else bool(is_causal),
         block_size=int(pick("block_size", DEFAULT_BLOCK_SIZE)),
         kind=kind,
+        draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
         **dflash2,
     )
 
@@ -195,8 +202,7 @@ def _refuse_unsupported(raw: Mapping[str, Any], draft: Mapping[str, Any], source
                     f"{source}: {scope}{name}={fields[name]!r} is not supported (need "
                     f"{required!r})"
                 )
-    same_as = {"target_hidden_size": "hidden_size", "draft_vocab_size": "vocab_size",
-               "v_head_dim": "head_dim"}
+    same_as = {"target_hidden_size": "hidden_size", "v_head_dim": "head_dim"}
     for name, base in same_as.items():
         if raw.get(name) not in (None, raw.get(base)):
             raise DrafterError(f"{source}: {name}={raw[name]} differs from {base}; unsupported")

@@ -8,7 +8,10 @@ mlp_conv}.{base_kernel,kernel_projection.weight}` and `candidate_selector.{hidde
 `.weight`-suffixed names z-lab's own save_pretrained writes load too). A drafter trained with
 factorised codebooks (A = E W) also holds its factors `candidate_selector.{predecessor,
 successor}_factor`, for resuming; export drops them, so what engines load is the reference
-format exactly. Never writes a file.
+format exactly. A drafter with a draft vocabulary also ships what vLLM's DFlash model loads
+for one: `lm_head.weight` [draft_vocab_size, H] (the target's rows it drafts over) and `d2t`
+[draft_vocab_size] int64 (draft id i drafts target id i + d2t[i]); in memory they are the
+buffers `draft_lm_head` and `draft_ids` (target ids). Never writes a file.
 """
 
 from __future__ import annotations
@@ -49,10 +52,33 @@ def with_materialised_codebooks(model: DFlashDrafter, weights: dict[str, torch.T
     return out
 
 
+DRAFT_MAP, DRAFT_HEAD = "d2t", "lm_head.weight"
+"""A draft vocabulary's tensors under the names vLLM's DFlash model loads."""
+
+
+def published(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights under the names a drafter directory holds (draft vocabulary as d2t)."""
+    out = dict(weights)
+    if "draft_ids" in out:
+        ids = out.pop("draft_ids").long()
+        out[DRAFT_MAP] = ids - torch.arange(ids.numel(), device=ids.device)
+        out[DRAFT_HEAD] = out.pop("draft_lm_head")
+    return out
+
+
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a drafter directory (one file or an index of shards), the codebooks
-    under their published names."""
-    return _published_names(_read_tensors(directory))
+    under their published names, a draft vocabulary as the drafter's buffers."""
+    state = _published_names(_read_tensors(directory))
+    if DRAFT_MAP in state:
+        offsets = state.pop(DRAFT_MAP)
+        if offsets.dtype.is_floating_point or offsets.dim() != 1:
+            raise DrafterError(f"{directory}: {DRAFT_MAP} must be integer [draft_vocab_size], "
+                               f"got {tuple(offsets.shape)} {offsets.dtype}")
+        state["draft_ids"] = offsets.long() + torch.arange(offsets.numel())
+        if DRAFT_HEAD in state:
+            state["draft_lm_head"] = state.pop(DRAFT_HEAD)
+    return state
 
 
 def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:

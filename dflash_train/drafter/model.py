@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from dflash_train.blocks import IGNORE_LABEL, draft_topk
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_train.drafter.errors import DrafterError
@@ -55,6 +56,8 @@ Attend = Callable[[torch.Tensor, KeysValues, KeysValues], torch.Tensor]
 """attend(queries, context (keys, values), the blocks' own (keys, values)) -> outputs."""
 PROPOSE_CHUNK_BLOCKS = 64
 """Blocks whose full logits [S, V] `propose` holds at once (64 x 15 x 248K fp32 is ~1 GB)."""
+SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Precisions a drafter's draft-vocabulary lm_head rows may have been written at."""
 
 _compiled_flex: Callable | None = None
 
@@ -239,6 +242,12 @@ class DFlashDrafter(nn.Module):
                                                         config.selector_codebooks)
         self.register_buffer("target_embed_tokens", None, persistent=False)
         self.register_buffer("target_lm_head", None, persistent=False)
+        self.register_buffer("draft_ids", None)
+        self.register_buffer("draft_lm_head", None)
+        if config.draft_vocab_size is not None:
+            # Placeholders until set_draft_vocab (training) or load_state_dict (a checkpoint).
+            self.draft_ids = torch.arange(config.draft_vocab_size)
+            self.draft_lm_head = torch.zeros(config.draft_vocab_size, h)
         self.gradient_checkpointing = False
         """Recompute each layer in backward instead of keeping its activations (training)."""
         self.chunk_blocks: int | None = None
@@ -283,6 +292,63 @@ class DFlashDrafter(nn.Module):
                 )
         self.target_embed_tokens = embed_tokens.detach()
         self.target_lm_head = lm_head.detach()
+        if self.draft_ids is not None:
+            self._take_draft_rows()
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Draft over these target ids [draft_vocab_size] (distinct, in the vocabulary): the
+        drafter's lm_head becomes the target's rows at them (attached now or later)."""
+        ids = check_draft_ids(target_ids, self.config)
+        self.draft_ids = ids.to(self.fc.weight.device)
+        if self.target_lm_head is not None:
+            self._take_draft_rows(check=False)
+
+    def _take_draft_rows(self, check: bool = True) -> None:
+        """draft_lm_head := the attached target's rows at draft_ids. A loaded checkpoint's rows
+        must be those rows (at its stored precision): other ones were taken from another
+        target's lm_head. All zeros is the placeholder of a drafter never given its map."""
+        rows = self.target_lm_head.index_select(0, self.draft_ids.to(self.target_lm_head.device))
+        held = self.draft_lm_head
+        if check and held is not None and not held.is_meta and bool(held.any()):
+            held = held.to(rows.device)
+            # the rows rounded to the precision they were saved at, then loaded at another
+            if not any(torch.equal(held, rows.to(d).to(held.dtype)) for d in SAVED_DTYPES):
+                raise DrafterError("the drafter's lm_head rows (its draft vocabulary's) are not "
+                                   "this target's lm_head rows at its d2t ids: it was trained "
+                                   "for another target")
+        self.draft_lm_head = rows
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The [draft_vocab, H] rows the drafter's logits are over: the borrowed lm_head, or
+        its draft-vocabulary rows."""
+        if self.target_lm_head is None:
+            raise DrafterError("no target lm_head attached; call attach_target_head first")
+        return self.target_lm_head if self.draft_ids is None else self.draft_lm_head
+
+    def draft_topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k fp32 log-probs and target ids [..., k'] of final-norm hidden states [..., H]
+        over the drafter's head (blocks.draft_topk): over a draft vocabulary the softmax is
+        over its rows, as vLLM's is with the other logits -inf."""
+        logp, ids = draft_topk(hidden, self.head_weight.to(hidden.dtype), k)
+        return logp, self.to_target_ids(ids)
+
+    def to_target_ids(self, draft: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft-vocabulary ids (the same ids without a draft vocabulary)."""
+        if self.draft_ids is None:
+            return draft
+        return self.draft_ids.to(draft.device)[draft]
+
+    def to_draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target-id labels as draft ids; IGNORE_LABEL stays, and so becomes every label
+        outside the draft vocabulary: a miss the drafter cannot make."""
+        if self.draft_ids is None:
+            return labels
+        table = torch.full((self.config.vocab_size,), IGNORE_LABEL, dtype=torch.long,
+                           device=labels.device)
+        table[self.draft_ids.to(labels.device)] = torch.arange(self.config.draft_vocab_size,
+                                                               device=labels.device)
+        return torch.where(labels >= 0, table[labels.clamp(min=0)], labels)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.target_embed_tokens is None:
@@ -291,9 +357,7 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the borrowed lm_head (callers may chunk `hidden` to bound memory)."""
-        if self.target_lm_head is None:
-            raise DrafterError("no target lm_head attached; call attach_target_head first")
-        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
+        return F.linear(hidden, self.head_weight.to(hidden.dtype))
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor,
                 chunk_blocks: int = PROPOSE_CHUNK_BLOCKS) -> torch.Tensor:
@@ -306,9 +370,11 @@ class DFlashDrafter(nn.Module):
         for start in range(0, flat.shape[0], chunk_blocks):
             h = flat[start:start + chunk_blocks]
             logits = self.logits(h)
-            drafts.append(logits.argmax(-1) if self.candidate_selector is None else
-                          self.candidate_selector.walk(h, logits, anchors[start:start +
-                                                       chunk_blocks], self.target_embed_tokens))
+            if self.candidate_selector is None:
+                drafts.append(self.to_target_ids(logits.argmax(-1)))
+            else:
+                drafts.append(self.candidate_selector.walk(
+                    h, logits, anchors[start:start + chunk_blocks], self.target_embed_tokens))
         if not drafts:
             return flat.new_zeros(flat.shape[:-1], dtype=torch.long).reshape(hidden.shape[:-1])
         return torch.cat(drafts).reshape(hidden.shape[:-1])
@@ -458,6 +524,25 @@ class DFlashDrafter(nn.Module):
         anchors = torch.full((block_ids.shape[0], 1), cache.length, device=block_ids.device)
         # Dense: one block per row over a short cache is cheap, and it is the reference.
         return self.decode_blocks(cache, None, block_ids[:, None], anchors, "dense")[:, 0]
+
+
+def check_draft_ids(ids: torch.Tensor, config: DrafterConfig) -> torch.Tensor:
+    """`ids` as a drafter's draft vocabulary: long [draft_vocab_size], distinct target ids."""
+    want = config.draft_vocab_size
+    if want is None:
+        raise DrafterError("this drafter has no draft vocabulary (draft_vocab_size unset)")
+    ids = torch.as_tensor(ids)
+    if ids.dtype.is_floating_point or ids.dim() != 1 or ids.numel() != want:
+        raise DrafterError(f"a draft vocabulary is {want} integer target ids; got "
+                           f"{tuple(ids.shape)} {ids.dtype}")
+    ids = ids.long()
+    outside = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if outside.numel():
+        raise DrafterError(f"draft vocabulary id {int(outside[0])} is outside the target's "
+                           f"vocabulary of {config.vocab_size}")
+    if torch.unique(ids).numel() != ids.numel():
+        raise DrafterError("the draft vocabulary names a target id twice")
+    return ids
 
 
 def dflash2_from(model: DFlashDrafter, **fields) -> DFlashDrafter:

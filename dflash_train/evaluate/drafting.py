@@ -16,7 +16,6 @@ This module never reads the store, never computes labels or metrics.
 import torch
 import torch.nn.functional as F
 
-from dflash_train.blocks import draft_topk
 from dflash_train.drafter import ContextCache, DFlashDrafter, build_block_ids
 from dflash_train.drafter.model import PROPOSE_CHUNK_BLOCKS
 
@@ -83,11 +82,11 @@ class BlockDrafter:
         slots = hidden[:, :, 1:]
         if self.walks:
             selector = self.model.candidate_selector
-            logp, ids = draft_topk(slots, self.model.target_lm_head, max(top_k, selector.top_k))
+            logp, ids = self.model.draft_topk(slots, max(top_k, selector.top_k))
             walk, walk_logp = self._walk(slots, anchor_tokens.to(self.device).long())
             logp, ids = walk_first(logp, ids, walk, walk_logp, top_k)
         else:
-            logp, ids = draft_topk(slots, self.model.target_lm_head, top_k)
+            logp, ids = self.model.draft_topk(slots, top_k)
         pad = (0, 0, 1, 0)  # one slot in front along the slot axis
         return F.pad(logp, pad).cpu(), F.pad(ids, pad, value=-1).cpu()
 

@@ -127,13 +127,9 @@ def _prod(shape) -> int:
     return n
 
 
-def top1_agreement(store: Store, window: int = 1 << 18) -> tuple[int, int]:
-    """(answer tokens equal to the extract forward's top-1 at the token before them, answer
-    tokens) over the readable parts' committed samples. On a regenerated store anything
-    short of all of them is generation drift (a server's kernels or dtype against this
-    forward), and offline replay equals live decoding only where they agree. Reads three
-    token arrays `window` tokens at a time."""
-    agree = total = 0
+def _label_windows(store: Store, window: int):
+    """(answer tokens, the forward's top-1 at the token before each) of the readable parts'
+    committed samples, `window` tokens at a time: every hard label a drafter trains on."""
     damaged = set(store.unreadable_parts())
     for p in store.parts():
         if p.index in damaged or not p.num_tokens:
@@ -144,7 +140,25 @@ def top1_agreement(store: Store, window: int = 1 << 18) -> tuple[int, int]:
             t = p.read_tokens(a, hi, ("input_ids", "loss_mask", "verifier_topk_ids"))
             # label positions a+1 .. hi-1, each predicted by the token before it
             keep = t["loss_mask"][1:] & ~np.isin(np.arange(a + 1, hi), starts)
-            hits = t["input_ids"][1:] == t["verifier_topk_ids"][:-1, 0]
-            agree += int(hits[keep].sum())
-            total += int(keep.sum())
+            yield t["input_ids"][1:][keep], t["verifier_topk_ids"][:-1, 0][keep]
+
+
+def top1_agreement(store: Store, window: int = 1 << 18) -> tuple[int, int]:
+    """(answer tokens equal to the extract forward's top-1 at the token before them, answer
+    tokens) over the readable parts' committed samples. On a regenerated store anything
+    short of all of them is generation drift (a server's kernels or dtype against this
+    forward), and offline replay equals live decoding only where they agree."""
+    agree = total = 0
+    for answer, top1 in _label_windows(store, window):
+        agree += int((answer == top1).sum())
+        total += int(answer.size)
     return agree, total
+
+
+def label_counts(store: Store, window: int = 1 << 18) -> np.ndarray:
+    """How often each vocabulary id is a hard label (the forward's top-1 before an answer
+    token) in the store's readable parts: int64 [vocab_size], one streaming pass."""
+    counts = np.zeros(store.meta.target.vocab_size, dtype=np.int64)
+    for _, top1 in _label_windows(store, window):
+        counts += np.bincount(top1.astype(np.int64), minlength=counts.size)[:counts.size]
+    return counts

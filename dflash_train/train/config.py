@@ -68,7 +68,16 @@ class ModelConfig:
     through the target's frozen embedding E (2 H r parameters instead of 2 V r); export
     writes E W, so engines load either the same way."""
 
+    draft_vocab_size: int | None = None
+    """Draft over the N most frequent labels of the train stores only (one counting pass
+    before the first step; a resume keeps the checkpoint's): the lm_head work per slot
+    shrinks by vocab / N, and a label outside them is a miss the drafter cannot make. The
+    export carries vLLM's d2t map; SGLang and z-lab's package ignore it. None: the whole
+    vocabulary. DFlash drafters with loss.kind ce only."""
+
     def __post_init__(self) -> None:
+        require(self.draft_vocab_size is None or self.draft_vocab_size >= 1,
+                "model.draft_vocab_size", ">= 1", self.draft_vocab_size)
         require(self.num_hidden_layers is None or self.num_hidden_layers >= 1,
                 "model.num_hidden_layers", ">= 1", self.num_hidden_layers)
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim",
@@ -293,6 +302,9 @@ ACTS_ONLY_WHEN = (
     ActsOnlyWhen(tuple(f"model.{n}" for n in DFLASH2_FIELDS) + (
         "model.selector_codebooks", "loss.selector_weight", "loss.selector_out_of_top_k"),
         "model.kind is dflash2", lambda c: c.model.kind == "dflash2"),
+    ActsOnlyWhen(("model.draft_vocab_size",), "model.kind is dflash and loss.kind is ce (a "
+                 "DFlash 2 selector and the top-k KL read the whole vocabulary)",
+                 lambda c: c.model.kind == "dflash" and c.loss.kind == "ce"),
     ActsOnlyWhen(("optim.muon_lr", "optim.muon_momentum", "optim.muon_nesterov",
                   "optim.muon_ns_steps", "optim.muon_adjust_lr_fn"),
                  "optim.optimizer is muon", lambda c: c.optim.optimizer == "muon"),

@@ -11,6 +11,9 @@ import json
 from dataclasses import fields, replace
 from typing import Any
 
+import numpy as np
+import torch
+
 from dflash_train.drafter import (
     AttentionShape,
     DFlashDrafter,
@@ -22,6 +25,7 @@ from dflash_train.drafter import (
 from dflash_train.drafter.config import DFLASH2_FIELDS, DRAFTER_KINDS
 from dflash_train.drafter.model import dflash2_from
 from dflash_train.store_schema import Store, StoreError
+from dflash_train.store_schema.info import label_counts
 from dflash_train.target_config import head_dim, text_part
 from dflash_train.train.config import ModelConfig, TrainConfig
 from dflash_train.train.errors import TrainError
@@ -73,6 +77,12 @@ def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
     )
     if m.intermediate_size is not None:
         overrides["intermediate_size"] = m.intermediate_size
+    if m.draft_vocab_size is not None:
+        vocab = int(text["vocab_size"])
+        if m.draft_vocab_size > vocab:
+            raise TrainError(f"model.draft_vocab_size {m.draft_vocab_size} is more than the "
+                             f"target's vocabulary of {vocab}")
+        overrides["draft_vocab_size"] = m.draft_vocab_size
     return DrafterConfig.for_target(target, mask_token_id, target_layer_ids=layer_ids,
                                     **overrides, **dflash2_settings(m))
 
@@ -133,6 +143,7 @@ def drafter_settings(drafter: DrafterConfig) -> dict[str, Any]:
         "model.sliding_layers": sliding,
         "model.sliding_window": drafter.sliding_window if sliding else None,
         "model.mask_token_id": drafter.mask_token_id,
+        "model.draft_vocab_size": drafter.draft_vocab_size,
     }
 
 
@@ -143,6 +154,18 @@ def shape_conflicts(model: ModelConfig, drafter: DrafterConfig) -> list[str]:
     conflicts = []
     for key, has in drafter_settings(drafter).items():
         wanted = getattr(model, key.removeprefix("model."))
-        if wanted is not None and has is not None and wanted != has:
+        # a drafter without a draft vocabulary cannot be given one by a setting
+        may_lack = key != "model.draft_vocab_size"
+        if wanted is not None and (has is not None or not may_lack) and wanted != has:
             conflicts.append(f"{option_name(key)} {wanted} (the drafter has {has})")
     return conflicts
+
+
+def most_frequent_labels(stores: list[Store], n: int) -> tuple[torch.Tensor, float]:
+    """The `n` ids most often a hard label over `stores` (ties: the lower id), ascending,
+    and the fraction of those labels they cover: a draft vocabulary and what it loses."""
+    counts = sum(label_counts(store) for store in stores)
+    order = np.lexsort((np.arange(counts.size), -counts))  # count descending, then id
+    chosen = np.sort(order[:n])
+    covered = float(counts[chosen].sum()) / max(1, int(counts.sum()))
+    return torch.from_numpy(chosen.astype(np.int64)), covered

@@ -9,6 +9,7 @@ rank, before rank 0 writes anything but the lock. Never takes a training step.
 
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,12 @@ from dflash_train.train.checkpoint import (
 )
 from dflash_train.train.config import OptimConfig, TrainConfig, resolve_chunk_blocks, to_toml
 from dflash_train.train.data import StoreLoader, weights_text
-from dflash_train.train.drafter_shape import drafter_config, initial_drafter, shape_conflicts
+from dflash_train.train.drafter_shape import (
+    drafter_config,
+    initial_drafter,
+    most_frequent_labels,
+    shape_conflicts,
+)
 from dflash_train.train.errors import TrainError
 from dflash_train.train.health import StepHealth
 from dflash_train.train.optimizer import build_optimizer
@@ -137,7 +143,7 @@ def build_run(cfg: TrainConfig, resume: bool, echo=print) -> Run | AlreadyComple
         check_same_plan(done.plan, plan, point.path)
         if _finished(done, loader, cfg, total_steps):
             return AlreadyComplete(done.step, point.path)
-    model = _drafter(cfg, point, loader.stores[0], rank, echo, bf16, device)
+    model = _drafter(cfg, point, loader.stores, rank, echo, bf16, device)
     layer_rms = _layer_rms(cfg, loader, device)
     # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
     forward = wrap(model, parallel_mode(world, cfg.run.fsdp), device)
@@ -285,12 +291,20 @@ def _finished(done: TrainState, loader: StoreLoader, cfg: TrainConfig, total_ste
             or (done.epoch == last and done.batch_in_epoch >= loader.batches_per_epoch(last)))
 
 
-def _drafter(cfg: TrainConfig, point: Checkpoint | None, store: Store, rank: int, echo,
-             bf16: bool, device: torch.device) -> DFlashDrafter:
+def _drafter(cfg: TrainConfig, point: Checkpoint | None, stores: list[Store], rank: int,
+             echo, bf16: bool, device: torch.device) -> DFlashDrafter:
     """The drafter the run trains, on `device`, borrowing the store's frozen embed_tokens /
     lm_head, in training mode."""
-    rows = store.target_rows()
-    model = _starting_drafter(cfg, point, store)
+    rows = stores[0].target_rows()
+    model = _starting_drafter(cfg, point, stores[0])
+    if point is None and not cfg.model.init_from and model.config.draft_vocab_size:
+        start = time.perf_counter()
+        ids, covered = most_frequent_labels(stores, model.config.draft_vocab_size)
+        model.set_draft_vocab(ids)
+        if rank == 0:
+            echo(f"draft vocabulary: the {ids.numel():,} most frequent of "
+                 f"{model.config.vocab_size:,} ids cover {covered:.2%} of the train stores' "
+                 f"labels (counted in {time.perf_counter() - start:.1f} s)")
     if cfg.run.fsdp and model.config.kind == "dflash2":
         # The selector term reads the selector's weights outside the forward, where FSDP2
         # has not gathered them.

@@ -157,6 +157,10 @@ def block_loss(
             blocks.target_logits.flatten(0, 1).to(hidden.device),
             blocks.target_lse.flatten(0, 1).to(hidden.device), valid, **common)
     labels = blocks.labels.flatten(0, 1).to(hidden.device)
+    if drafter is not None and drafter.draft_ids is not None:
+        # Over a draft vocabulary: labels as its ids; one outside it has no logit to raise.
+        labels = drafter.to_draft_labels(labels)
+        valid = valid & (labels != IGNORE_LABEL)
     unary = block_ce_loss(labels, valid, position_weights=cfg.position_weights,
                           dpace_alpha=cfg.dpace_alpha, weights_out=weights, **common)
     if selector is None or cfg.selector_weight == 0:
@@ -177,7 +181,7 @@ def batch_accuracy(hidden: torch.Tensor, blocks: Blocks, model) -> BatchAccuracy
     labels, valid = blocks.labels.flatten(0, 1), blocks.valid.flatten(0, 1)
     recall = None
     if model.candidate_selector is None:
-        _, ids = draft_topk(hidden, model.target_lm_head.float(), k=1)
+        _, ids = model.draft_topk(hidden, k=1)
         ids = ids.cpu()
     else:
         anchors = blocks.block_ids[:, :, 0].flatten().to(hidden.device)

@@ -27,6 +27,7 @@ from dflash_train.store_schema import (
     create_store,
     open_store,
 )
+from dflash_train.train.drafter_shape import most_frequent_labels
 from tests.extract.conftest import run_extract_cfg
 
 EOS_ID = 3
@@ -72,6 +73,15 @@ def random_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
     return DFlashDrafter(drafter_config(**overrides))
 
 
+def mapped_drafter(store_url: str, draft_vocab_size: int, seed: int = 0, **overrides
+                   ) -> DFlashDrafter:
+    """A random drafter over the store's `draft_vocab_size` most frequent labels."""
+    model = random_drafter(seed, draft_vocab_size=draft_vocab_size, **overrides)
+    ids, _ = most_frequent_labels([open_store(store_url)], draft_vocab_size)
+    model.set_draft_vocab(ids)
+    return model
+
+
 def fit_drafter(model: DFlashDrafter, store_url: str, steps: int, lr: float = 3e-3
                 ) -> DFlashDrafter:
     """Full-batch Adam on every eligible block of the store (memorises it: a drafter with
@@ -92,6 +102,7 @@ def fit_drafter(model: DFlashDrafter, store_url: str, steps: int, lr: float = 3e
         context[r, : len(s)] = s.context.float()
         anchors[r, : a.numel()] = a
         labels[r, : a.numel()] = block_labels(s.topk_ids, s.loss_mask, a, b)[0]
+    labels = model.to_draft_labels(labels)  # over a draft vocabulary: its ids
     ids = torch.stack([build_block_ids(s.input_ids.long()[a], MASK_ID, b)
                        for s, a in zip(samples, anchors, strict=True)])
     lengths = torch.tensor([len(s) for s in samples])

@@ -23,7 +23,7 @@ from dflash_train.evaluate.replay import (
     evaluate_replay,
 )
 from dflash_train.store_schema import open_store
-from tests.evaluate.conftest import EOS_ID, MAX_NEW_TOKENS
+from tests.evaluate.conftest import EOS_ID, MAX_NEW_TOKENS, fit_drafter, mapped_drafter
 
 # -- the must-show: offline --mode replay tau == --online tau, prompt by prompt -------------
 
@@ -57,6 +57,20 @@ def test_offline_replay_equals_live_speculative_decoding_prompt_by_prompt(
     check = out.report["online_check"]
     assert check["same_text"] == check["prompts"] == len(stored)
     assert check["same_taus"] == {"trained": len(stored), "rand": len(stored)}
+
+
+def test_a_draft_vocabulary_drafter_replays_offline_what_it_drafts_live(
+        tmp_path, regen_store, eos_target_dir):
+    # half the vocabulary: some labels are off the map, misses it cannot avoid
+    model = fit_drafter(mapped_drafter(regen_store, VOCAB_SIZE // 2, seed=1), regen_store, 60)
+    mapped = str(save_drafter(model, tmp_path / "mapped"))
+    out = run_eval(EvalConfig(store=regen_store, checkpoints=[mapped], online=True,
+                              model=eos_target_dir, progress=False,
+                              settings=EvalSettings(mode="replay", tree_budgets=(4,))))
+    assert out.offline["mapped"].sequences == out.online["mapped"].sequences
+    assert out.offline["mapped"].summary() == out.online["mapped"].summary()
+    taus = [t for seq in out.online["mapped"].sequences.values() for _, t in seq]
+    assert len(set(taus)) >= 3, "acceptance too uniform to test"
 
 
 def test_offline_replay_equals_live_decoding_on_a_hybrid_linear_attention_target(

