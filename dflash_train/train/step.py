@@ -157,7 +157,7 @@ def block_loss(
             blocks.target_logits.flatten(0, 1).to(hidden.device),
             blocks.target_lse.flatten(0, 1).to(hidden.device), valid, **common)
     labels = blocks.labels.flatten(0, 1).to(hidden.device)
-    if drafter is not None and drafter.draft_ids is not None:
+    if getattr(drafter, "draft_ids", None) is not None:
         # Over a draft vocabulary: labels as its ids; one outside it has no logit to raise.
         labels = drafter.to_draft_labels(labels)
         valid = valid & (labels != IGNORE_LABEL)
