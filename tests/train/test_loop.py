@@ -145,8 +145,9 @@ DFLASH2_SETS = ["--set", "model.kind=dflash2", "--set", "model.selector_rank=8",
 @pytest.mark.parametrize("variant", [[], ["--set", "optim.optimizer=muon",
                                           "--set", "loss.position_weights=dpace"],
                                      [*DFLASH2_SETS, "--set",
-                                      "model.selector_codebooks=factorised"]],
-                         ids=["adamw", "muon-dpace", "dflash2-factorised"])
+                                      "model.selector_codebooks=factorised"],
+                                     ["--set", "model.draft_vocab_size=24"]],
+                         ids=["adamw", "muon-dpace", "dflash2-factorised", "draft-vocab"])
 def test_killed_run_resumes_to_the_same_weights(synthetic_store, tmp_path, variant):
     args = ["--store", synthetic_store, "--layers", "1", "--batch-tokens", "256",
             "--anchors-per-seq", "8", "--epochs", "3", "--no-progress",
