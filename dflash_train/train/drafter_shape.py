@@ -154,9 +154,10 @@ def shape_conflicts(model: ModelConfig, drafter: DrafterConfig) -> list[str]:
     conflicts = []
     for key, has in drafter_settings(drafter).items():
         wanted = getattr(model, key.removeprefix("model."))
-        # a drafter without a draft vocabulary cannot be given one by a setting
-        may_lack = key != "model.draft_vocab_size"
-        if wanted is not None and (has is not None or not may_lack) and wanted != has:
+        # None is "not set" in a drafter, except that a drafter without a draft vocabulary
+        # has none, and no setting can give it one
+        unset = has is None and key != "model.draft_vocab_size"
+        if wanted is not None and not unset and wanted != has:
             conflicts.append(f"{option_name(key)} {wanted} (the drafter has {has})")
     return conflicts
 
