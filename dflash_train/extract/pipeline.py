@@ -20,6 +20,7 @@ from tqdm import tqdm
 import dflash_train
 from dflash_train.devices import resolve_device
 from dflash_train.drafter.config import default_mask_token_id
+from dflash_train.extract.ahead import GenerationAhead
 from dflash_train.extract.capture import forward_states
 from dflash_train.extract.claims import exclusive as _exclusive
 from dflash_train.extract.config import ExtractConfig
@@ -235,11 +236,19 @@ def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
                      disable=not cfg.progress, desc=f"extract {where}",
                      position=1 if cfg.regenerate else 0))
     writer = BackgroundWriter()
+    ahead = GenerationAhead() if servers else None
     try:
         for n, part in enumerate(mine):
+            following = mine[n + 1] if ahead and n + 1 < len(mine) else None
+
+            def start_next(nxt: PartPlan | None = following) -> None:
+                if nxt is not None:
+                    _generate_ahead(ahead, store, nxt, source, tokenizer, target, cfg, bars,
+                                    servers)
+
             with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
                 _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
-                              writer, bars, planned, summary, servers)
+                              writer, bars, planned, summary, servers, ahead, start_next)
                 writer.wait()  # the claim must outlive the part's last write
             if servers and n == 0:  # another model's answers: refused after one part, not all
                 check_agreement(store, servers)
@@ -380,10 +389,14 @@ def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]
 def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
                   layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter,
                   bars: Bars, planned: dict[int, int], summary: Summary,
-                  servers: list[Server]) -> None:
+                  servers: list[Server], ahead: GenerationAhead | None = None,
+                  start_next=lambda: None) -> None:
+    """Write the samples of `part` still missing. With servers, `start_next` starts the
+    next part's generation once this part's is done, so it runs during this forward."""
     pw = store.part_writer(part.index, part.row_start, part.row_stop, FLUSH_SHARDS)
     budget = sum(planned.get(row, 0) for row in range(part.row_start, part.row_stop))
     if pw.complete:
+        start_next()
         summary.parts_already_complete.append(part.index)
         shrink_total(bars.forward, budget)
         prompts = sum(row in planned for row in range(part.row_start, part.row_stop))
@@ -394,15 +407,15 @@ def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, t
     todo = render_rows(source, tokenizer, range(first, part.row_stop), cfg)
     counts = Counts()
     if cfg.regenerate:
-        prompts = render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg)
-        # every prompt of the part, so generation batches equal an uninterrupted run's;
-        # count only the skips of rows this run still has to do
-        fitting = [k for p in prompts if (k := prompt_fits(p, cfg, Counts())) is not None]
-        for p in prompts:
+        prompts, fitting = _part_prompts(source, tokenizer, part, cfg)
+        for p in prompts:  # count only the skips of rows this run still has to do
             if p.row >= first:
                 prompt_fits(p, cfg, counts)
-        todo = regenerate_items(target.model, tokenizer, fitting, cfg, first, bars.generate,
-                                servers, target.info.vocab_size)
+        todo = ahead.take(part.index, first) if ahead else None
+        if todo is None:
+            todo = regenerate_items(target.model, tokenizer, fitting, cfg, first,
+                                    bars.generate, servers, target.info.vocab_size)
+    start_next()
     todo = [k for i in todo if (k := apply_length_policy(i, cfg, counts)) is not None]
     shrink_total(bars.forward, budget - sum(len(i.input_ids) for i in todo))
     summary.counts.add(counts)
@@ -421,6 +434,32 @@ def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, t
         bars.forward.update(n)
     writer.finish(pw)
     summary.parts_done.append(part.index)
+
+
+def _part_prompts(source: ChatSource, tokenizer, part: PartPlan, cfg: ExtractConfig
+                  ) -> tuple[list[Item], list[Item]]:
+    """(every prompt of the part, those leaving room to generate). Every one, not only the
+    rows still to do, so generation batches equal an uninterrupted run's."""
+    prompts = render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg)
+    return prompts, [k for p in prompts if (k := prompt_fits(p, cfg, Counts())) is not None]
+
+
+def _generate_ahead(ahead: GenerationAhead, store: Store, part: PartPlan, source: ChatSource,
+                    tokenizer, target: Target, cfg: ExtractConfig, bars: Bars,
+                    servers: list[Server]) -> None:
+    """Start the servers on `part`'s rows still to do, unless it is complete. Its claim is
+    not held yet: _extract_part uses what is generated only for rows still missing then."""
+    try:
+        committed = store.part(part.index)
+        first = None if committed.complete else committed.next_row()
+    except StoreError:  # not started (or its creation torn): nothing committed
+        first = part.row_start
+    if first is None:
+        return
+    _, fitting = _part_prompts(source, tokenizer, part, cfg)
+    ahead.start(part.index, first, lambda: regenerate_items(
+        target.model, tokenizer, fitting, cfg, first, bars.generate, servers,
+        target.info.vocab_size))
 
 
 def _committed_lengths(store: Store, index: int) -> list[tuple[int, int]]:

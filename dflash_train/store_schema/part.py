@@ -62,6 +62,10 @@ class Part:
         state = "complete" if self.complete else "incomplete"
         return f"Part({self.index}, samples={self.num_samples}, tokens={self.num_tokens}, {state})"
 
+    def next_row(self) -> int:
+        """The source row a writer resuming this part starts at."""
+        return int(self.sources()[-1]) + 1 if self.num_samples else self.row_start
+
     def array(self, name: str) -> zarr.Array:
         try:
             return self.group[name]
@@ -253,7 +257,7 @@ class PartWriter:
         self.committed_samples = part.num_samples
         self.committed_tokens = part.num_tokens
         self.complete = part.complete
-        self.next_row = int(part.sources()[-1]) + 1 if part.num_samples else row_start
+        self.next_row = part.next_row()
         self._pending: list[tuple[int, int]] = []  # (end token, source row) not yet committed
         self._buffer: dict[str, list[np.ndarray]] = {
             a.name: [] for a in token_arrays(self._meta.context_dtype)}

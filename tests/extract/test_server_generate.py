@@ -40,6 +40,9 @@ class FakeVllm:
                      model_dir, "max_model_len": max_model_len}
         self.lock = threading.Lock()
         self.prompts: list[list[int]] = []
+        self.busy, self.busy_lock = 0, threading.Lock()
+        """Requests being answered (a killed client's included, until their reply fails);
+        counted under a lock of their own, not behind the one generation holds."""
         self.fail: dict[tuple, tuple[int, dict]] = {}
         """prompt ids -> (HTTP status, body) answered instead of a completion."""
         fake = self
@@ -53,7 +56,13 @@ class FakeVllm:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._send(*fake.complete(body))
+                with fake.busy_lock:
+                    fake.busy += 1
+                try:
+                    self._send(*fake.complete(body))
+                finally:
+                    with fake.busy_lock:
+                        fake.busy -= 1
 
             def _send(self, status: int, reply: dict):
                 data = json.dumps(reply).encode()
@@ -137,6 +146,32 @@ def test_a_store_regenerated_through_servers_equals_the_builtin_one(target, data
     assert any(ends) and not all(ends), "test needs answers ending on eos and on the cap"
 
 
+def test_the_next_part_is_generated_while_this_part_runs_its_forward(target, data, builtin,
+                                                                     server, tmp_path,
+                                                                     monkeypatch):
+    """Part 0's first forward waits until the server is asked for a prompt past part 0's 5
+    rows: only generating ahead gets there; one-part-at-a-time extract times out."""
+    from dflash_train.extract import pipeline
+
+    forward, overlapped = pipeline._forward_batch, []
+
+    def forward_once_overlapped(*args, **kwargs):
+        if not overlapped:
+            deadline = time.monotonic() + 30
+            while len(server.prompts) <= 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            overlapped.append(len(server.prompts) > 5)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_forward_batch", forward_once_overlapped)
+    out = str(tmp_path / "hs.zarr")
+    run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=NEW, rows_per_part=5,
+                    servers=[server.url])
+    assert overlapped == [True]
+    assert_same_samples(store_samples(out), builtin)
+    assert len(server.prompts) == len(builtin)  # each prompt asked once, none ahead in vain
+
+
 def test_a_server_of_another_model_is_refused_before_anything_is_written(target, data,
                                                                           tmp_path):
     other = FakeVllm(target, served_id="Qwen/Qwen3-8B")
@@ -185,6 +220,10 @@ def test_a_killed_run_resumes_without_asking_for_what_it_kept(target, data, buil
     assert killed.returncode == -9, killed.stderr[-2000:]
     kept = {int(r) for p in open_store(out).parts() for r in p.sources()}
     assert kept and len(kept) < len(builtin)
+    # the killed run had the next part's generation in flight: let those requests end first
+    deadline = time.monotonic() + 60
+    while server.busy and time.monotonic() < deadline:
+        time.sleep(0.05)
     server.prompts.clear()
     run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=NEW,
                     servers=[server.url])
