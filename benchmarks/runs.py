@@ -23,6 +23,11 @@ def median_step_s(run: Path) -> float:
     return statistics.median(steps[1:] or steps)  # the first step warms caches up
 
 
+def train_seconds(run: Path) -> float:
+    """Seconds a run spent in its optimiser steps: the sum of its logged step times."""
+    return sum(json.loads(line)["step_s"] for line in (run / "log.jsonl").open())
+
+
 def train_arms(out: Path, arms: dict[str, list[str]], common: list[str]) -> dict[str, Path]:
     """`dflash train` each arm (its extra arguments after `common`) into out/NAME, one after
     another; an arm already there is resumed (nothing is trained if it is complete). Returns
