@@ -18,14 +18,15 @@ Stages, each the entry point its CLI command calls (run_extract, train, run_eval
    and the fidelity check: offline replay == eval --online, prompt by prompt, on a sample.
 
 Writes results.json, results.md and tau_vs_steps.png into --out and prints the table.
-Stores are kept in --out and resumed on a re-run with the same settings (delete them to
-extract again); runs are trained afresh. A benchmark: it measures, CI does not run it.
+Every stage resumes on a re-run with the same settings: stores are kept in --out and extract
+continues them, training runs continue from their last checkpoint (a finished one is only
+evaluated again); delete a store or run_*L/ to redo it. Train seconds are the runs' logged
+step times. A benchmark: it measures, CI does not run it.
 """
 
 import argparse
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -165,36 +166,29 @@ def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int):
     )
 
 
-def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
-                  reuse: bool = False) -> dict:
-    """Untrained drafter + a run with a checkpoint every eval_every steps; their paths.
-    `reuse`: a finished run of the same settings is evaluated again instead of retrained
-    (its seconds are then the sum of its logged step times)."""
+def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int) -> dict:
+    """Untrained drafter + a run with a checkpoint every eval_every steps; their paths. A run
+    stopped midway is resumed (`train --resume`: settings that differ are refused, naming
+    them), a finished one is only read back. Its seconds are the sum of its logged step
+    times: the real training seconds, however many sittings it took."""
     from dflash_train.quickstart import save_untrained
     from dflash_train.train.checkpoint import checkpoint_dir
     from dflash_train.train.loop import train
 
     run_dir = out / f"run_{layers}L"
     train_cfg = train_config(cfg, store, run_dir, layers)
-    log = run_dir / "log.jsonl"
-    if reuse and (checkpoint_dir(run_dir, cfg.steps) / "COMPLETE").exists():
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-        seconds, steps, final_loss = (sum(r["step_s"] for r in records), records[-1]["step"],
-                                      records[-1]["loss"])
-        untrained = str(out / f"untrained_{layers}L")
-    else:
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # fixed budget from scratch every time
-        untrained = save_untrained(train_cfg, out / f"untrained_{layers}L")
-        start = time.perf_counter()
-        result = train(train_cfg)
-        seconds, steps, final_loss = time.perf_counter() - start, result.steps, result.final_loss
+    untrained = out / f"untrained_{layers}L"
+    if not (untrained / "config.json").is_file():
+        save_untrained(train_cfg, untrained)
+    train(train_cfg, resume=(run_dir / "checkpoints").is_dir())
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    steps = records[-1]["step"]
     saved = list(range(cfg.eval_every, steps + 1, cfg.eval_every))
     if not saved or saved[-1] != steps:
         saved.append(steps)
-    checkpoints = {0: untrained, **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}
-    return {"checkpoints": checkpoints, "train_seconds": seconds, "steps": steps,
-            "final_loss": final_loss}
+    checkpoints = {0: str(untrained), **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}
+    return {"checkpoints": checkpoints, "train_seconds": sum(r["step_s"] for r in records),
+            "steps": steps, "final_loss": records[-1]["loss"]}
 
 
 def evaluate(held: str, checkpoints: dict[int, str]) -> tuple[dict, float]:
@@ -257,9 +251,6 @@ def markdown(results: dict) -> str:
         slots = ", ".join("-" if a is None else f"{a:.2f}" for a in last["slot_accepted"][:8])
         lines.append(f"\n{d} at the last step, P(slot accepted | the earlier ones were), "
                      f"slots 1-8: {slots}")
-    if results.get("reused_runs"):
-        lines.append("\n(runs reused: train seconds are the sum of their logged step times; "
-                     "extract seconds are those of resuming complete stores)")
     lines.append("\nstage seconds: " + ", ".join(f"{k} {v:.0f}"
                                                  for k, v in results["seconds"].items()))
     for name, s in results["stores"].items():
@@ -291,8 +282,7 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path,
-        reuse_runs: bool = False) -> dict:
+def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seconds = {}
     clock = time.perf_counter()
@@ -309,7 +299,7 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path,
                                           held_store, cfg)
     drafters = {}
     for layers in cfg.drafter_layers:
-        trained = train_drafter(cfg, train_store, out, layers, reuse_runs)
+        trained = train_drafter(cfg, train_store, out, layers)
         seconds[f"train_{layers}L"] = trained["train_seconds"]
         by_step, seconds[f"eval_{layers}L"] = evaluate(held_store, trained["checkpoints"])
         drafters[f"{layers}L"] = {"eval": {str(s): v for s, v in by_step.items()},
@@ -320,7 +310,6 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path,
     seconds["fidelity"] = check.pop("seconds")
     results = {"preset": preset, "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg),
                "seconds": seconds, "drafters": drafters, "fidelity": check,
-               "reused_runs": reuse_runs,
                "stores": {"train": store_sizes(train_store),
                           "held_out": store_sizes(held_store)}}
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -337,17 +326,13 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=default_cache(),
                         help="Where scripts/prepare_smollm2.py keeps the model and data.")
     parser.add_argument("--steps", type=int, default=None, help="Override the step budget.")
-    parser.add_argument("--reuse-runs", action="store_true",
-                        help="Evaluate finished runs of the same settings again instead of "
-                             "retraining them (their time: the sum of logged step times).")
     args = parser.parse_args()
     preset = "quick" if args.quick else "full"
     cfg = PRESETS[preset]
     if args.steps:
         cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
     out = args.out or args.cache / f"real_target_{preset}"
-    results = run(cfg, preset, out.expanduser().resolve(), args.cache.expanduser().resolve(),
-                  args.reuse_runs)
+    results = run(cfg, preset, out.expanduser().resolve(), args.cache.expanduser().resolve())
     print(markdown(results))
     print(f"written: {out}/results.json, results.md, tau_vs_steps.png")
 
