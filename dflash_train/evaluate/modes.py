@@ -217,13 +217,18 @@ def vllm_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
                       max_position=config_field(text_part(config), "max_position_embeddings"))
 
 
+SERVING_ENGINES: dict[str, type[ServedMode]] = {"vllm": VllmMode}
+"""--served's engines by name (a second engine, e.g. llama.cpp, is one ServedMode subclass
+and one entry here)."""
+
+
 def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:
     """The modes the options ask for, in the order they run (each checks the ones before)."""
     modes: list[DecodeMode] = []
     if cfg.online:
         modes.append(OnlineMode())
     if cfg.served:
-        modes.append(VllmMode())
+        modes.append(SERVING_ENGINES["vllm"]())
     return modes
 
 

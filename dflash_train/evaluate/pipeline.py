@@ -1,10 +1,11 @@
-"""`dflash eval` end to end: open the store, load and check checkpoints, replay, report.
+"""`dflash eval` end to end: open the store, load and check checkpoints, replay, run each
+decode mode (modes.py: --online, --served), report.
 
 Owns the order of things: every input is checked (options, device, output paths, store,
-checkpoints against the store, plot dependency, --online model) before the first drafter
-forward; unfinished parts of the store are left out (named on stderr) as train does; all
-checkpoints see the same samples and blocks; the outputs are written only after every number
-is computed.
+checkpoints against the store, plot dependency, each decode mode's target and engine, the
+stop rule) before the first drafter forward; unfinished parts of the store are left out
+(named on stderr) as train does; all checkpoints see the same samples and blocks; the outputs
+are written only after every number is computed.
 Deterministic: sample choice depends only on --limit / --seed, batching only on the store
 and the options, so the same command gives the same numbers.
 """

@@ -167,6 +167,30 @@ def format_table(report: dict) -> str:
     """The side-by-side text table: summary, tree acceptance, per-slot rates, histogram."""
     cols = _columns(report)
     names = [n for n, _ in cols]
+    metrics = [m for _, m in cols]
+    slots = max(m["block_size"] for m in metrics) - 1
+    out = [*_header(report), ""]
+    out += _grid(["", *names], _summary_rows(metrics, report["tree_budgets"]))
+    recall = [k for k in report["recall_at"] if k > 1]
+    shown_recall = str(max(recall)) if recall else None
+    out += ["", "per slot: P(accept | earlier accepted) / marginal accuracy"
+            + (f" / top-{shown_recall} recall" if shown_recall else "")]
+    out += _grid(["slot", *names], _slot_rows(metrics, slots, shown_recall))
+    out += ["", "streak histogram (blocks)"]
+    out += _grid(["streak", *names], _streak_rows(metrics, slots))
+    check = report.get("online_check")
+    if check:
+        out += ["", f"online check over {check['prompts']} prompts: generated text equals the "
+                f"stored text for {check['same_text']}"]
+        for name, same in check["same_taus"].items():
+            out.append(f"  {name}: offline replay taus equal online taus for {same} prompts")
+    if report.get("served_check"):
+        out += ["", *format_served(report)]
+    return "\n".join(out)
+
+
+def _header(report: dict) -> list[str]:
+    """The run, the store's agreement, and what to read the numbers with."""
     ag = report["agreement"]
     out = [
         f"dflash eval: {report['store']}  mode={report['mode']}  samples={report['samples']}"
@@ -188,27 +212,29 @@ def format_table(report: dict) -> str:
     if report["mode"] == "all":
         out.append("note: --mode all scores every eligible anchor; live decoding visits only "
                    "the --mode replay anchors")
-    out.append("")
-    rows = [["blocks", *[str(m["n_blocks"]) for _, m in cols]],
-            ["mean tau", *[_fmt(m["mean_tau"]) for _, m in cols]],
+    return out
+
+
+def _summary_rows(metrics: list[dict], tree_budgets: list[int]) -> list[list[str]]:
+    rows = [["blocks", *[str(m["n_blocks"]) for m in metrics]],
+            ["mean tau", *[_fmt(m["mean_tau"]) for m in metrics]],
             ["tau 95% CI", *[("-" if m["tau_ci95"] is None else
                               f"{m['tau_ci95'][0]:.3f}..{m['tau_ci95'][1]:.3f}")
-                             for _, m in cols]],
-            ["mean streak", *[_fmt(m["mean_streak"]) for _, m in cols]]]
-    for b in report["tree_budgets"]:  # a served run has no trees: "-"
+                             for m in metrics]],
+            ["mean streak", *[_fmt(m["mean_streak"]) for m in metrics]]]
+    for b in tree_budgets:  # a served run has no trees: "-"
         rows.append([f"tree tau @{b}", *[_fmt(m["tree"].get(str(b), {}).get("mean_tau"))
-                                         for _, m in cols]])
-    out += _grid(["", *names], rows)
+                                         for m in metrics]])
+    return rows
 
-    recall = [k for k in report["recall_at"] if k > 1]
-    shown_recall = str(max(recall)) if recall else None
-    out += ["", "per slot: P(accept | earlier accepted) / marginal accuracy"
-            + (f" / top-{shown_recall} recall" if shown_recall else "")]
-    slots = max(m["block_size"] for _, m in cols) - 1
+
+def _slot_rows(metrics: list[dict], slots: int, shown_recall: str | None
+               ) -> list[list[str]]:
+    """Per slot and column: conditional acceptance, marginal accuracy (and top-k recall)."""
     rows = []
     for k in range(slots):
         row = [str(k + 1)]
-        for _, m in cols:
+        for m in metrics:
             if k >= m["block_size"] - 1:
                 row.append("")
                 continue
@@ -218,20 +244,7 @@ def format_table(report: dict) -> str:
                 cell += f" {_fmt(None if recall is None else recall[k])}"
             row.append(cell)
         rows.append(row)
-    out += _grid(["slot", *names], rows)
-
-    out += ["", "streak histogram (blocks)"]
-    out += _grid(["streak", *names], _streak_rows([m for _, m in cols], slots))
-
-    check = report.get("online_check")
-    if check:
-        out += ["", f"online check over {check['prompts']} prompts: generated text equals the "
-                f"stored text for {check['same_text']}"]
-        for name, same in check["same_taus"].items():
-            out.append(f"  {name}: offline replay taus equal online taus for {same} prompts")
-    if report.get("served_check"):
-        out += ["", *format_served(report)]
-    return "\n".join(out)
+    return rows
 
 
 def _rates(values: list) -> str:
