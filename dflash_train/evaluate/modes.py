@@ -71,6 +71,19 @@ def earlier_runs(runs: list[ModeRun], name: str) -> dict[str, Decoded]:
     return {r.label: r.decoded[name] for r in runs if r.live_rounds}
 
 
+def check_runs(decoded: dict[str, Decoded], samples: list[EvalSample],
+               earlier: list[ModeRun]) -> dict[str, RunCheck]:
+    """The agreement check of each checkpoint's run (by name): the stored text, and the
+    rounds of its earlier runs."""
+    stored = {s.key: s.input_ids.tolist() for s in samples}
+    return {n: check_run(d, stored, earlier_runs(earlier, n)) for n, d in decoded.items()}
+
+
+def _named(keys: list[tuple[int, int]]) -> list[str]:
+    """Sample keys as the report names prompts: "part/index"."""
+    return [f"{p}/{i}" for p, i in keys]
+
+
 class DecodeMode(ABC):
     """A way of decoding the held-out prompts with the target."""
 
@@ -118,21 +131,19 @@ class OnlineMode(DecodeMode):
                                              inputs.settings, stop)
         lengths = {s.key: len(p) for s in samples if (p := prompt_of(s)) is not None}
         decoded = {n: Decoded(generated, r.sequences, lengths) for n, r in results.items()}
-        stored = {s.key: s.input_ids.tolist() for s in samples}
-        checks = {n: check_run(d, stored, earlier_runs(earlier, n)) for n, d in decoded.items()}
+        checks = check_runs(decoded, samples, earlier)
         return ModeRun(self.label, results, decoded, check=self.check_json(checks))
 
     @staticmethod
     def check_json(checks: dict[str, RunCheck]) -> dict:
         """The text is the target's, whatever the drafter: the first checkpoint's says it."""
         first = next(iter(checks.values()))
-        keys = [f"{p}/{i}" for p, i in first.text_differs]
-        return {"prompts": first.prompts, "same_text": first.prompts - len(keys),
-                "text_differs": keys,
-                "same_taus": {n: c.prompts - len(c.taus_differ["offline"])
-                              for n, c in checks.items() if "offline" in c.taus_differ},
-                "taus_differ": {n: [f"{p}/{i}" for p, i in c.taus_differ["offline"]]
-                                for n, c in checks.items() if "offline" in c.taus_differ}}
+        replayed = {n: c.taus_differ["offline"] for n, c in checks.items()
+                    if "offline" in c.taus_differ}  # offline rounds are live ones in replay
+        return {"prompts": first.prompts, "same_text": first.prompts - len(first.text_differs),
+                "text_differs": _named(first.text_differs),
+                "same_taus": {n: first.prompts - len(keys) for n, keys in replayed.items()},
+                "taus_differ": {n: _named(keys) for n, keys in replayed.items()}}
 
 
 class ServedMode(DecodeMode):
@@ -152,8 +163,7 @@ class ServedMode(DecodeMode):
     def run(self, inputs, samples, stop, earlier):
         served = self.serve(inputs, samples, stop)
         decoded = {n: r.decoded() for n, r in served.items()}
-        stored = {s.key: s.input_ids.tolist() for s in samples}
-        checks = {n: check_run(d, stored, earlier_runs(earlier, n)) for n, d in decoded.items()}
+        checks = check_runs(decoded, samples, earlier)
         return ModeRun(self.label, served, decoded, check=self.check_json(checks, inputs))
 
     def check_json(self, checks: dict[str, RunCheck], inputs: EvalInputs) -> dict:
