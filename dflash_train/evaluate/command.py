@@ -5,8 +5,6 @@ into one line on stderr and exit status 1 (never a traceback for a user mistake)
 registers `eval_command` in dflash_train/cli.py.
 """
 
-import json
-
 import click
 
 from dflash_train.blocks import BlockError
@@ -14,6 +12,7 @@ from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP
 from dflash_train.drafter import DrafterError
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import EvalSettings
+from dflash_train.evaluate.report import dumps
 from dflash_train.store_schema import StoreError
 
 _DEFAULTS = EvalSettings()
@@ -100,7 +99,7 @@ def eval_command(checkpoints, store, mode, tree_budgets, recall_at, batch_tokens
     except (EvalError, StoreError, BlockError, DrafterError) as e:
         raise click.ClickException(str(e)) from e
     if as_json:
-        click.echo(json.dumps(outcome.report, indent=2))
+        click.echo(dumps(outcome.report))
     else:
         click.echo(outcome.text)
     for path in outcome.written:

@@ -1,19 +1,19 @@
-"""`dflash eval` end to end: open the store, load and check checkpoints, replay, report.
+"""`dflash eval` end to end: open the store, load and check checkpoints, replay, run each
+decode mode (modes.py: --online, --served), report.
 
 Owns the order of things: every input is checked (options, device, output paths, store,
-checkpoints against the store, plot dependency, --online model) before the first drafter
-forward; unfinished parts of the store are left out (named on stderr) as train does; all
-checkpoints see the same samples and blocks; the outputs are written only after every number
-is computed.
+checkpoints against the store, plot dependency, each decode mode's target and engine, the
+stop rule) before the first drafter forward; unfinished parts of the store are left out
+(named on stderr) as train does; all checkpoints see the same samples and blocks; the outputs
+are written only after every number is computed.
 Deterministic: sample choice depends only on --limit / --seed, batching only on the store
 and the options, so the same command gives the same numbers.
 """
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -26,16 +26,20 @@ from dflash_train.evaluate.checkpoints import (
     load_checkpoint,
     unique_names,
 )
+from dflash_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig
 from dflash_train.evaluate.damage import DamagePolicy, check_store
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.online import (
-    StopRule,
-    check_target,
-    evaluate_online,
-    load_online_target,
+from dflash_train.evaluate.modes import (
+    DecodeMode,
+    EvalInputs,
+    ModeRun,
+    decode_modes,
+    offline_run,
 )
+from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.replay import (
+    Agreement,
     EvalSample,
     EvalSettings,
     draft_at,
@@ -45,9 +49,10 @@ from dflash_train.evaluate.replay import (
     read_samples,
 )
 from dflash_train.evaluate.report import (
+    CheckpointEntry,
+    EvalReport,
     ShownBlock,
     block_rows,
-    build_report,
     format_shown,
     format_table,
     plot_acceptance,
@@ -55,63 +60,11 @@ from dflash_train.evaluate.report import (
     write_json,
     write_parquet,
 )
-from dflash_train.evaluate.served import (
-    ServedPlan,
-    ServedResults,
-    find_vllm,
-    first_difference,
-    likely_causes,
-    run_served,
-)
+from dflash_train.evaluate.summary import RunLabel
 from dflash_train.evaluate.tokenizer import store_tokenizer
 from dflash_train.store_schema import Store, StoreError, open_store
-from dflash_train.target_config import config_field, text_part
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DEFAULT_MAX_NEW_TOKENS = 1024
-"""--online generation length when neither the option nor the store's provenance sets it."""
-
-
-@dataclass
-class EvalConfig:
-    """Everything `dflash eval` needs; the CLI maps its options one to one onto these."""
-
-    store: str
-    """The (held-out) store: local path or fsspec URL."""
-    checkpoints: list[str]
-    """Training checkpoints, exported drafters or third-party DFlash drafter directories."""
-    settings: EvalSettings = field(default_factory=EvalSettings)
-    """Mode, tree budgets, recall, batching."""
-    limit: int | None = None
-    """Evaluate this many samples, drawn uniformly by `seed`; None = every sample."""
-    seed: int = 0
-    """Seed of the --limit draw (nothing else is random)."""
-    device: str = "auto"
-    """Torch device; auto = cuda when available, else cpu."""
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Drafter compute dtype; auto = bf16 on CUDA, fp32 on CPU."""
-    out: str | None = None
-    """Directory for report.json, blocks.parquet and acceptance.png."""
-    plot: str | None = None
-    """PNG path of the per-slot acceptance plot (needs matplotlib)."""
-    show: int = 0
-    """Decoded example blocks to print."""
-    online: bool = False
-    """Also run live greedy speculative decoding with the target (--model)."""
-    model: str | None = None
-    """The target checkpoint for --online."""
-    max_new_tokens: int | None = None
-    """--online generation length; None = the store's regeneration setting (or 1024)."""
-    progress: bool = True
-    """Show a progress bar."""
-    skip_corrupt: bool = False
-    """Skip damaged samples of the store (listed in the report) instead of refusing it."""
-    served: bool = False
-    """Also serve the target (--model) with each checkpoint through vLLM, greedy on the same
-    prompts, and report vLLM's own acceptance counters."""
-    vllm_python: str | None = None
-    """The Python that runs vLLM for --served; None: this one when it imports vllm, else the
-    venv scripts/vllm_venv.sh builds."""
 
 
 @dataclass
@@ -119,20 +72,40 @@ class EvalOutcome:
     """What a run produced."""
 
     report: dict
+    """The report as written (EvalReport.to_json())."""
     text: str
     """The table (and shown blocks) as printed."""
-    offline: dict
-    """CheckpointResults per checkpoint name."""
-    online: dict | None
-    """CheckpointResults per checkpoint name of the live run."""
-    generated: dict | None
-    """Per sample key, the tokens generated live."""
-    served: dict | None
-    """ServedResults per checkpoint name of the vLLM run."""
+    runs: dict[RunLabel, ModeRun]
+    """Offline replay and each decode mode's run, by label."""
     written: list[str]
     """Files written."""
     notes: list[str]
     """Outputs skipped, and why."""
+
+    def _results(self, label: RunLabel) -> dict | None:
+        return self.runs[label].results if label in self.runs else None
+
+    @property
+    def offline(self) -> dict:
+        """CheckpointResults per checkpoint name."""
+        return self.runs["offline"].results
+
+    @property
+    def online(self) -> dict | None:
+        """CheckpointResults per checkpoint name of the live run."""
+        return self._results("online")
+
+    @property
+    def served(self) -> dict | None:
+        """ServedResults per checkpoint name of the served run."""
+        return self._results("served")
+
+    @property
+    def generated(self) -> dict | None:
+        """Per sample key, the tokens generated live (the same for every checkpoint)."""
+        if "online" not in self.runs:
+            return None
+        return next(iter(self.runs["online"].decoded.values())).text
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -202,28 +175,43 @@ def shown_blocks(drafters: dict[str, BlockDrafter], samples: list[EvalSample],
     return blocks
 
 
-def _online_check(offline: dict, online: dict, generated: dict, samples: list[EvalSample],
-                  mode: str) -> dict:
-    """How far offline replay matches the live run, prompt by prompt."""
-    stored = {s.key: s.input_ids.tolist() for s in samples}
-    keys = sorted(generated)
-    same_text = [k for k in keys if generated[k] == stored[k]]
-    check = {"prompts": len(keys), "same_text": len(same_text),
-             "text_differs": [f"{p}/{i}" for p, i in keys if generated[(p, i)] != stored[(p, i)]],
-             "same_taus": {}, "taus_differ": {}}
-    if mode != "replay":
-        return check
-    for name in offline:
-        a, b = offline[name].sequences, online[name].sequences
-        differ = [k for k in keys if a.get(k, []) != b.get(k, [])]
-        check["same_taus"][name] = len(keys) - len(differ)
-        check["taus_differ"][name] = [f"{p}/{i}" for p, i in differ]
-    return check
-
-
 def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcome:
-    """Run `dflash eval`; returns the report and the per-checkpoint results."""
-    check_options(cfg)
+    """Run `dflash eval`: check and prepare everything, replay offline, run each decode
+    mode on the same prompts, then report; returns the report and every run's results."""
+    modes = check_options(cfg)
+    inputs, damage = prepare(cfg, modes, echo)
+    keys = pick_samples(inputs.store, cfg.limit, cfg.seed, damage)
+    total = _total_samples(inputs.store, keys, damage)
+    if total == 0:
+        raise EvalError(f"--store {cfg.store}: no sample to evaluate "
+                        f"({_why_empty(damage, cfg.store)})")
+    stop = stop_rule(cfg, inputs.store, modes) if modes else None
+    offline, agreement, shown, prompts = replay_offline(cfg, inputs, damage, keys, total,
+                                                        keep_prompts=bool(modes))
+    runs = [offline]
+    for mode in modes:
+        runs.append(mode.run(inputs, prompts, stop, runs))
+    evaluated = _evaluated(cfg, damage, total, offline, echo)
+    report = EvalReport(
+        store=cfg.store, meta=inputs.store.meta, settings=inputs.settings, samples=evaluated,
+        limit=cfg.limit, seed=cfg.seed, agreement=agreement,
+        checkpoints=[_entry(c, runs) for c in inputs.checkpoints],
+        checks={r.label: r.check for r in runs[1:]}, skipped=damage.report()).to_json()
+    text = format_table(report)
+    if cfg.show:
+        text += "\n\n" + format_shown(shown_blocks(inputs.drafters, shown, inputs.settings),
+                                      store_tokenizer(inputs.store))
+    try:
+        written, notes = _write_outputs(cfg, report, runs)
+    except OSError as e:  # checked up front; this is a race or a full disk
+        raise EvalError(f"cannot write the outputs: {e}") from e
+    return EvalOutcome(report, text, {r.label: r for r in runs}, written, notes)
+
+
+def prepare(cfg: EvalConfig, modes: list[DecodeMode], echo: Callable[[str], None]
+            ) -> tuple[EvalInputs, DamagePolicy]:
+    """Open and check the store, load and check the checkpoints, prepare each decode mode:
+    everything that can be refused is refused here, before the first drafter forward."""
     device = resolve_device(cfg.device, EvalError)
     dtype = resolve_dtype(cfg.dtype, device)
     store = _open(cfg.store)
@@ -241,94 +229,71 @@ def run_eval(cfg: EvalConfig, echo: Callable[[str], None] = print) -> EvalOutcom
     settings = replace(cfg.settings,
                        recall_at=tuple(sorted({min(k, vocab) for k in cfg.settings.recall_at})))
     checkpoints, drafters = load_drafters(store, cfg.checkpoints, device=device, dtype=dtype)
-    target = load_online_target(cfg.model, store.meta, device=str(device)) if cfg.online \
-        else None
-    plan = _served_plan(cfg, store) if cfg.served else None
+    for mode in modes:
+        mode.prepare(cfg, store, device)
+    return EvalInputs(store, settings, checkpoints, drafters, echo), damage
 
-    keys = pick_samples(store, cfg.limit, cfg.seed, damage)
-    total = _total_samples(store, keys, damage)
-    if total == 0:
-        raise EvalError(f"--store {cfg.store}: no sample to evaluate "
-                        f"({_why_empty(damage, cfg.store)})")
-    kept_for_show: list[EvalSample] = []
-    kept_light: list[EvalSample] = []
+
+def replay_offline(cfg: EvalConfig, inputs: EvalInputs, damage: DamagePolicy, keys,
+                   total: int, *, keep_prompts: bool
+                   ) -> tuple[ModeRun, Agreement, list[EvalSample], list[EvalSample]]:
+    """Offline replay of every checkpoint; also keeps the samples --show prints and, for
+    the decode modes, every sample's prompt and stored text (without its contexts)."""
+    shown: list[EvalSample] = []
+    prompts: list[EvalSample] = []
     bar = tqdm(total=total, unit="seq", disable=not cfg.progress, desc="eval")
 
     def on_batch(batch: list[EvalSample]) -> None:
         for s in batch:
-            if len(kept_for_show) < cfg.show:
-                kept_for_show.append(s)
-            if cfg.online or cfg.served:  # prompts and stored text only: no contexts
-                kept_light.append(EvalSample(s.part, s.index, s.source_row, s.input_ids,
-                                             s.loss_mask, torch.empty(0), s.top1))
+            if len(shown) < cfg.show:
+                shown.append(s)
+            if keep_prompts:
+                prompts.append(EvalSample(s.part, s.index, s.source_row, s.input_ids,
+                                          s.loss_mask, torch.empty(0), s.top1))
         bar.update(len(batch))
 
     try:
-        offline, agreement = evaluate_offline(drafters, read_samples(store, keys, damage),
-                                              settings, on_batch)
+        samples = read_samples(inputs.store, keys, damage)
+        results, agreement = evaluate_offline(inputs.drafters, samples, inputs.settings,
+                                              on_batch)
     except StoreError as e:
         raise EvalError(f"--store {cfg.store}: {e}") from e
     finally:
         bar.close()
+    return offline_run(results, prompts, inputs.settings), agreement, shown, prompts
 
-    online = generated = check = stop = None
-    if target is not None or plan is not None:
-        stop = _stop_rule(target, cfg.model, store_tokenizer(store), store, cfg.max_new_tokens)
-    if target is not None:
-        echo(f"online: decoding {len(kept_light)} prompts live with {len(drafters)} "
-             f"checkpoint(s), max {stop.max_new_tokens} new tokens (the target is recomputed "
-             "over the whole sequence every round)")
-        online, generated = evaluate_online(target, drafters, kept_light, settings, stop)
-        check = _online_check(offline, online, generated, kept_light, settings.mode)
-    served = served_check = None
-    if plan is not None:
-        served = run_served(plan, {c.name: (c.path, c.config.block_size) for c in checkpoints},
-                            kept_light, stop, echo)
-        served_check = _served_check(served, offline, online, generated, kept_light,
-                                     settings.mode, store, plan, checkpoints)
 
-    skipped = damage.report()
+def _evaluated(cfg: EvalConfig, damage: DamagePolicy, total: int, offline: ModeRun,
+               echo: Callable[[str], None]) -> int:
+    """Samples evaluated; EvalError when damage or empty loss masks left none."""
+    skipped = damage.report()["samples"]
     for d in [d for d in damage.skipped if d not in damage.known]:  # found while reading
         echo(f"skipped damaged data (--skip-corrupt): {d}")
-    if total - skipped["samples"] <= 0:
+    if total - skipped <= 0:
         raise EvalError(f"--store {cfg.store}: every sample chosen was damaged and skipped; "
                         "nothing was evaluated")
-    if all(r.stats.summary()["n_blocks"] == 0 for r in offline.values()):
-        raise EvalError(f"--store {cfg.store}: none of the {total - skipped['samples']} "
+    if all(r.stats.summary()["n_blocks"] == 0 for r in offline.results.values()):
+        raise EvalError(f"--store {cfg.store}: none of the {total - skipped} "
                         "samples has a response token to draft at (empty loss masks?); "
                         "nothing was evaluated")
-    report = build_report(
-        store_url=cfg.store, meta=store.meta, settings=settings,
-        samples=total - skipped["samples"], skipped=skipped,
-        limit=cfg.limit, seed=cfg.seed,
-        checkpoints=[{"name": c.name, "path": c.path,
-                      "trained_on": None if c.provenance is None else
-                      c.provenance.source.paths} for c in checkpoints],
-        offline=offline, agreement=agreement, online=online, online_check=check,
-        served=served, served_check=served_check)
-    text = format_table(report)
-    if cfg.show:
-        text += "\n\n" + format_shown(shown_blocks(drafters, kept_for_show, settings),
-                                      store_tokenizer(store))
-    try:
-        written, notes = _write_outputs(cfg, report, offline, online, served)
-    except OSError as e:  # checked up front; this is a race or a full disk
-        raise EvalError(f"cannot write the outputs: {e}") from e
-    return EvalOutcome(report, text, offline, online, generated, served, written, notes)
+    return total - skipped
 
 
-def check_options(cfg: EvalConfig) -> None:
-    """Refuse option combinations and output paths that cannot work, before any reading."""
-    for flag, on in (("--online", cfg.online), ("--served", cfg.served)):
-        if on and not cfg.model:
-            raise EvalError(f"{flag} needs --model (the target checkpoint)")
+def _entry(c: Checkpoint, runs: list[ModeRun]) -> CheckpointEntry:
+    trained_on = None if c.provenance is None else c.provenance.source.paths
+    return CheckpointEntry(c.name, c.path, trained_on,
+                           {r.label: r.results[c.name].summary() for r in runs})
+
+
+def check_options(cfg: EvalConfig) -> list[DecodeMode]:
+    """Refuse option combinations and output paths that cannot work, before any reading;
+    the decode modes the options ask for."""
+    modes = decode_modes(cfg)
+    for mode in modes:
+        mode.check_options(cfg)
     if cfg.vllm_python and not cfg.served:
         raise EvalError("--vllm-python only applies to --served; add --served or drop it")
-    if cfg.served and cfg.model and not (Path(cfg.model) / "config.json").is_file():
-        raise EvalError(f"--served --model {cfg.model}: vLLM serves a model directory "
-                        "(config.json + safetensors); give the target's directory (for a "
-                        ".gguf target, its float32 safetensors copy is a separate target)")
-    if not (cfg.online or cfg.served):
+    if not modes:
         # Offline replay never loads the target: a --model given without --online would be
         # silently ignored, and the user would read offline numbers as live ones.
         given = [name for name, value in (("--model", cfg.model),
@@ -352,6 +317,7 @@ def check_options(cfg: EvalConfig) -> None:
         if not os.access(parent, os.W_OK):
             raise EvalError(f"--plot {cfg.plot}: directory {parent} is not writable")
         _check_plot_format(plot)
+    return modes
 
 
 def _check_writable_dir(path: Path, option: str) -> None:
@@ -392,12 +358,14 @@ def _why_empty(damage: DamagePolicy, url: str) -> str:
     return "; ".join(reasons) if reasons else "it holds no committed sample"
 
 
-def _stop_rule(target, model: str, tokenizer, store: Store, max_new_tokens: int | None
-               ) -> StopRule:
-    """--online's stop rule (the loaded target's generation config when `target` is given,
-    else the one in the --model directory), which --served uses too."""
+def stop_rule(cfg: EvalConfig, store: Store, modes: list[DecodeMode]) -> StopRule:
+    """When every decode mode's generations end: at the end-of-turn ids of the target's
+    generation config (the loaded target's, when a mode loaded one, else the --model
+    directory's), after --max-new-tokens, or at the store's max_length."""
     from dflash_train.extract.regenerate import eos_token_ids
 
+    model, tokenizer = cfg.model, store_tokenizer(store)
+    max_new_tokens = cfg.max_new_tokens
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -407,7 +375,8 @@ def _stop_rule(target, model: str, tokenizer, store: Store, max_new_tokens: int 
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     if max_new_tokens is None:
         max_new_tokens = store.meta.extra.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS
-    source = target.target.model if target is not None else _generation_source(model)
+    loaded = [s for m in modes if (s := m.generation_source()) is not None]
+    source = loaded[0] if loaded else _generation_source(model)
     return StopRule(eos_ids=eos_token_ids(source, tokenizer),
                     max_new_tokens=int(max_new_tokens),
                     max_length=store.meta.source.max_length)
@@ -429,66 +398,15 @@ def _generation_source(model: str):
     return SimpleNamespace(generation_config=generation)
 
 
-def _served_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
-    """Find vLLM and check --model is the store's target, before the first forward."""
-    from dflash_train.extract.errors import ExtractError
-    from dflash_train.extract.loading import load_config, target_info
-
-    python = find_vllm(cfg.vllm_python)
-    try:
-        config = load_config(cfg.model)
-        info = target_info(cfg.model, config)
-    except ExtractError as e:
-        raise EvalError(str(e)) from e
-    check_target(cfg.model, info, store.meta.target)
-    return ServedPlan(python=python, target=str(Path(cfg.model).resolve()),
-                      dtype=store.meta.hidden_dtype,
-                      max_position=config_field(text_part(config), "max_position_embeddings"))
-
-
-def _served_check(served: dict[str, ServedResults], offline: dict, online: dict | None,
-                  generated: dict | None, samples: list[EvalSample], mode: str, store: Store,
-                  plan: ServedPlan, checkpoints: list[Checkpoint]) -> dict:
-    """Served vs offline replay (or --online, when replay is not the live order), prompt by
-    prompt: equal text, equal rounds, and the first difference with its likely causes."""
-    stored = {s.key: s.input_ids.tolist() for s in samples}
-    configs = {c.name: c.config for c in checkpoints}
-    against = "offline" if mode == "replay" else "online" if online else None
-    out = {"prompts": 0, "against": against, "checkpoints": {}}
-    for name, results in served.items():
-        runs = results.runs
-        out["prompts"] = len(runs)
-        entry = {"same_text": sum(stored.get(r.prompt.sample.key) == r.tokens for r in runs)}
-        for label, ref in (("offline", offline), ("online", online)):
-            if ref is None or (label == "offline" and mode != "replay"):
-                continue
-            seqs = ref[name].sequences
-            entry[f"same_taus_as_{label}"] = sum(
-                list(zip(r.anchors, r.committed, strict=True)) == seqs.get(r.prompt.sample.key, [])
-                for r in runs)
-        diff = None
-        if against == "offline":
-            diff = first_difference(results, stored, offline[name].sequences)
-        elif against == "online":
-            diff = first_difference(results, generated, online[name].sequences)
-        entry["first_difference"] = diff
-        entry["likely_causes"] = None if diff is None else likely_causes(
-            diff, served_dtype=plan.dtype, store_dtype=store.meta.hidden_dtype,
-            regenerated=store.meta.source.regenerated,
-            sliding="sliding_attention" in configs[name].layer_types, drafter_dtype=plan.dtype)
-        out["checkpoints"][name] = entry
-    return out
-
-
-def _write_outputs(cfg: EvalConfig, report: dict, offline: dict, online: dict | None,
-                   served: dict | None = None) -> tuple[list[str], list[str]]:
+def _write_outputs(cfg: EvalConfig, report: dict, runs: list[ModeRun]
+                   ) -> tuple[list[str], list[str]]:
     written, notes = [], []
     plot = cfg.plot
     if cfg.out:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         write_json(report, out / "report.json")
-        write_parquet(block_rows(offline, online, served, report["tree_budgets"]),
+        write_parquet(block_rows({r.label: r.results for r in runs}, report["tree_budgets"]),
                       out / "blocks.parquet")
         written += [str(out / "report.json"), str(out / "blocks.parquet")]
         if plot is None:

@@ -35,6 +35,7 @@ from dflash_train.evaluate.metrics import (
     agreement_counts,
     committed_lengths,
 )
+from dflash_train.evaluate.summary import Summary
 from dflash_train.evaluate.tree import tree_acceptance_lengths
 from dflash_train.store_schema import Part, Sample, Store, read_guarded
 
@@ -234,23 +235,25 @@ class CheckpointResults:
             self.sequences.setdefault(s.key, []).append((anchor, taus[m]))
         return taus
 
-    def table(self) -> dict[str, list]:
-        """The per-block rows ordered by (part, sample, anchor), whatever the batching."""
+    def table(self, tree_budgets: tuple[int, ...] | None = None) -> dict[str, list]:
+        """The per-block rows ordered by (part, sample, anchor), whatever the batching, with
+        the tree columns of `tree_budgets` (None: every budget measured)."""
         keys = list(zip(self.rows["part"], self.rows["sample"], self.rows["anchor"],
                         strict=True))
         order = sorted(range(len(keys)), key=keys.__getitem__)
-        return {name: [values[i] for i in order] for name, values in self.rows.items()}
+        budgets = self.settings.tree_budgets if tree_budgets is None else tree_budgets
+        names = ["part", "sample", "source_row", "anchor", "tau",
+                 *(f"tree_tau_{b}" for b in budgets)]
+        return {name: [self.rows[name][i] for i in order] for name in names}
 
     def summary(self) -> dict:
-        """JSON-ready metrics: AcceptanceStats.summary() plus tree acceptance per budget."""
-        out = self.stats.summary()
-        out["block_size"] = self.block_size
-        out["tree"] = {}
+        """Its column of the report: the acceptance metrics plus tree acceptance per budget."""
+        tree = {}
         for b, hist in self.tree.items():
             s = hist.summary()
-            out["tree"][str(b)] = {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"],
-                                   "tau_hist": s["tau_hist"] if self.drafts_trees else None}
-        return out
+            tree[str(b)] = {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"],
+                            "tau_hist": s["tau_hist"] if self.drafts_trees else None}
+        return Summary(self.stats, tree).to_json()
 
 
 @dataclass

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.replay import Agreement, CheckpointResults, EvalSettings
+from dflash_train.evaluate.replay import Agreement, EvalSettings
+from dflash_train.evaluate.summary import RUN_LABELS, RunLabel
 from dflash_train.store_schema import StoreMeta
 
 PLOT_EXTRA = "pip install 'dflash-train[plot]'  (matplotlib)"
@@ -32,69 +33,81 @@ def estimate_warning(meta: StoreMeta, agreement: Agreement) -> str | None:
     return None
 
 
-def build_report(
-    *,
-    store_url: str,
-    meta: StoreMeta,
-    settings: EvalSettings,
-    samples: int,
-    limit: int | None,
-    seed: int,
-    checkpoints: list[dict],
-    offline: dict[str, CheckpointResults],
-    agreement: Agreement,
-    online: dict[str, CheckpointResults] | None = None,
-    online_check: dict | None = None,
-    skipped: dict | None = None,
-    served: dict | None = None,
-    served_check: dict | None = None,
-) -> dict:
-    """The JSON report. `checkpoints`: [{"name", "path", "trained_on"}] in command order;
-    `served`: ServedResults per name (evaluate/served.py), its summary's `vllm` block in
-    vLLM's counting convention, everything else in ours (committed tokens)."""
-    entries = []
-    for c in checkpoints:
-        entry = dict(c)
-        entry["offline"] = offline[c["name"]].summary()
-        entry["online"] = online[c["name"]].summary() if online else None
-        entry["served"] = served[c["name"]].summary() if served else None
-        entries.append(entry)
-    return {
-        "store": store_url,
-        "target": meta.target.name_or_path,
-        "context_layer_ids": list(meta.context_layer_ids),
-        "regenerated": meta.source.regenerated,
-        "mode": settings.mode,
-        "samples": samples,
-        "limit": limit,
-        "seed": seed,
-        "tree_budgets": list(settings.tree_budgets),
-        "recall_at": list(settings.recall_at),
-        "agreement": {"matches": agreement.matches, "total": agreement.total,
-                      "rate": agreement.rate},
-        "warning": estimate_warning(meta, agreement),
-        "checkpoints": entries,
-        "online_check": online_check,
-        "served_check": served_check,
-        "skipped": skipped or {"samples": 0, "parts": 0, "skipped": []},
-    }
+@dataclass
+class CheckpointEntry:
+    """One checkpoint's entry in the report."""
+
+    name: str
+    path: str
+    trained_on: list[str] | None
+    """The training data of its run (its provenance), when it has one."""
+    summaries: dict[RunLabel, dict]
+    """Its summary (summary.Summary as JSON) per run made."""
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "path": self.path, "trained_on": self.trained_on,
+                **{label: self.summaries.get(label) for label in RUN_LABELS}}
+
+
+@dataclass
+class EvalReport:
+    """The report of `dflash eval`; `to_json` is its one serialisation, which report.json,
+    --json, the table and the plot all read."""
+
+    store: str
+    """The --store URL as given."""
+    meta: StoreMeta
+    settings: EvalSettings
+    samples: int
+    """Samples evaluated (damaged ones skipped left out)."""
+    limit: int | None
+    seed: int
+    agreement: Agreement
+    """The store's agreement rate (stored next token == verifier argmax)."""
+    checkpoints: list[CheckpointEntry]
+    """In command order."""
+    checks: dict[RunLabel, dict]
+    """Each decode mode's agreement check, as that mode writes it."""
+    skipped: dict | None = None
+    """Damaged data skipped (--skip-corrupt)."""
+
+    def to_json(self) -> dict:
+        ag = self.agreement
+        return {
+            "store": self.store,
+            "target": self.meta.target.name_or_path,
+            "context_layer_ids": list(self.meta.context_layer_ids),
+            "regenerated": self.meta.source.regenerated,
+            "mode": self.settings.mode,
+            "samples": self.samples,
+            "limit": self.limit,
+            "seed": self.seed,
+            "tree_budgets": list(self.settings.tree_budgets),
+            "recall_at": list(self.settings.recall_at),
+            "agreement": {"matches": ag.matches, "total": ag.total, "rate": ag.rate},
+            "warning": estimate_warning(self.meta, ag),
+            "checkpoints": [c.to_json() for c in self.checkpoints],
+            **{f"{label}_check": self.checks.get(label) for label in RUN_LABELS[1:]},
+            "skipped": self.skipped or {"samples": 0, "parts": 0, "skipped": []},
+        }
+
+
+def dumps(report: dict) -> str:
+    """The report as report.json holds it and --json prints it."""
+    return json.dumps(report, indent=2)
 
 
 def write_json(report: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    Path(path).write_text(dumps(report) + "\n")
 
 
-def block_rows(offline: dict[str, CheckpointResults],
-               online: dict[str, CheckpointResults] | None = None,
-               served: dict | None = None, tree_budgets: list[int] | None = None
-               ) -> dict[str, list]:
-    """All per-block rows in one column dict, with `checkpoint` and `run` columns (served
-    rows have no tree columns: null there)."""
+def block_rows(runs: dict[RunLabel, dict], tree_budgets: list[int]) -> dict[str, list]:
+    """All per-block rows of every run ({label: results per checkpoint}) in one column
+    dict, with `checkpoint` and `run` columns (a served run's tree columns are null)."""
     columns: dict[str, list] = {"checkpoint": [], "run": []}
-    runs = (("offline", offline), ("online", online or {}), ("served", served or {}))
-    for run, results in runs:
+    for run, results in runs.items():
         for name, r in results.items():
-            table = r.table(tuple(tree_budgets or ())) if run == "served" else r.table()
+            table = r.table(tuple(tree_budgets))
             n = len(table["tau"])
             columns["checkpoint"] += [name] * n
             columns["run"] += [run] * n
@@ -154,6 +167,30 @@ def format_table(report: dict) -> str:
     """The side-by-side text table: summary, tree acceptance, per-slot rates, histogram."""
     cols = _columns(report)
     names = [n for n, _ in cols]
+    metrics = [m for _, m in cols]
+    slots = max(m["block_size"] for m in metrics) - 1
+    out = [*_header(report), ""]
+    out += _grid(["", *names], _summary_rows(metrics, report["tree_budgets"]))
+    recall = [k for k in report["recall_at"] if k > 1]
+    shown_recall = str(max(recall)) if recall else None
+    out += ["", "per slot: P(accept | earlier accepted) / marginal accuracy"
+            + (f" / top-{shown_recall} recall" if shown_recall else "")]
+    out += _grid(["slot", *names], _slot_rows(metrics, slots, shown_recall))
+    out += ["", "streak histogram (blocks)"]
+    out += _grid(["streak", *names], _streak_rows(metrics, slots))
+    check = report.get("online_check")
+    if check:
+        out += ["", f"online check over {check['prompts']} prompts: generated text equals the "
+                f"stored text for {check['same_text']}"]
+        for name, same in check["same_taus"].items():
+            out.append(f"  {name}: offline replay taus equal online taus for {same} prompts")
+    if report.get("served_check"):
+        out += ["", *format_served(report)]
+    return "\n".join(out)
+
+
+def _header(report: dict) -> list[str]:
+    """The run, the store's agreement, and what to read the numbers with."""
     ag = report["agreement"]
     out = [
         f"dflash eval: {report['store']}  mode={report['mode']}  samples={report['samples']}"
@@ -175,27 +212,29 @@ def format_table(report: dict) -> str:
     if report["mode"] == "all":
         out.append("note: --mode all scores every eligible anchor; live decoding visits only "
                    "the --mode replay anchors")
-    out.append("")
-    rows = [["blocks", *[str(m["n_blocks"]) for _, m in cols]],
-            ["mean tau", *[_fmt(m["mean_tau"]) for _, m in cols]],
+    return out
+
+
+def _summary_rows(metrics: list[dict], tree_budgets: list[int]) -> list[list[str]]:
+    rows = [["blocks", *[str(m["n_blocks"]) for m in metrics]],
+            ["mean tau", *[_fmt(m["mean_tau"]) for m in metrics]],
             ["tau 95% CI", *[("-" if m["tau_ci95"] is None else
                               f"{m['tau_ci95'][0]:.3f}..{m['tau_ci95'][1]:.3f}")
-                             for _, m in cols]],
-            ["mean streak", *[_fmt(m["mean_streak"]) for _, m in cols]]]
-    for b in report["tree_budgets"]:  # a served run has no trees: "-"
+                             for m in metrics]],
+            ["mean streak", *[_fmt(m["mean_streak"]) for m in metrics]]]
+    for b in tree_budgets:  # a served run has no trees: "-"
         rows.append([f"tree tau @{b}", *[_fmt(m["tree"].get(str(b), {}).get("mean_tau"))
-                                         for _, m in cols]])
-    out += _grid(["", *names], rows)
+                                         for m in metrics]])
+    return rows
 
-    recall = [k for k in report["recall_at"] if k > 1]
-    shown_recall = str(max(recall)) if recall else None
-    out += ["", "per slot: P(accept | earlier accepted) / marginal accuracy"
-            + (f" / top-{shown_recall} recall" if shown_recall else "")]
-    slots = max(m["block_size"] for _, m in cols) - 1
+
+def _slot_rows(metrics: list[dict], slots: int, shown_recall: str | None
+               ) -> list[list[str]]:
+    """Per slot and column: conditional acceptance, marginal accuracy (and top-k recall)."""
     rows = []
     for k in range(slots):
         row = [str(k + 1)]
-        for _, m in cols:
+        for m in metrics:
             if k >= m["block_size"] - 1:
                 row.append("")
                 continue
@@ -205,20 +244,7 @@ def format_table(report: dict) -> str:
                 cell += f" {_fmt(None if recall is None else recall[k])}"
             row.append(cell)
         rows.append(row)
-    out += _grid(["slot", *names], rows)
-
-    out += ["", "streak histogram (blocks)"]
-    out += _grid(["streak", *names], _streak_rows([m for _, m in cols], slots))
-
-    check = report.get("online_check")
-    if check:
-        out += ["", f"online check over {check['prompts']} prompts: generated text equals the "
-                f"stored text for {check['same_text']}"]
-        for name, same in check["same_taus"].items():
-            out.append(f"  {name}: offline replay taus equal online taus for {same} prompts")
-    if report.get("served_check"):
-        out += ["", *format_served(report)]
-    return "\n".join(out)
+    return rows
 
 
 def _rates(values: list) -> str:

@@ -34,10 +34,12 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.evaluate.agreement import Decoded
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.metrics import AcceptanceStats
 from dflash_train.evaluate.online import StopRule, prompt_of
 from dflash_train.evaluate.replay import EvalSample
+from dflash_train.evaluate.summary import Summary
 
 VENV_VARIABLE = "DFLASH_VLLM_VENV"
 """Where scripts/vllm_venv.sh builds the venv, and where --served looks for it."""
@@ -271,19 +273,20 @@ class ServedResults:
         }
 
     def summary(self) -> dict:
-        """The offline summary's keys where a served run has them (None where it cannot:
-        drafts after a rejection, top-k and trees are not visible from outside vLLM)."""
-        out = self.stats.summary()
-        out["slot_accuracy"] = [None] * (self.block_size - 1)
-        out["topk_recall"] = {}
-        out["block_size"] = self.block_size
-        out["tree"] = {}
-        out["vllm"] = self.vllm_summary()
-        out["info"] = self.info
-        return out
+        """The served column: committed tokens as offline counts them (drafts past a
+        rejection, top-k and trees are not visible from outside the engine), and vLLM's
+        own counters."""
+        return Summary(self.stats, sees_drafts=False,
+                       engine={"vllm": self.vllm_summary(), "info": self.info}).to_json()
 
-    def table(self, tree_budgets: tuple[int, ...]) -> dict[str, list]:
-        """Per-block rows in block_rows' columns (tree columns empty)."""
+    def decoded(self) -> Decoded:
+        """Its text and rounds per prompt, as the agreement check reads them."""
+        return Decoded({r.prompt.sample.key: r.tokens for r in self.runs}, self.sequences,
+                       {r.prompt.sample.key: len(r.prompt.ids) for r in self.runs})
+
+    def table(self, tree_budgets: tuple[int, ...] | None = None) -> dict[str, list]:
+        """Per-block rows in block_rows' columns, ordered by (part, sample, anchor); the
+        tree columns of `tree_budgets` are null (no trees from outside the engine)."""
         rows: dict[str, list] = {n: [] for n in ("part", "sample", "source_row", "anchor", "tau")}
         for r in sorted(self.runs, key=lambda r: r.prompt.sample.key):
             s = r.prompt.sample
@@ -292,7 +295,7 @@ class ServedResults:
                                     ("source_row", s.source_row), ("anchor", anchor),
                                     ("tau", tau)):
                     rows[name].append(value)
-        for b in tree_budgets:
+        for b in tree_budgets or ():
             rows[f"tree_tau_{b}"] = [None] * len(rows["tau"])
         return rows
 
@@ -328,39 +331,7 @@ def served_results(name: str, prompts: list[ServedPrompt], result: dict, block_s
     return ServedResults(name, block_size, runs, result.get("counters") or {}, info)
 
 
-# -- served vs offline / online ---------------------------------------------------------
-
-
-def _first_mismatch(a: list, b: list) -> int:
-    """The first index where two lists differ (the shorter one's length if one is a prefix)."""
-    same = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
-    return next(same, min(len(a), len(b)))
-
-
-def first_difference(served: ServedResults, text: dict[tuple[int, int], list[int]],
-                     sequences: dict[tuple[int, int], list[tuple[int, int]]]) -> dict | None:
-    """The first prompt (in store order) where the served run differs from the reference:
-    its text (`text`: prompt + response per sample key) at a token, else its rounds
-    (`sequences`) at an anchor. None when every prompt agrees."""
-    for run in sorted(served.runs, key=lambda r: r.prompt.sample.key):
-        key = run.prompt.sample.key
-        where = f"{key[0]}/{key[1]}"
-        ref = text.get(key)
-        if ref is not None and ref != run.tokens:
-            t = _first_mismatch(ref, run.tokens)
-            return {"prompt": where, "kind": "text", "position": t,
-                    "response_token": t - len(run.prompt.ids),
-                    "served": run.tokens[t] if t < len(run.tokens) else None,
-                    "reference": ref[t] if t < len(ref) else None}
-        mine = list(zip(run.anchors, run.committed, strict=True))
-        theirs = list(sequences.get(key, []))
-        if mine != theirs:
-            r = _first_mismatch(mine, theirs)
-            return {"prompt": where, "kind": "tau", "round": r,
-                    "position": mine[r][0] if r < len(mine) else theirs[r][0],
-                    "served": mine[r][1] if r < len(mine) else None,
-                    "reference": theirs[r][1] if r < len(theirs) else None}
-    return None
+# -- why a served run differs ------------------------------------------------------------
 
 
 def likely_causes(diff: dict, *, served_dtype: str, store_dtype: str, regenerated: bool,

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from dflash_train.evaluate import served as served_mod
+from dflash_train.evaluate.agreement import Decoded, first_difference
 from dflash_train.evaluate.command import eval_command
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule, evaluate_online
@@ -19,7 +20,6 @@ from dflash_train.evaluate.served import (
     ServedPrompt,
     ServedResults,
     find_vllm,
-    first_difference,
     likely_causes,
     run_driver,
     served_prompts,
@@ -123,13 +123,13 @@ def test_the_first_difference_names_the_prompt_and_the_position():
     served = _served([a, b], [[1, 1], [3]])
     text = {(0, 0): a, (0, 1): b}
     sequences = {(0, 0): [(3, 2), (5, 2)], (0, 1): [(3, 3)]}
-    assert first_difference(served, text, sequences) is None
+    assert first_difference(served.decoded(), Decoded(text, sequences)) is None
     other = {(0, 0): a, (0, 1): PROMPT + [30, 31, 99, 33]}
-    assert first_difference(served, other, sequences) == {
+    assert first_difference(served.decoded(), Decoded(other, sequences)) == {
         "prompt": "0/1", "kind": "text", "position": 5, "response_token": 2,
         "served": 32, "reference": 99}
     rounds = {(0, 0): [(3, 1), (4, 3)], (0, 1): [(3, 3)]}
-    assert first_difference(served, text, rounds) == {
+    assert first_difference(served.decoded(), Decoded(text, rounds)) == {
         "prompt": "0/0", "kind": "tau", "round": 0, "position": 3, "served": 2,
         "reference": 1}
 
@@ -191,7 +191,7 @@ def test_the_table_shows_served_columns_and_vllm_counters_in_their_own_conventio
     assert "per position 1.00 1.00 0.50 0.50 0.50 0.50 0.50" in text
     assert "first difference from offline: prompt 0/0, round 1 at position 6" in text
     assert "possible cause: because" in text
-    rows = block_rows({"s": online}, None, {"s": served}, [1])
+    rows = block_rows({"offline": {"s": online}, "served": {"s": served}}, [1])
     assert rows["run"] == ["offline"] * 2 + ["served"] * 2
     assert rows["tau"] == [3, 3, 3, 3] and rows["tree_tau_1"][2:] == [None, None]
 

@@ -28,6 +28,7 @@ from tests.evaluate.conftest import (
     regenerated_store,
     save_eos_target,
 )
+from tests.evaluate.test_report_identity import check_or_record, outputs
 
 pytestmark = pytest.mark.vllm
 
@@ -88,6 +89,12 @@ def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["checkpoints"][0]["served"]["mean_tau"] == theirs["mean_tau"]
     assert "d20 (served)" in out.text
+    # ... and the whole report, table and parquet rows are what they were (golden/).
+    got = outputs(out, tmp_path / "eval", {store: "<store>", target_dir: "<target>",
+                                           drafter_dir: "<d20>"})
+    for column in got["report"]["checkpoints"]:
+        column["served"]["info"].pop("seconds")  # wall-clock times of this run
+    check_or_record("served", got)
 
 
 def test_a_draft_vocabulary_drafter_is_served_as_it_replays(vllm_python, target_dir, store,

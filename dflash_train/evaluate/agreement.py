@@ -1,0 +1,82 @@
+"""The one agreement check of `dflash eval`: does a decode run (--online, --served) give the
+stored text, and the same rounds as the runs before it, prompt by prompt; and where is the
+first difference. Every mode is checked by this one function; the report writes each mode's
+check in that mode's JSON shape (evaluate/modes.py)."""
+
+from dataclasses import dataclass, field
+
+Key = tuple[int, int]
+"""A sample: (part, index)."""
+Rounds = list[tuple[int, int]]
+"""(anchor, tau) of a prompt's rounds, in order."""
+
+
+@dataclass
+class Decoded:
+    """A run of one checkpoint as the check reads it, prompt by prompt."""
+
+    text: dict[Key, list[int]]
+    """Prompt + generated tokens (the stored ones for offline replay)."""
+    rounds: dict[Key, Rounds]
+    """Its rounds; a prompt without any (first token an end of turn) may be absent."""
+    prompt_lengths: dict[Key, int] = field(default_factory=dict)
+    """Tokens before the first generated one (a run's own; a reference needs none)."""
+
+
+@dataclass
+class RunCheck:
+    """How a checkpoint's run agrees with the stored text and with earlier runs."""
+
+    prompts: int
+    """Prompts the run decoded."""
+    text_differs: list[Key]
+    """Prompts whose generated text is not the stored text."""
+    taus_differ: dict[str, list[Key]]
+    """Per earlier run ("offline", "online") it is compared with: prompts whose rounds
+    differ from that run's."""
+    against: str | None
+    """The earlier run `first_difference` is taken against (the first compared), if any."""
+    first_difference: dict | None
+    """The first prompt (in store order) where the run differs from `against`: its text at a
+    token, else its rounds at an anchor; None when every prompt agrees."""
+
+
+def check_run(run: Decoded, stored: dict[Key, list[int]], earlier: dict[str, Decoded]
+              ) -> RunCheck:
+    """Compare `run` with the stored text and each earlier run (by label, in order)."""
+    keys = sorted(run.text)
+    taus_differ = {label: [k for k in keys
+                           if run.rounds.get(k, []) != ref.rounds.get(k, [])]
+                   for label, ref in earlier.items()}
+    against = next(iter(earlier), None)
+    diff = None if against is None else first_difference(run, earlier[against])
+    return RunCheck(len(keys), [k for k in keys if run.text[k] != stored.get(k)],
+                    taus_differ, against, diff)
+
+
+def _first_mismatch(a: list, b: list) -> int:
+    """The first index where two lists differ (the shorter one's length if one is a prefix)."""
+    same = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    return next(same, min(len(a), len(b)))
+
+
+def first_difference(run: Decoded, ref: Decoded) -> dict | None:
+    """The first prompt of `run` (in store order) where it differs from `ref`: its text at a
+    token, else its rounds at an anchor ("served" is `run`'s value, as the report names it)."""
+    for key in sorted(run.text):
+        where = f"{key[0]}/{key[1]}"
+        mine, theirs = run.text[key], ref.text.get(key)
+        if theirs is not None and theirs != mine:
+            t = _first_mismatch(theirs, mine)
+            return {"prompt": where, "kind": "text", "position": t,
+                    "response_token": t - run.prompt_lengths[key],
+                    "served": mine[t] if t < len(mine) else None,
+                    "reference": theirs[t] if t < len(theirs) else None}
+        mine, theirs = run.rounds.get(key, []), list(ref.rounds.get(key, []))
+        if mine != theirs:
+            r = _first_mismatch(mine, theirs)
+            return {"prompt": where, "kind": "tau", "round": r,
+                    "position": mine[r][0] if r < len(mine) else theirs[r][0],
+                    "served": mine[r][1] if r < len(mine) else None,
+                    "reference": theirs[r][1] if r < len(theirs) else None}
+    return None

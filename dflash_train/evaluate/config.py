@@ -1,0 +1,51 @@
+"""`dflash eval`'s options, one field each (the CLI maps its options one to one onto these)."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dflash_train.evaluate.replay import EvalSettings
+
+DEFAULT_MAX_NEW_TOKENS = 1024
+"""--online generation length when neither the option nor the store's provenance sets it."""
+
+
+@dataclass
+class EvalConfig:
+    """Everything `dflash eval` needs; the CLI maps its options one to one onto these."""
+
+    store: str
+    """The (held-out) store: local path or fsspec URL."""
+    checkpoints: list[str]
+    """Training checkpoints, exported drafters or third-party DFlash drafter directories."""
+    settings: EvalSettings = field(default_factory=EvalSettings)
+    """Mode, tree budgets, recall, batching."""
+    limit: int | None = None
+    """Evaluate this many samples, drawn uniformly by `seed`; None = every sample."""
+    seed: int = 0
+    """Seed of the --limit draw (nothing else is random)."""
+    device: str = "auto"
+    """Torch device; auto = cuda when available, else cpu."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Drafter compute dtype; auto = bf16 on CUDA, fp32 on CPU."""
+    out: str | None = None
+    """Directory for report.json, blocks.parquet and acceptance.png."""
+    plot: str | None = None
+    """PNG path of the per-slot acceptance plot (needs matplotlib)."""
+    show: int = 0
+    """Decoded example blocks to print."""
+    online: bool = False
+    """Also run live greedy speculative decoding with the target (--model)."""
+    model: str | None = None
+    """The target checkpoint for --online."""
+    max_new_tokens: int | None = None
+    """--online generation length; None = the store's regeneration setting (or 1024)."""
+    progress: bool = True
+    """Show a progress bar."""
+    skip_corrupt: bool = False
+    """Skip damaged samples of the store (listed in the report) instead of refusing it."""
+    served: bool = False
+    """Also serve the target (--model) with each checkpoint through vLLM, greedy on the same
+    prompts, and report vLLM's own acceptance counters."""
+    vllm_python: str | None = None
+    """The Python that runs vLLM for --served; None: this one when it imports vllm, else the
+    venv scripts/vllm_venv.sh builds."""
