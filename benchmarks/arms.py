@@ -18,7 +18,10 @@ first trains a short probe run (`--probe-steps`, into DIR/NAME.probe), and its s
 is S over the probe's median step time, so its warmup and cosine schedule span the whole
 budget as they would at a fixed step count. The budgets are kept in DIR/budgets.json, so a
 rerun with the same --out continues after an interruption (finished arms are not trained
-again) with the same steps. Not a test.
+again) with the same steps. A probe taken while something else shares the cores misjudges
+the step (by up to 1.6x in docs/real_target.md): the train seconds column says what each arm
+really got; delete an arm's directory and its budgets.json entry to budget it again. Not a
+test.
 """
 
 import argparse
