@@ -239,7 +239,9 @@ def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
     ahead = GenerationAhead() if servers else None
     try:
         for n, part in enumerate(mine):
-            following = mine[n + 1] if ahead and n + 1 < len(mine) else None
+            # not during the first part: its agreement check must refuse another model's
+            # server before any later part is asked for
+            following = mine[n + 1] if ahead and 0 < n < len(mine) - 1 else None
 
             def start_next(nxt: PartPlan | None = following) -> None:
                 if nxt is not None:

@@ -149,18 +149,19 @@ def test_a_store_regenerated_through_servers_equals_the_builtin_one(target, data
 def test_the_next_part_is_generated_while_this_part_runs_its_forward(target, data, builtin,
                                                                      server, tmp_path,
                                                                      monkeypatch):
-    """Part 0's first forward waits until the server is asked for a prompt past part 0's 5
-    rows: only generating ahead gets there; one-part-at-a-time extract times out."""
+    """Part 1's first forward waits until the server is asked for a prompt past part 1's
+    rows (5 a part): only generating ahead gets there; one-part-at-a-time extract times out.
+    (Part 0 generates nothing ahead: the agreement check after it comes first.)"""
     from dflash_train.extract import pipeline
 
     forward, overlapped = pipeline._forward_batch, []
 
     def forward_once_overlapped(*args, **kwargs):
-        if not overlapped:
+        if not overlapped and len(server.prompts) >= 10:  # in part 1
             deadline = time.monotonic() + 30
-            while len(server.prompts) <= 5 and time.monotonic() < deadline:
+            while len(server.prompts) <= 10 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            overlapped.append(len(server.prompts) > 5)
+            overlapped.append(len(server.prompts) > 10)
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "_forward_batch", forward_once_overlapped)
