@@ -23,6 +23,7 @@ from dflash_train.extract import gguf, weights
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.kernels import silence_fallback_notes
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
+from dflash_train.target_config import text_part
 
 LoadAs = Literal["causal-lm", "multimodal"]
 GPU_ONLY_PACKAGES = ("fla", "causal_conv1d")
@@ -53,11 +54,6 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
-
-
-def text_config(config):
-    """The text part of a config (multimodal configs nest it as text_config)."""
-    return getattr(config, "text_config", None) or config
 
 
 def load_config(name_or_path: str):
@@ -105,7 +101,7 @@ def target_info(name_or_path: str, config, revision: str | None = None) -> Targe
     its file, with the file's content hash as its revision and weights fingerprint; a local
     directory's weights are fingerprinted by weights.py; a hub id has no fingerprint (its
     --revision names it)."""
-    text = text_config(config)
+    text = text_part(config)
     blob = json.dumps(_architecture(config.to_dict()), sort_keys=True, default=str).encode()
     path = gguf.find_gguf(name_or_path)
     weights_sha256 = None
