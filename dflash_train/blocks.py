@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash_train.errors import DflashError
+
 BLOCK_SIZE = 16
 """B: one anchor token + 15 masked slots per block (docs/reference.md §3, published b16)."""
 
@@ -26,7 +28,7 @@ IGNORE_LABEL = -100
 """Label of a slot that has no target; equal to torch's cross-entropy ignore_index."""
 
 
-class BlockError(ValueError):
+class BlockError(ValueError, DflashError):
     """Malformed block inputs: shapes, anchors, labels, loss / noise / metric settings."""
 
 

@@ -27,6 +27,7 @@ import click
 
 from dflash_train.assets.embedded import prompt_file, target_dir
 from dflash_train.assets.stdlib_corpus import repeated_ngram_share
+from dflash_train.errors import reported_as_one_line
 
 REAL_MODEL_COMMANDS = """\
 The same on a real target (one GPU machine for extract; any GPU for train and eval):
@@ -385,14 +386,8 @@ def quickstart(**options) -> None:
     single-threaded process per core (at most 4), as torchrun ranks would. Prints the
     untrained and the trained drafter side by side, then the commands for a real model.
     """
-    from dflash_train.drafter import DrafterError
-    from dflash_train.evaluate.errors import EvalError
-    from dflash_train.extract.errors import ExtractError
-    from dflash_train.store_schema import StoreError
-    from dflash_train.train.errors import TrainError
-
     try:
-        run_quickstart(QuickstartConfig(**options), echo=click.echo)
-    except (ExtractError, StoreError, TrainError, DrafterError, EvalError,
-            FileNotFoundError) as e:
+        with reported_as_one_line():
+            run_quickstart(QuickstartConfig(**options), echo=click.echo)
+    except FileNotFoundError as e:
         raise click.ClickException(str(e)) from e

@@ -1,19 +1,16 @@
 """The `dflash eval` click command: options -> EvalConfig -> run_eval -> table and files.
 
-Owns option parsing and turning EvalError (and the store's, blocks' and drafter's errors)
+Owns option parsing and turning any stage's error (dflash_train.errors.DflashError)
 into one line on stderr and exit status 1 (never a traceback for a user mistake). The lead
 registers `eval_command` in dflash_train/cli.py.
 """
 
 import click
 
-from dflash_train.blocks import BlockError
 from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP
-from dflash_train.drafter import DrafterError
-from dflash_train.evaluate.errors import EvalError
+from dflash_train.errors import reported_as_one_line
 from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.evaluate.report import dumps
-from dflash_train.store_schema import StoreError
 
 _DEFAULTS = EvalSettings()
 
@@ -94,10 +91,8 @@ def eval_command(checkpoints, store, mode, tree_budgets, recall_at, batch_tokens
     settings = EvalSettings(mode=mode, tree_budgets=tree_budgets, recall_at=recall_at,
                             batch_tokens=batch_tokens, blocks_per_forward=blocks_per_forward)
     cfg = EvalConfig(store=store, checkpoints=list(checkpoints), settings=settings, **options)
-    try:
+    with reported_as_one_line():
         outcome = run_eval(cfg, echo=lambda line: click.echo(line, err=True))
-    except (EvalError, StoreError, BlockError, DrafterError) as e:
-        raise click.ClickException(str(e)) from e
     if as_json:
         click.echo(dumps(outcome.report))
     else:

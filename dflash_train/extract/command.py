@@ -1,6 +1,6 @@
 """The `dflash extract` click command: options -> ExtractConfig -> run_extract -> summary.
 
-Owns option parsing, RANK / WORLD_SIZE, and turning ExtractError / StoreError into one line
+Owns option parsing, RANK / WORLD_SIZE, and turning any stage's error (DflashError) into one line
 on stderr and exit status 1 (never a traceback for a user mistake).
 """
 
@@ -9,9 +9,9 @@ import os
 import click
 
 from dflash_train.devices import DEVICE_HELP, RANKS_HELP
+from dflash_train.errors import reported_as_one_line
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.errors import ExtractError
-from dflash_train.store_schema import StoreError
 
 _DEFAULTS = ExtractConfig(model="", data=[], out="")
 
@@ -108,11 +108,9 @@ def extract(**options) -> None:
     options["data"] = list(options["data"])
     options["servers"] = list(options["servers"])
     cfg = ExtractConfig(**options)
-    try:
+    with reported_as_one_line():
         rank, world = _rank_and_world()
         summary = run_extract(cfg, rank=rank, world_size=world, echo=click.echo)
-    except (ExtractError, StoreError) as e:
-        raise click.ClickException(str(e)) from e
     if not cfg.dry_run:
         for line in summary.lines():
             click.echo(line)

@@ -1,7 +1,9 @@
 """The one exception type of the store package, and how an error's text is put in one line."""
 
+from dflash_train.errors import DflashError
 
-class StoreError(Exception):
+
+class StoreError(DflashError):
     """A store is missing, malformed, corrupt, or does not match what the caller expects."""
 
 

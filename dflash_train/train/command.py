@@ -3,9 +3,8 @@
 import click
 
 from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP, RANKS_HELP
-from dflash_train.drafter import DrafterError
+from dflash_train.errors import reported_as_one_line
 from dflash_train.run_layout import LOG
-from dflash_train.store_schema import StoreError
 from dflash_train.train.config import load_config
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import CLI_OPTIONS
@@ -74,11 +73,9 @@ def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
         if not sep:
             raise click.BadParameter(f"{item!r} is not SECTION.FIELD=VALUE", param_hint="--set")
         overrides[key.strip()] = value.strip()
-    try:
+    with reported_as_one_line():
         cfg = load_config(config_file, overrides)
         result = train(cfg, resume=resume, echo=click.echo)
-    except (TrainError, StoreError, DrafterError) as e:
-        raise click.ClickException(str(e)) from e
     if result.already_complete:
         click.echo(f"{result.run_dir} is already complete (step {result.steps} of "
                    f"{result.steps}); nothing to train; checkpoint {result.checkpoint}")
