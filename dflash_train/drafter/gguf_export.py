@@ -154,7 +154,8 @@ def read_target(path: Path) -> TargetGGUF:
 
 def tokenizer_entries(fields: dict, path: Path) -> dict[str, Entry]:
     """Every `tokenizer.*` key of a GGUF's fields, typed as there, to copy unchanged: llama.cpp
-    refuses a draft whose vocabulary differs from the target's (common/speculative.cpp)."""
+    loads the draft's own vocabulary from them, which sizes its selector and output tensors
+    and holds its mask token."""
     out = {}
     for key, field in fields.items():
         if not key.startswith("tokenizer."):
