@@ -1,46 +1,92 @@
-"""`dflash export`: a training checkpoint -> the directory serving engines load."""
+"""`dflash export`: a training checkpoint -> the directory vLLM / SGLang / z-lab load, or the
+one GGUF file llama.cpp loads (`--format gguf`)."""
+
+from pathlib import Path
 
 import click
 
-from dflash_train.drafter.checkpoint import check_output_dir, export_checkpoint
+from dflash_train.drafter.checkpoint import (
+    check_output_dir,
+    export_checkpoint,
+    resolve_drafter_dir,
+)
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.errors import DrafterError
+from dflash_train.drafter.gguf_export import export_gguf
 from dflash_train.drafter.hf_config import read_config
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "keep": None}
+FORMATS = ("hf", "gguf")
 
 
 @click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="hf", show_default=True,
+              help="hf: a drafter directory (config.json + model.safetensors) for vLLM, SGLang "
+                   "and z-lab's code; gguf: one OUT.gguf file for llama.cpp (llama-server -m "
+                   "TARGET.gguf -md OUT.gguf --spec-type draft-dflash), needs --target-gguf.")
+@click.option("--target-gguf", type=click.Path(exists=True, dir_okay=False),
+              help="With --format gguf (required there, refused otherwise): the target's GGUF "
+                   "file llama-server loads with -m. The export copies its tokenizer and "
+                   "refuses a drafter that does not fit it (width, layers, vocabulary, "
+                   "architecture).")
 @click.option("--dtype", type=click.Choice(list(_DTYPES)), default="bfloat16", show_default=True,
-              help="Weight dtype of the export; keep = as trained.")
+              help="Weight dtype of the export; keep = as trained. In a GGUF, norms and "
+                   "convolution kernels stay float32, as llama.cpp's converter writes them.")
 @click.option("--overwrite", is_flag=True,
-              help="Replace OUT_DIR if it is empty or a previous export (config.json, "
-                   "model.safetensors, checksums.json only); any other directory is refused.")
-def export_command(checkpoint: str, out_dir: str, dtype: str, overwrite: bool) -> None:
-    """Write CHECKPOINT (a training checkpoint or drafter dir) as a DFlash drafter directory
-    (config.json + model.safetensors) that vLLM, SGLang and z-lab's code load; one with a
-    draft vocabulary (model.draft_vocab_size) is served by vLLM only."""
+              help="Replace OUT if it is a previous export: an empty directory or one of "
+                   "config.json, model.safetensors, checksums.json only (hf), a DFlash GGUF "
+                   "file (gguf); anything else is refused.")
+def export_command(checkpoint: str, out: str, fmt: str, target_gguf: str | None, dtype: str,
+                   overwrite: bool) -> None:
+    """Write CHECKPOINT (a training checkpoint or drafter dir) as a DFlash drafter at OUT: a
+    directory (config.json + model.safetensors) that vLLM, SGLang and z-lab's code load, or
+    with --format gguf one GGUF file llama.cpp loads. A drafter with a draft vocabulary
+    (model.draft_vocab_size) is served by vLLM and llama.cpp only."""
     import torch
 
+    check_format_options(fmt, out, target_gguf)
+    name = _DTYPES[dtype]
+    torch_dtype = getattr(torch, name) if name else None
     try:
-        check_output_dir(out_dir, overwrite, flag="--overwrite")  # before loading anything
-        name = _DTYPES[dtype]
-        out = export_checkpoint(checkpoint, out_dir, overwrite=overwrite,
-                                dtype=getattr(torch, name) if name else None)
+        if fmt == "gguf":
+            written = export_gguf(checkpoint, out, target_gguf, dtype=torch_dtype,
+                                  overwrite=overwrite, flag="--overwrite")
+        else:
+            check_output_dir(out, overwrite, flag="--overwrite")  # before loading anything
+            written = export_checkpoint(checkpoint, out, overwrite=overwrite, dtype=torch_dtype)
     except DrafterError as e:
         raise click.ClickException(str(e)) from e
-    click.echo(f"exported {checkpoint} -> {out}")
-    note = serving_note(read_config(out))
+    click.echo(f"exported {checkpoint} -> {written}")
+    # the checkpoint's config: a GGUF has no config.json to read back
+    note = serving_note(read_config(resolve_drafter_dir(checkpoint, checked_whole=True)), fmt)
     if note:
         click.echo(note)
 
 
-def serving_note(config: DrafterConfig) -> str | None:
+def check_format_options(fmt: str, out: str, target_gguf: str | None) -> None:
+    """--target-gguf goes with --format gguf and only with it; an OUT named *.gguf with the
+    default format would be a directory of that name, so it is refused too."""
+    if fmt == "gguf" and target_gguf is None:
+        raise click.UsageError("--format gguf needs --target-gguf TARGET.gguf (the target "
+                               "llama-server loads with -m): the drafter's GGUF carries its "
+                               "tokenizer")
+    if fmt != "gguf" and target_gguf is not None:
+        raise click.UsageError(f"--target-gguf applies to --format gguf only, not --format {fmt}")
+    if fmt == "hf" and Path(out).suffix.lower() == ".gguf":
+        raise click.UsageError(f"OUT {out} names a .gguf file but --format is hf (a "
+                               "directory); pass --format gguf --target-gguf TARGET.gguf")
+
+
+def serving_note(config: DrafterConfig, fmt: str = "hf") -> str | None:
     """Which engines serve a drafter's draft vocabulary (None: it has none)."""
     if config.draft_vocab_size is None:
         return None
+    if fmt == "gguf":
+        return (f"note: this drafter drafts over {config.draft_vocab_size:,} of the target's "
+                f"{config.vocab_size:,} ids; the GGUF ships their rows (output.weight) and "
+                "target ids (d2t), which llama.cpp's DFlash reads")
     return (f"note: this drafter drafts over {config.draft_vocab_size:,} of the target's "
             f"{config.vocab_size:,} ids (d2t + its own lm_head rows). vLLM serves it as "
             "trained; SGLang and z-lab's dflash package ignore d2t, so do not serve it there")

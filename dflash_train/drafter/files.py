@@ -12,7 +12,8 @@ export and init_from alike. No weight holding NaN or Inf is ever written or load
 
 Directories are written atomically (temp dir + rename) with the modes the user's umask gives
 new files (a serving engine running as another user must read them); an overwrite replaces
-only a previous drafter's own files. Never deletes a directory that holds anything else.
+only a previous drafter's own files. Never deletes a directory that holds anything else. A
+single-file export (a GGUF) is published the same way: a sibling temp file, then a rename.
 """
 
 from __future__ import annotations
@@ -235,3 +236,24 @@ def write_dir_atomically(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def write_file_atomically(out: Path, write: Callable[[Path], None]) -> Path:
+    """Write `out` through a sibling temp file renamed into place: a crash or an error never
+    leaves a half-written file at `out` (a previous one stays as it was until the rename).
+    The caller decides beforehand whether `out` may be replaced. The file gets the mode the
+    umask gives new files (new_file_modes), as write_dir_atomically's files do."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as written:
+            os.fchmod(written.fileno(), new_file_modes()[0])
+            os.fsync(written.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
