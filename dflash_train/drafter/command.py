@@ -11,9 +11,9 @@ from dflash_train.drafter.checkpoint import (
     resolve_drafter_dir,
 )
 from dflash_train.drafter.config import DrafterConfig
-from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.gguf_export import export_gguf
 from dflash_train.drafter.hf_config import read_config
+from dflash_train.errors import reported_as_one_line
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "keep": None}
 FORMATS = ("hf", "gguf")
@@ -49,15 +49,13 @@ def export_command(checkpoint: str, out: str, fmt: str, target_gguf: str | None,
     check_format_options(fmt, out, target_gguf)
     name = _DTYPES[dtype]
     torch_dtype = getattr(torch, name) if name else None
-    try:
+    with reported_as_one_line():
         if fmt == "gguf":
             written = export_gguf(checkpoint, out, target_gguf, dtype=torch_dtype,
                                   overwrite=overwrite, flag="--overwrite")
         else:
             check_output_dir(out, overwrite, flag="--overwrite")  # before loading anything
             written = export_checkpoint(checkpoint, out, overwrite=overwrite, dtype=torch_dtype)
-    except DrafterError as e:
-        raise click.ClickException(str(e)) from e
     click.echo(f"exported {checkpoint} -> {written}")
     # the checkpoint's config: a GGUF has no config.json to read back
     note = serving_note(read_config(resolve_drafter_dir(checkpoint, checked_whole=True)), fmt)
