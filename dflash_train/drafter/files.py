@@ -221,9 +221,7 @@ def write_dir_atomically(
         write(tmp)
         file_mode, dir_mode = new_file_modes()
         for file in tmp.iterdir():
-            with open(file, "rb") as handle:
-                os.fchmod(handle.fileno(), file_mode)
-                os.fsync(handle.fileno())
+            _seal(file, file_mode)
         os.chmod(tmp, dir_mode)
         old = None
         if out_dir.exists():
@@ -249,11 +247,17 @@ def write_file_atomically(out: Path, write: Callable[[Path], None]) -> Path:
     tmp = Path(name)
     try:
         write(tmp)
-        with open(tmp, "rb") as written:
-            os.fchmod(written.fileno(), new_file_modes()[0])
-            os.fsync(written.fileno())
+        _seal(tmp, new_file_modes()[0])
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return out
+
+
+def _seal(file: Path, mode: int) -> None:
+    """Give a written file its published mode and flush it to disk, before the rename that
+    publishes it."""
+    with open(file, "rb") as handle:
+        os.fchmod(handle.fileno(), mode)
+        os.fsync(handle.fileno())

@@ -51,6 +51,7 @@ MATRIX_TYPES = {torch.float32: GGMLQuantizationType.F32,
                 torch.float16: GGMLQuantizationType.F16,
                 torch.bfloat16: GGMLQuantizationType.BF16}
 """Storage type of the drafter's matrices per export dtype (norms and conv kernels stay F32)."""
+_TORCH_DTYPES = {kind: dtype for dtype, kind in MATRIX_TYPES.items()}
 
 _NAMES = {
     "fc.weight": "fc.weight",
@@ -318,8 +319,7 @@ def as_stored(tensor: torch.Tensor, kind: GGMLQuantizationType) -> np.ndarray:
         return tensor.to(torch.int64).contiguous().numpy()
     if kind == GGMLQuantizationType.BF16:
         return tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-    dtype = {GGMLQuantizationType.F32: torch.float32, GGMLQuantizationType.F16: torch.float16}
-    return tensor.to(dtype[kind]).contiguous().numpy()
+    return tensor.to(_TORCH_DTYPES[kind]).contiguous().numpy()
 
 
 def gguf_tensors(model: DFlashDrafter, matrices: GGMLQuantizationType
