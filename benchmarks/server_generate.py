@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from dflash_train.extract.config import ExtractConfig  # noqa: E402
 from dflash_train.extract.data import open_source  # noqa: E402
-from dflash_train.extract.loading import (  # noqa: E402
+from dflash_train.target.loading import (  # noqa: E402
     load_config,
     load_target,
     load_tokenizer,

@@ -86,8 +86,8 @@ class TargetStates:
     @torch.inference_mode()
     def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [1, T, n, H] (in the store's dtype, as offline sees them) and argmax [T]."""
-        from dflash_train.extract.capture import forward_states
-        from dflash_train.extract.verifier import verifier_topk
+        from dflash_train.target.capture import forward_states
+        from dflash_train.target.verifier import verifier_topk
 
         ids = torch.tensor([tokens], device=self.target.device)
         context, final = forward_states(self.target.decoder, self.layer_ids, ids,
@@ -99,13 +99,13 @@ class TargetStates:
 
 def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetStates:
     """Load --model (as extract loads it) and refuse a target other than the store's."""
-    from dflash_train.extract.errors import ExtractError
-    from dflash_train.extract.loading import load_target
+    from dflash_train.target.errors import TargetError
+    from dflash_train.target.loading import load_target
 
     try:
         target = load_target(model, device=device, dtype=_TORCH_DTYPES[meta.hidden_dtype],
                              load_as="causal-lm")
-    except ExtractError as e:
+    except TargetError as e:
         raise EvalError(str(e)) from e
     check_target(model, target.info, meta.target)
     return TargetStates(target, list(meta.context_layer_ids), meta.hidden_dtype)
@@ -113,7 +113,7 @@ def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetSta
 
 def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
     """EvalError naming each field where --model (`got`) is not the store's target."""
-    from dflash_train.extract.gguf import REVISION_PREFIX
+    from dflash_train.target.gguf import REVISION_PREFIX
 
     names = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size"]
     if any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want)):

@@ -21,24 +21,11 @@ import dflash_train
 from dflash_train.devices import resolve_device
 from dflash_train.drafter.config import default_mask_token_id
 from dflash_train.extract.ahead import GenerationAhead
-from dflash_train.extract.capture import forward_states
 from dflash_train.extract.claims import exclusive as _exclusive
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.data import ChatSource, open_source
 from dflash_train.extract.errors import ExtractError
-from dflash_train.extract.kernels import missing_kernels_note
 from dflash_train.extract.layers import resolve_layer_ids
-from dflash_train.extract.loading import (
-    Target,
-    load_config,
-    load_target,
-    load_tokenizer,
-    resolve_dtype,
-    spare_special_ids,
-    target_info,
-    tokenizer_files,
-    tokenizer_info,
-)
 from dflash_train.extract.plan import (
     PartPlan,
     bytes_per_token,
@@ -56,7 +43,6 @@ from dflash_train.extract.prepare import (
     shrink_total,
 )
 from dflash_train.extract.server_generate import Server, check_agreement, check_servers
-from dflash_train.extract.verifier import verifier_topk
 from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
 from dflash_train.store_schema import (
     CreatedWith,
@@ -70,6 +56,20 @@ from dflash_train.store_schema import (
     open_store,
 )
 from dflash_train.store_schema.layout import FP8_CONTEXT
+from dflash_train.target.capture import forward_states
+from dflash_train.target.kernels import missing_kernels_note
+from dflash_train.target.loading import (
+    Target,
+    load_config,
+    load_target,
+    load_tokenizer,
+    resolve_dtype,
+    spare_special_ids,
+    target_info,
+    tokenizer_files,
+    tokenizer_info,
+)
+from dflash_train.target.verifier import verifier_topk
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
