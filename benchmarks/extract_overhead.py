@@ -26,9 +26,9 @@ def planned_batches(cfg) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[
     """The padded (input_ids, attention) batches run_extract forms for `cfg`, and layer ids."""
     from dflash_train.extract.data import open_source
     from dflash_train.extract.layers import resolve_layer_ids
-    from dflash_train.target.loading import load_config, load_tokenizer, target_info
     from dflash_train.extract.plan import plan_batches, plan_parts
     from dflash_train.extract.prepare import Counts, apply_length_policy, render_rows
+    from dflash_train.target.loading import load_config, load_tokenizer, target_info
 
     source = open_source(cfg.data)
     tokenizer = load_tokenizer(cfg.model)

@@ -116,10 +116,10 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
     from store_io import _meta
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash_train.target.capture import forward_states
-    from dflash_train.target.verifier import verifier_topk
     from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
     from dflash_train.store_schema import Sample, create_store
+    from dflash_train.target.capture import forward_states
+    from dflash_train.target.verifier import verifier_topk
 
     torch.manual_seed(0)
     with torch.device(device):
