@@ -31,7 +31,7 @@ from dflash_train.blocks import first_anchor
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import CheckpointResults, EvalSample, EvalSettings, labels_for
-from dflash_train.store_schema import StoreMeta, TargetInfo
+from dflash_train.store_schema import StoreMeta, TargetInfo, target_differences
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -111,17 +111,21 @@ def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetSta
     return TargetStates(target, list(meta.context_layer_ids), meta.hidden_dtype)
 
 
+EVAL_CHECKED = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "revision",
+                "weights_sha256")
+"""The target fields eval can know of --model, in the order a refusal lists them: not its
+path (a copy is the same target), its config hash or a hub revision (eval takes no --revision)."""
+
+
 def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
-    """EvalError naming each field where --model (`got`) is not the store's target."""
+    """EvalError naming each field where --model (`got`) is not the store's target, by the
+    one same-target rule (store_schema.target_differences)."""
     from dflash_train.target.gguf import REVISION_PREFIX
 
-    names = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size"]
-    if any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want)):
-        names.append("revision")  # a GGUF's content hash: another file at the same path
-    if got.weights_sha256 is not None and want.weights_sha256 is not None:
-        names.append("weights_sha256")  # other weights (a store before fingerprints: unchecked)
-    wrong = [f"{f}: --model {getattr(got, f)}, store {getattr(want, f)}"
-             for f in names if getattr(got, f) != getattr(want, f)]
+    gguf = any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want))
+    checked = [f for f in EVAL_CHECKED if f != "revision" or gguf]  # a GGUF's content hash
+    differ = {f: (g, w) for f, g, w in target_differences(got, want)}
+    wrong = [f"{f}: --model {differ[f][0]}, store {differ[f][1]}" for f in checked if f in differ]
     if wrong:
         raise EvalError(f"--model {model} is not the store's target "
                         f"({want.name_or_path}):\n  " + "\n  ".join(wrong))

@@ -54,6 +54,7 @@ from dflash_train.store_schema import (
     TargetInfo,
     create_store,
     open_store,
+    target_differences,
 )
 from dflash_train.store_schema.layout import FP8_CONTEXT
 from dflash_train.target.capture import forward_states
@@ -348,7 +349,7 @@ def _refuse_other_weights(out: str, stored: TargetInfo, wanted: TargetInfo, echo
             echo(f"note: --out {out} records no weights fingerprint (made by an older dflash); "
                  f"its target is checked by path only ({stored.name_or_path})")
         return
-    if wanted.weights_sha256 not in (None, stored.weights_sha256):
+    if "weights_sha256" in [f for f, _, _ in target_differences(stored, wanted)]:
         raise ExtractError(
             f"--out {out} was extracted from other weights than --model {wanted.name_or_path} "
             f"(weights fingerprint {stored.weights_sha256[:12]}... != "
