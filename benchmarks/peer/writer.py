@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import Sample, Store, StoreError, open_store
-from dflash_train.store_schema.layout import torch_dtype
 
 HIDDEN_DIR = "hidden_states"
 SAMPLES_NAME = "dflash_samples.jsonl"

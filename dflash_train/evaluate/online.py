@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.blocks import first_anchor
+from dflash_train.dtypes import torch_dtype
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import CheckpointResults, EvalSample, EvalSettings, labels_for
 from dflash_train.store_schema import StoreMeta, TargetInfo, target_differences
-
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -81,7 +80,7 @@ class TargetStates:
     def __init__(self, target, layer_ids: list[int], hidden_dtype: str):
         self.target = target
         self.layer_ids = layer_ids
-        self.dtype = _TORCH_DTYPES[hidden_dtype]
+        self.dtype = torch_dtype(hidden_dtype)
 
     @torch.inference_mode()
     def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +102,7 @@ def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetSta
     from dflash_train.target.loading import load_target
 
     try:
-        target = load_target(model, device=device, dtype=_TORCH_DTYPES[meta.hidden_dtype],
+        target = load_target(model, device=device, dtype=torch_dtype(meta.hidden_dtype),
                              load_as="causal-lm")
     except TargetError as e:
         raise EvalError(str(e)) from e

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from dflash_train.blocks import eligible_anchors
 from dflash_train.devices import resolve_device
+from dflash_train.dtypes import torch_dtype
 from dflash_train.evaluate.checkpoints import (
     Checkpoint,
     layer_selection,
@@ -63,8 +64,6 @@ from dflash_train.evaluate.report import (
 from dflash_train.evaluate.summary import RunLabel
 from dflash_train.evaluate.tokenizer import store_tokenizer
 from dflash_train.store_schema import Store, StoreError, open_store
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -111,7 +110,7 @@ class EvalOutcome:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    return torch_dtype(dtype)
 
 
 def _open(url: str) -> Store:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 import dflash_train
 from dflash_train.devices import resolve_device
 from dflash_train.drafter.config import default_mask_token_id
+from dflash_train.dtypes import dtype_name
 from dflash_train.extract.ahead import GenerationAhead
 from dflash_train.extract.claims import exclusive as _exclusive
 from dflash_train.extract.config import ExtractConfig
@@ -71,8 +72,6 @@ from dflash_train.target.loading import (
     tokenizer_info,
 )
 from dflash_train.target.verifier import verifier_topk
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass
@@ -165,7 +164,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
         created_with=CreatedWith(dflash=dflash_train.__version__, torch=torch.__version__,
                                  transformers=transformers.__version__, device=device.type,
                                  kernels="not loaded yet"),
-        context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=_DTYPE_NAMES[dtype],
+        context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=dtype_name(dtype),
         context_dtype=FP8_CONTEXT if fp8 else None, num_parts=len(parts),
         extra={"mask_token_id": _mask_token_id(cfg, info, tokenizer),
                "rows_per_part": cfg.rows_per_part, "overlong": cfg.overlong,

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
 from dflash_train.target import gguf, weights
 from dflash_train.target.errors import TargetError
@@ -201,7 +202,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         return torch.bfloat16 if cuda else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    return torch_dtype(dtype)
 
 
 def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: LoadAs,
