@@ -1,4 +1,4 @@
-"""Load the target model through transformers and expose the parts extract needs.
+"""Load the target model through transformers and expose the parts extract and evaluate need.
 
 Owns: config/tokenizer/model loading from a transformers checkpoint or a GGUF file (see
 gguf.py), finding the decoder stack whether the checkpoint loads as a CausalLM
@@ -33,7 +33,7 @@ GPU_ONLY_PACKAGES = ("fla", "causal_conv1d")
 
 @dataclass
 class Target:
-    """A loaded target and handles on the modules extract uses."""
+    """A loaded target and handles on the modules extract and eval --online use."""
 
     model: nn.Module
     """The whole model as loaded (used for generation)."""
