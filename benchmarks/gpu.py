@@ -116,10 +116,10 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
     from store_io import _meta
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash_train.extract.capture import forward_states
-    from dflash_train.extract.verifier import verifier_topk
     from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
     from dflash_train.store_schema import Sample, create_store
+    from dflash_train.target.capture import forward_states
+    from dflash_train.target.verifier import verifier_topk
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -293,7 +293,7 @@ def main() -> None:
     faulthandler.register(signal.SIGTERM, chain=True)
     if args.cpu_smoke:
         device, shapes = torch.device("cpu"), CPU_SMOKE
-        from dflash_train.extract.loading import guard_kernels
+        from dflash_train.target.loading import guard_kernels
 
         guard_kernels("cpu")
     elif torch.cuda.is_available():

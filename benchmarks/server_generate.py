@@ -23,12 +23,6 @@ sys.path.insert(0, str(REPO))
 
 from dflash_train.extract.config import ExtractConfig  # noqa: E402
 from dflash_train.extract.data import open_source  # noqa: E402
-from dflash_train.extract.loading import (  # noqa: E402
-    load_config,
-    load_target,
-    load_tokenizer,
-    target_info,
-)
 from dflash_train.extract.prepare import (  # noqa: E402
     Counts,
     prompt_fits,
@@ -36,6 +30,12 @@ from dflash_train.extract.prepare import (  # noqa: E402
     render_rows,
 )
 from dflash_train.extract.server_generate import check_servers  # noqa: E402
+from dflash_train.target.loading import (  # noqa: E402
+    load_config,
+    load_target,
+    load_tokenizer,
+    target_info,
+)
 
 
 def top1_share(model, items) -> tuple[int, int]:

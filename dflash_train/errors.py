@@ -1,6 +1,6 @@
 """The base of every package's one exception type, and how the CLI reports them.
 
-Each stage raises its own error (StoreError, ExtractError, TrainError, EvalError,
+Each stage raises its own error (StoreError, TargetError, ExtractError, TrainError, EvalError,
 DrafterError, BlockError) naming what is wrong and where; all derive from DflashError, so a
 command catches one type, and a new stage's error is caught without editing any command.
 """

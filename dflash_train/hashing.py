@@ -1,6 +1,6 @@
 """Content hashes of files: the one place a whole file is read to be hashed.
 
-Used for input files (extract/data.py), GGUF targets (extract/gguf.py) and checkpoint
+Used for input files (extract/data.py), GGUF targets (target/gguf.py) and checkpoint
 checksums (drafter/files.py). Imports nothing heavy, so any stage may use it.
 """
 

@@ -44,11 +44,11 @@ def export_command(checkpoint: str, out: str, fmt: str, target_gguf: str | None,
     directory (config.json + model.safetensors) that vLLM, SGLang and z-lab's code load, or
     with --format gguf one GGUF file llama.cpp loads. A drafter with a draft vocabulary
     (model.draft_vocab_size) is served by vLLM and llama.cpp only."""
-    import torch
+    from dflash_train.dtypes import torch_dtype as named_dtype
 
     check_format_options(fmt, out, target_gguf)
     name = _DTYPES[dtype]
-    torch_dtype = getattr(torch, name) if name else None
+    torch_dtype = named_dtype(name) if name else None
     with reported_as_one_line():
         if fmt == "gguf":
             written = export_gguf(checkpoint, out, target_gguf, dtype=torch_dtype,

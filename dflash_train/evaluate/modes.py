@@ -211,15 +211,15 @@ def vllm_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
     """Find vLLM and check --model is the store's target, before the first forward."""
     from dflash_train.evaluate.online import check_target
     from dflash_train.evaluate.served import find_vllm
-    from dflash_train.extract.errors import ExtractError
-    from dflash_train.extract.loading import load_config, target_info
+    from dflash_train.target.errors import TargetError
+    from dflash_train.target.loading import load_config, target_info
     from dflash_train.target_config import config_field, text_part
 
     python = find_vllm(cfg.vllm_python)
     try:
         config = load_config(cfg.model)
         info = target_info(cfg.model, config)
-    except ExtractError as e:
+    except TargetError as e:
         raise EvalError(str(e)) from e
     check_target(cfg.model, info, store.meta.target)
     return ServedPlan(python=python, target=str(Path(cfg.model).resolve()),

@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.blocks import first_anchor
+from dflash_train.dtypes import torch_dtype
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import CheckpointResults, EvalSample, EvalSettings, labels_for
-from dflash_train.store_schema import StoreMeta, TargetInfo
-
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from dflash_train.store_schema import StoreMeta, TargetInfo, target_differences
 
 
 @dataclass
@@ -81,13 +80,13 @@ class TargetStates:
     def __init__(self, target, layer_ids: list[int], hidden_dtype: str):
         self.target = target
         self.layer_ids = layer_ids
-        self.dtype = _TORCH_DTYPES[hidden_dtype]
+        self.dtype = torch_dtype(hidden_dtype)
 
     @torch.inference_mode()
     def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [1, T, n, H] (in the store's dtype, as offline sees them) and argmax [T]."""
-        from dflash_train.extract.capture import forward_states
-        from dflash_train.extract.verifier import verifier_topk
+        from dflash_train.target.capture import forward_states
+        from dflash_train.target.verifier import verifier_topk
 
         ids = torch.tensor([tokens], device=self.target.device)
         context, final = forward_states(self.target.decoder, self.layer_ids, ids,
@@ -99,29 +98,33 @@ class TargetStates:
 
 def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetStates:
     """Load --model (as extract loads it) and refuse a target other than the store's."""
-    from dflash_train.extract.errors import ExtractError
-    from dflash_train.extract.loading import load_target
+    from dflash_train.target.errors import TargetError
+    from dflash_train.target.loading import load_target
 
     try:
-        target = load_target(model, device=device, dtype=_TORCH_DTYPES[meta.hidden_dtype],
+        target = load_target(model, device=device, dtype=torch_dtype(meta.hidden_dtype),
                              load_as="causal-lm")
-    except ExtractError as e:
+    except TargetError as e:
         raise EvalError(str(e)) from e
     check_target(model, target.info, meta.target)
     return TargetStates(target, list(meta.context_layer_ids), meta.hidden_dtype)
 
 
-def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
-    """EvalError naming each field where --model (`got`) is not the store's target."""
-    from dflash_train.extract.gguf import REVISION_PREFIX
+EVAL_CHECKED = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "revision",
+                "weights_sha256")
+"""The target fields eval can know of --model, in the order a refusal lists them: not its
+path (a copy is the same target), its config hash or a hub revision (eval takes no --revision)."""
 
-    names = ["model_type", "num_hidden_layers", "hidden_size", "vocab_size"]
-    if any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want)):
-        names.append("revision")  # a GGUF's content hash: another file at the same path
-    if got.weights_sha256 is not None and want.weights_sha256 is not None:
-        names.append("weights_sha256")  # other weights (a store before fingerprints: unchecked)
-    wrong = [f"{f}: --model {getattr(got, f)}, store {getattr(want, f)}"
-             for f in names if getattr(got, f) != getattr(want, f)]
+
+def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
+    """EvalError naming each field where --model (`got`) is not the store's target, by the
+    one same-target rule (store_schema.target_differences)."""
+    from dflash_train.target.gguf import REVISION_PREFIX
+
+    gguf = any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want))
+    checked = [f for f in EVAL_CHECKED if f != "revision" or gguf]  # a GGUF's content hash
+    differ = {f: (g, w) for f, g, w in target_differences(got, want)}
+    wrong = [f"{f}: --model {differ[f][0]}, store {differ[f][1]}" for f in checked if f in differ]
     if wrong:
         raise EvalError(f"--model {model} is not the store's target "
                         f"({want.name_or_path}):\n  " + "\n  ".join(wrong))

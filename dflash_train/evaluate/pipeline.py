@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from dflash_train.blocks import eligible_anchors
 from dflash_train.devices import resolve_device
+from dflash_train.dtypes import torch_dtype
 from dflash_train.evaluate.checkpoints import (
     Checkpoint,
     layer_selection,
@@ -63,8 +64,6 @@ from dflash_train.evaluate.report import (
 from dflash_train.evaluate.summary import RunLabel
 from dflash_train.evaluate.tokenizer import store_tokenizer
 from dflash_train.store_schema import Store, StoreError, open_store
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -111,7 +110,7 @@ class EvalOutcome:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    return torch_dtype(dtype)
 
 
 def _open(url: str) -> Store:
@@ -362,14 +361,14 @@ def stop_rule(cfg: EvalConfig, store: Store, modes: list[DecodeMode]) -> StopRul
     """When every decode mode's generations end: at the end-of-turn ids of the target's
     generation config (the loaded target's, when a mode loaded one, else the --model
     directory's), after --max-new-tokens, or at the store's max_length."""
-    from dflash_train.extract.regenerate import eos_token_ids
+    from dflash_train.target.generation import eos_token_ids
 
     model, tokenizer = cfg.model, store_tokenizer(store)
     max_new_tokens = cfg.max_new_tokens
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        from dflash_train.extract.loading import from_pretrained_args
+        from dflash_train.target.loading import from_pretrained_args
 
         where, kwargs = from_pretrained_args(model)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -389,7 +388,7 @@ def _generation_source(model: str):
 
     from transformers import GenerationConfig
 
-    from dflash_train.extract.loading import load_config
+    from dflash_train.target.loading import load_config
 
     try:
         generation = GenerationConfig.from_pretrained(model)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.dtypes import torch_dtype as named_dtype
 from dflash_train.evaluate.agreement import Decoded
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.metrics import AcceptanceStats
@@ -397,7 +398,7 @@ def run_served(plan: ServedPlan, checkpoints: dict[str, tuple[str, int]],
     prompts = served_prompts(samples, stop)
     if not prompts:
         raise EvalError("--served: no held-out sample has a prompt and a response to decode")
-    torch_dtype = getattr(torch, plan.dtype)
+    torch_dtype = named_dtype(plan.dtype)
     workdir = Path(tempfile.mkdtemp(prefix="dflash-served-"))
     results = {}
     try:

@@ -20,25 +20,13 @@ from tqdm import tqdm
 import dflash_train
 from dflash_train.devices import resolve_device
 from dflash_train.drafter.config import default_mask_token_id
+from dflash_train.dtypes import dtype_name
 from dflash_train.extract.ahead import GenerationAhead
-from dflash_train.extract.capture import forward_states
 from dflash_train.extract.claims import exclusive as _exclusive
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.data import ChatSource, open_source
 from dflash_train.extract.errors import ExtractError
-from dflash_train.extract.kernels import missing_kernels_note
 from dflash_train.extract.layers import resolve_layer_ids
-from dflash_train.extract.loading import (
-    Target,
-    load_config,
-    load_target,
-    load_tokenizer,
-    resolve_dtype,
-    spare_special_ids,
-    target_info,
-    tokenizer_files,
-    tokenizer_info,
-)
 from dflash_train.extract.plan import (
     PartPlan,
     bytes_per_token,
@@ -56,7 +44,6 @@ from dflash_train.extract.prepare import (
     shrink_total,
 )
 from dflash_train.extract.server_generate import Server, check_agreement, check_servers
-from dflash_train.extract.verifier import verifier_topk
 from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
 from dflash_train.store_schema import (
     CreatedWith,
@@ -68,10 +55,23 @@ from dflash_train.store_schema import (
     TargetInfo,
     create_store,
     open_store,
+    target_differences,
 )
 from dflash_train.store_schema.layout import FP8_CONTEXT
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+from dflash_train.target.capture import forward_states
+from dflash_train.target.kernels import missing_kernels_note
+from dflash_train.target.loading import (
+    Target,
+    load_config,
+    load_target,
+    load_tokenizer,
+    resolve_dtype,
+    spare_special_ids,
+    target_info,
+    tokenizer_files,
+    tokenizer_info,
+)
+from dflash_train.target.verifier import verifier_topk
 
 
 @dataclass
@@ -164,7 +164,7 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
         created_with=CreatedWith(dflash=dflash_train.__version__, torch=torch.__version__,
                                  transformers=transformers.__version__, device=device.type,
                                  kernels="not loaded yet"),
-        context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=_DTYPE_NAMES[dtype],
+        context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=dtype_name(dtype),
         context_dtype=FP8_CONTEXT if fp8 else None, num_parts=len(parts),
         extra={"mask_token_id": _mask_token_id(cfg, info, tokenizer),
                "rows_per_part": cfg.rows_per_part, "overlong": cfg.overlong,
@@ -348,7 +348,7 @@ def _refuse_other_weights(out: str, stored: TargetInfo, wanted: TargetInfo, echo
             echo(f"note: --out {out} records no weights fingerprint (made by an older dflash); "
                  f"its target is checked by path only ({stored.name_or_path})")
         return
-    if wanted.weights_sha256 not in (None, stored.weights_sha256):
+    if "weights_sha256" in [f for f, _, _ in target_differences(stored, wanted)]:
         raise ExtractError(
             f"--out {out} was extracted from other weights than --model {wanted.name_or_path} "
             f"(weights fingerprint {stored.weights_sha256[:12]}... != "

@@ -15,7 +15,6 @@ from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.data import ChatSource
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.plan import plan_batches
-from dflash_train.extract.regenerate import eos_token_ids, greedy_continuations
 from dflash_train.extract.render import (
     chat_within,
     longest_token_chars,
@@ -24,6 +23,7 @@ from dflash_train.extract.render import (
     render_prompt,
 )
 from dflash_train.extract.server_generate import Server, server_continuations
+from dflash_train.target.generation import eos_token_ids, greedy_continuations
 
 
 @dataclass

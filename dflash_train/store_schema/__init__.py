@@ -16,6 +16,7 @@ from dflash_train.store_schema.meta import (
     StoreMeta,
     TargetInfo,
     TokenizerInfo,
+    target_differences,
 )
 from dflash_train.store_schema.part import Part, PartWriter
 from dflash_train.store_schema.sample import Sample
@@ -41,5 +42,6 @@ __all__ = [
     "open_store",
     "read_guarded",
     "refusal",
+    "target_differences",
     "validate",
 ]

@@ -41,7 +41,6 @@ HiddenDtype = str  # one of HIDDEN_DTYPES
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 # zarr has no bfloat16: its bit pattern is stored as uint16 and the logical dtype recorded.
 _STORAGE_DTYPE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
-_TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 FP8_CONTEXT = "float8_e4m3"
 CONTEXT_DTYPES = (FP8_CONTEXT,)
@@ -95,10 +94,6 @@ def context_storage_dtype(hidden_dtype: str, context_dtype: str | None) -> type:
     """What the `context` array holds: E4M3 bits (uint8) in an fp8 store, else the hidden
     dtype's stored form."""
     return np.uint8 if context_dtype == FP8_CONTEXT else storage_dtype(hidden_dtype)
-
-
-def torch_dtype(hidden_dtype: str) -> torch.dtype:
-    return _TORCH_DTYPE[hidden_dtype]
 
 
 def hidden_to_numpy(t: torch.Tensor, hidden_dtype: str) -> np.ndarray:

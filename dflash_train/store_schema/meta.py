@@ -29,9 +29,22 @@ class TargetInfo:
     config_sha256: str
     weights_sha256: str | None = None
     """The weights' identity: a transformers directory's sampled fingerprint
-    (extract/weights.py), a GGUF file's whole-content sha256. When both sides of a comparison
+    (target/weights.py), a GGUF file's whole-content sha256. When both sides of a comparison
     have one it replaces the path (a copy elsewhere is the same target, other weights at the
     same path are not); a store made before it existed (None) is checked by path."""
+
+
+def target_differences(a: TargetInfo, b: TargetInfo) -> list[tuple[str, Any, Any]]:
+    """(field, a's value, b's value) for every field where `a` and `b` are not the same target:
+    the one same-target rule of extract's resume, eval --online / --served and StoreMeta.
+
+    The weights name the target where both have a fingerprint (a copy at another path is the
+    same target, other weights at the same path are not); else its path does (a hub id, or a
+    store made before fingerprints)."""
+    both = a.weights_sha256 is not None and b.weights_sha256 is not None
+    ignored = "name_or_path" if both else "weights_sha256"
+    return [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in fields(TargetInfo)
+            if f.name != ignored and getattr(a, f.name) != getattr(b, f.name)]
 
 
 @dataclass
@@ -147,12 +160,12 @@ class StoreMeta:
         """'field: this != other' for every differing field, created_with excepted. The
         target is its weights fingerprint where both have one, else its path."""
         a, b = self.to_dict(), other.to_dict()
-        a.pop("created_with")
-        b.pop("created_with")
-        both = self.target.weights_sha256 is not None and other.target.weights_sha256 is not None
-        ignored = "target.name_or_path" if both else "target.weights_sha256"
-        return [f"{k}: {va!r} != {vb!r}" for k, va, vb in _diff(a, b) if k != ignored]
-
+        for d in (a, b):
+            d.pop("created_with")
+            d.pop("target")  # compared by the one same-target rule
+        diffs = list(_diff(a, b)) + [(f"target.{k}", va, vb)
+                                     for k, va, vb in target_differences(self.target, other.target)]
+        return [f"{k}: {va!r} != {vb!r}" for k, va, vb in sorted(diffs, key=lambda d: d[0])]
 
     def target_mismatches(self, other: "StoreMeta") -> list[str]:
         """Differences that make features incompatible: another target, tokenizer or layer set.

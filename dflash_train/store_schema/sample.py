@@ -5,8 +5,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema.errors import StoreError
-from dflash_train.store_schema.layout import hidden_from_numpy, hidden_to_numpy, torch_dtype
+from dflash_train.store_schema.layout import hidden_from_numpy, hidden_to_numpy
 
 
 @dataclass

@@ -10,6 +10,7 @@ import zarr
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
+from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema.chunks import child_names, missing_chunks
 from dflash_train.store_schema.errors import StoreError, one_line
 from dflash_train.store_schema.layout import (
@@ -24,7 +25,6 @@ from dflash_train.store_schema.layout import (
     part_path,
     storage_dtype,
     token_compressors,
-    torch_dtype,
 )
 from dflash_train.store_schema.meta import StoreMeta
 from dflash_train.store_schema.part import Part, PartWriter

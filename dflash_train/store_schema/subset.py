@@ -12,8 +12,8 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
+from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema.errors import StoreError
-from dflash_train.store_schema.layout import torch_dtype
 from dflash_train.store_schema.sample import Sample
 from dflash_train.store_schema.store import create_store, open_store
 

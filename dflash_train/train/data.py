@@ -36,6 +36,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import (
     Damage,
     Part,
@@ -48,7 +49,7 @@ from dflash_train.store_schema import (
     refusal,
 )
 from dflash_train.store_schema.integrity import refuse_unless_skipping
-from dflash_train.store_schema.layout import hidden_to_numpy, torch_dtype
+from dflash_train.store_schema.layout import hidden_to_numpy
 from dflash_train.store_schema.sample import sample_from_arrays
 from dflash_train.train.options import option_name, require
 

@@ -9,10 +9,11 @@ import torch
 from conftest import run_extract_cfg
 
 from dflash_train.assets.tiny import build_tokenizer, make_chats
-from dflash_train.extract.capture import forward_states
 from dflash_train.extract.errors import ExtractError
-from dflash_train.extract.loading import load_config, load_target, load_tokenizer, target_info
 from dflash_train.store_schema import open_store
+from dflash_train.target.capture import forward_states
+from dflash_train.target.errors import TargetError
+from dflash_train.target.loading import load_config, load_target, load_tokenizer, target_info
 from tests.extract.tiny_gguf import LLAMA, write_tiny_gguf
 
 
@@ -67,7 +68,7 @@ def test_identity_is_the_file_and_its_content_hash_whichever_way_it_is_named(tin
     assert by_file.weights_sha256 == digest  # the same whole-file hash, not a sampled one
     assert (by_file.model_type, by_file.num_hidden_layers, by_file.hidden_size,
             by_file.vocab_size) == ("llama", 4, 64, LLAMA["vocab_size"])
-    with pytest.raises(ExtractError, match="--revision v1 names a hub revision"):
+    with pytest.raises(TargetError, match="--revision v1 names a hub revision"):
         target_info(gguf_path, load_config(gguf_path), revision="v1")
 
 
@@ -114,9 +115,9 @@ def test_ambiguous_or_fake_gguf_paths_are_refused(tiny, tmp_path):
     two.mkdir()
     shutil.copy(tiny[0], two / "a.gguf")
     shutil.copy(tiny[0], two / "b.gguf")
-    with pytest.raises(ExtractError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\)"):
+    with pytest.raises(TargetError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\)"):
         load_config(str(two))
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04 not a gguf")
-    with pytest.raises(ExtractError, match="fake.gguf: not a GGUF file"):
+    with pytest.raises(TargetError, match="fake.gguf: not a GGUF file"):
         load_config(str(fake))

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from dflash_train.extract.data import to_chat
 from dflash_train.extract.errors import ExtractError
-from dflash_train.extract.regenerate import greedy_continuations
 from dflash_train.extract.render import render_prompt
 from dflash_train.store_schema import open_store, validate
+from dflash_train.target.generation import greedy_continuations
 
 NEW = 6
 

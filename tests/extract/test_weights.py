@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_train.extract.errors import ExtractError
-from dflash_train.extract.weights import EDGE, WINDOW, WINDOWS, fingerprint, windows
+from dflash_train.target.errors import TargetError
+from dflash_train.target.weights import EDGE, WINDOW, WINDOWS, fingerprint, windows
 
 MiB = 1 << 20
 
@@ -100,5 +100,5 @@ def test_bin_checkpoints_are_hashed_and_a_directory_without_weights_has_none(tmp
 def test_a_truncated_safetensors_is_one_clear_error(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
-    with pytest.raises(ExtractError, match=r"model\.safetensors: not a safetensors file"):
+    with pytest.raises(TargetError, match=r"model\.safetensors: not a safetensors file"):
         fingerprint(tmp_path / "m")

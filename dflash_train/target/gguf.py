@@ -12,8 +12,8 @@ import functools
 import os
 from pathlib import Path
 
-from dflash_train.extract.errors import ExtractError
 from dflash_train.hashing import file_sha256
+from dflash_train.target.errors import TargetError
 
 MAGIC = b"GGUF"
 """The first four bytes of every GGUF file."""
@@ -23,7 +23,7 @@ REVISION_PREFIX = "gguf-sha256:"
 
 def find_gguf(name_or_path: str) -> Path | None:
     """The .gguf file `--model` names (itself, or the only one in a directory without a
-    config.json), or None for anything else; ExtractError for an ambiguous directory or a
+    config.json), or None for anything else; TargetError for an ambiguous directory or a
     .gguf file that is not one."""
     p = Path(name_or_path)
     if p.is_dir():
@@ -31,7 +31,7 @@ def find_gguf(name_or_path: str) -> Path | None:
             return None
         found = sorted(q for q in p.iterdir() if q.suffix.lower() == ".gguf" and q.is_file())
         if len(found) > 1:
-            raise ExtractError(f"--model {name_or_path}: holds {len(found)} .gguf files "
+            raise TargetError(f"--model {name_or_path}: holds {len(found)} .gguf files "
                                f"({', '.join(q.name for q in found)}); pass the one to load")
         if not found:
             return None
@@ -41,7 +41,7 @@ def find_gguf(name_or_path: str) -> Path | None:
     with open(p, "rb") as fh:
         head = fh.read(len(MAGIC))
     if head != MAGIC:
-        raise ExtractError(f"--model {p}: not a GGUF file (starts with {head!r}, not {MAGIC!r})")
+        raise TargetError(f"--model {p}: not a GGUF file (starts with {head!r}, not {MAGIC!r})")
     return p.resolve()
 
 

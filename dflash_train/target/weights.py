@@ -23,7 +23,7 @@ import hashlib
 import struct
 from pathlib import Path
 
-from dflash_train.extract.errors import ExtractError
+from dflash_train.target.errors import TargetError
 
 EDGE = 1 << 20
 """Bytes read at the start, middle and end of each file's tensor data."""
@@ -54,7 +54,7 @@ def fingerprint(directory: str | Path) -> str | None:
         try:
             _update(digest, path)
         except OSError as e:
-            raise ExtractError(f"--model {directory}: cannot read {path.name} to fingerprint "
+            raise TargetError(f"--model {directory}: cannot read {path.name} to fingerprint "
                                f"the weights ({e.strerror or e})") from e
     return digest.hexdigest()
 
@@ -75,7 +75,7 @@ def _header_end(fh, size: int) -> int:
     head = fh.read(8)
     n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
     if 8 + n > min(size, 8 + MAX_HEADER):
-        raise ExtractError(f"{fh.name}: not a safetensors file (header of {n} bytes in a file "
+        raise TargetError(f"{fh.name}: not a safetensors file (header of {n} bytes in a file "
                            f"of {size}); re-download it")
     return 8 + n
 

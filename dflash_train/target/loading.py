@@ -1,4 +1,4 @@
-"""Load the target model through transformers and expose the parts extract needs.
+"""Load the target model through transformers and expose the parts extract and evaluate need.
 
 Owns: config/tokenizer/model loading from a transformers checkpoint or a GGUF file (see
 gguf.py), finding the decoder stack whether the checkpoint loads as a CausalLM
@@ -19,10 +19,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dflash_train.extract import gguf, weights
-from dflash_train.extract.errors import ExtractError
-from dflash_train.extract.kernels import silence_fallback_notes
+from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
+from dflash_train.target import gguf, weights
+from dflash_train.target.errors import TargetError
+from dflash_train.target.kernels import silence_fallback_notes
 from dflash_train.target_config import text_part
 
 LoadAs = Literal["causal-lm", "multimodal"]
@@ -32,7 +33,7 @@ GPU_ONLY_PACKAGES = ("fla", "causal_conv1d")
 
 @dataclass
 class Target:
-    """A loaded target and handles on the modules extract uses."""
+    """A loaded target and handles on the modules extract and eval --online use."""
 
     model: nn.Module
     """The whole model as loaded (used for generation)."""
@@ -57,11 +58,11 @@ class Target:
 
 
 def load_config(name_or_path: str):
-    """The checkpoint's config; ExtractError naming the path if it cannot be read."""
+    """The checkpoint's config; TargetError naming the path if it cannot be read."""
     from transformers import AutoConfig
 
     if not Path(name_or_path).exists() and not _looks_like_hub_id(name_or_path):
-        raise ExtractError(f"--model {name_or_path}: no such directory or .gguf file")
+        raise TargetError(f"--model {name_or_path}: no such directory or .gguf file")
     path = gguf.find_gguf(name_or_path)
     try:
         if path is not None:
@@ -71,17 +72,17 @@ def load_config(name_or_path: str):
         raise _unreadable(name_or_path, "cannot read its config", e) from e
 
 
-def _unreadable(name_or_path: str, what: str, e: Exception) -> ExtractError:
+def _unreadable(name_or_path: str, what: str, e: Exception) -> TargetError:
     """The error for a config, tokenizer or weights transformers could not read; a .gguf
     that the gguf package cannot read either is named as a damaged file, not by what
     transformers made of it ('a config file that is not valid JSON', an unpack error)."""
     path = gguf.find_gguf(name_or_path)
     why = gguf.damage(path) if path is not None else None
     if why:
-        return ExtractError(f"--model {path}: a damaged GGUF file (it starts with the GGUF "
+        return TargetError(f"--model {path}: a damaged GGUF file (it starts with the GGUF "
                             f"magic, but the gguf reader cannot read it: {why}); download "
                             "or convert it again")
-    return ExtractError(f"--model {name_or_path}: {what} ({e})")
+    return TargetError(f"--model {name_or_path}: {what} ({e})")
 
 
 def from_pretrained_args(name_or_path: str) -> tuple[str, dict]:
@@ -107,7 +108,7 @@ def target_info(name_or_path: str, config, revision: str | None = None) -> Targe
     weights_sha256 = None
     if path is not None:
         if revision is not None:
-            raise ExtractError(f"--revision {revision} names a hub revision; a .gguf target "
+            raise TargetError(f"--revision {revision} names a hub revision; a .gguf target "
                                "is identified by its content hash instead (drop --revision)")
         name_or_path, revision = str(path), gguf.revision(path)
         weights_sha256 = revision.removeprefix(gguf.REVISION_PREFIX)
@@ -137,9 +138,9 @@ def load_tokenizer(name_or_path: str):
     except Exception as e:  # missing files / bad json raise different types
         raise _unreadable(name_or_path, "cannot load its tokenizer", e) from e
     if not getattr(tokenizer, "is_fast", False):
-        raise ExtractError(f"--model {name_or_path}: extract needs a fast tokenizer (offsets)")
+        raise TargetError(f"--model {name_or_path}: extract needs a fast tokenizer (offsets)")
     if not tokenizer.chat_template:
-        raise ExtractError(f"--model {name_or_path}: the tokenizer has no chat template")
+        raise TargetError(f"--model {name_or_path}: the tokenizer has no chat template")
     return tokenizer
 
 
@@ -180,7 +181,7 @@ def guard_kernels(device: str) -> None:
     modeling = "transformers.models.qwen3_5.modeling_qwen3_5"
     loaded = [p for p in GPU_ONLY_PACKAGES if isinstance(sys.modules.get(p), type(sys))]
     if loaded and modeling in sys.modules:
-        raise ExtractError(
+        raise TargetError(
             f"{', '.join(loaded)} was imported before extract ran on CPU; transformers would "
             "route linear attention into GPU-only kernels. Run in a fresh process."
         )
@@ -192,7 +193,7 @@ def kernels_used(model: nn.Module, device: str) -> str:
     attention = getattr(model.config, "_attn_implementation", None) or "eager"
     linear = "fla" if isinstance(sys.modules.get("fla"), type(sys)) else "torch"
     if device == "cpu" and linear != "torch":
-        raise ExtractError("fla kernels are loaded on a CPU run; refusing to continue")
+        raise TargetError("fla kernels are loaded on a CPU run; refusing to continue")
     return f"attention={attention} linear_attention={linear}"
 
 
@@ -201,7 +202,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         return torch.bfloat16 if cuda else torch.float32
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
+    return torch_dtype(dtype)
 
 
 def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: LoadAs,
@@ -217,7 +218,7 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
     if kwargs:  # GGUF: no hub revision; its config parsed once (from_pretrained edits a copy)
         kwargs["config"], revision = copy.deepcopy(config), None
     if load_as == "multimodal" and getattr(config, "text_config", None) is None:
-        raise ExtractError(f"--model {name_or_path}: {config.model_type} has no multimodal "
+        raise TargetError(f"--model {name_or_path}: {config.model_type} has no multimodal "
                            "wrapper; use --load-as causal-lm")
     cls = AutoModelForCausalLM if load_as == "causal-lm" else AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
@@ -236,7 +237,7 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
     inner = model.model
     decoder = getattr(inner, "language_model", None) or inner
     if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
-        raise ExtractError(f"--model {name_or_path}: no decoder layers at model.model.layers "
+        raise TargetError(f"--model {name_or_path}: no decoder layers at model.model.layers "
                            "or model.model.language_model.layers")
     return Target(
         model=model, decoder=decoder, lm_head=model.get_output_embeddings(),
