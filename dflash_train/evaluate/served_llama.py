@@ -283,7 +283,7 @@ class LlamaPlan:
 
     binary: str
     version: str
-    """The first line of `llama-server --version`."""
+    """What `llama-server --version` says after "version: "."""
     target: str
     """The target GGUF (--model)."""
     target_type: str
@@ -300,8 +300,8 @@ def server_version(binary: str) -> str:
         done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"unknown ({e})"
-    lines = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("version")]
-    return lines[0] if lines else "unknown"
+    lines = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("version: ")]
+    return lines[0].removeprefix("version: ") if lines else "unknown"
 
 
 def target_file_type(path: Path) -> str:
