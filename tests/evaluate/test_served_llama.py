@@ -92,3 +92,52 @@ def test_served_rounds_equal_online_and_offline_prompt_by_prompt(llama_server, t
     assert check["first_difference"] is None
     assert check["same_text"] == check["same_taus_as_offline"] == 8
     assert "served through llama.cpp" in out.text and "d60 (served)" in out.text
+
+
+def _served_equals_online(llama_server, target_gguf, store, drafter, tmp_path) -> dict:
+    """Serve one drafter directory beside --online; the online summary, once both agree
+    round by round and llama-server's counters agree with themselves."""
+    name = os.path.basename(drafter)
+    out = run_eval(EvalConfig(store=store, checkpoints=[drafter], online=True, served=True,
+                              engine="llama.cpp", model=target_gguf,
+                              llama_server=llama_server, progress=False),
+                   echo=lambda line: None)
+    served, online, offline = out.served[name], out.online[name], out.offline[name]
+    assert out.report["served_check"]["checkpoints"][name]["first_difference"] is None
+    assert served.sequences == online.sequences == offline.sequences
+    assert served.summary()["llama_cpp"]["counters_agree"]
+    return online.summary()
+
+
+def test_a_draft_vocabulary_drafter_is_served_as_it_replays(llama_server, target_gguf, store,
+                                                             tmp_path):
+    # llama.cpp loads d2t (target ids) and the drafter's own output rows: the same drafts as
+    # offline replay and --online, labels off the map missed everywhere.
+    from dflash_train.assets.tiny import VOCAB_SIZE
+    from dflash_train.drafter import save_drafter
+    from tests.evaluate.conftest import mapped_drafter
+
+    model = fit_drafter(mapped_drafter(store, VOCAB_SIZE // 2, seed=1), store, steps=60)
+    online = _served_equals_online(llama_server, target_gguf, store,
+                                   str(save_drafter(model, tmp_path / "mapped")), tmp_path)
+    assert sum(n > 0 for n in online["streak_hist"]) >= 3, "too uniform to test"
+
+
+def test_a_dflash2_drafter_is_served_as_it_replays(llama_server, target_gguf, store,
+                                                   tmp_path):
+    # The selector walk (llama.cpp's h_nextn lattice) must pick the candidates ours picks:
+    # the backbone is fitted, the selector's codebooks random, so the walk changes drafts.
+    import torch
+
+    from dflash_train.drafter import save_drafter
+
+    model = fit_drafter(random_drafter(seed=3, kind="dflash2", conv_kernel_size=2,
+                                       conv_group_size=16, selector_rank=8,
+                                       selector_top_k=5), store, steps=60)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.candidate_selector.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    online = _served_equals_online(llama_server, target_gguf, store,
+                                   str(save_drafter(model, tmp_path / "walk")), tmp_path)
+    assert sum(n > 0 for n in online["streak_hist"]) >= 3, "too uniform to test"
