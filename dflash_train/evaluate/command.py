@@ -62,9 +62,17 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="Also run live greedy speculative decoding with the target (--model) on "
                    "the same prompts: the ground truth offline replay must match.")
 @click.option("--served", is_flag=True,
-              help="Also serve the target (--model, a directory) with each checkpoint "
-                   "through vLLM, greedy on the same prompts, and report vLLM's own "
-                   "acceptance counters beside offline and --online.")
+              help="Also serve the target (--model) with each checkpoint through a serving "
+                   "engine (--engine), greedy on the same prompts, and report the engine's "
+                   "own acceptance counters beside offline and --online.")
+@click.option("--engine", type=click.Choice(["vllm", "llama.cpp"]), default="vllm",
+              show_default=True,
+              help="--served's engine: vLLM (--model a directory) or llama.cpp's llama-server "
+                   "(--model a .gguf; each checkpoint is exported as a DFlash GGUF).")
+@click.option("--llama-server", default=None,
+              help="The llama-server binary for --served --engine llama.cpp. Default: "
+                   "$DFLASH_LLAMA_SERVER, else the one scripts/llama_cpp_build.sh builds "
+                   "(~/.cache/dflash-train/llama.cpp-11434/bin/llama-server).")
 @click.option("--vllm-python", default=None,
               help="The Python that runs vLLM for --served. Default: this one if it "
                    "imports vllm, else the venv of scripts/vllm_venv.sh "

@@ -49,3 +49,8 @@ class EvalConfig:
     vllm_python: str | None = None
     """The Python that runs vLLM for --served; None: this one when it imports vllm, else the
     venv scripts/vllm_venv.sh builds."""
+    engine: Literal["vllm", "llama.cpp"] = "vllm"
+    """--served's serving engine."""
+    llama_server: str | None = None
+    """The llama-server binary for --served --engine llama.cpp; None: $DFLASH_LLAMA_SERVER,
+    else the one scripts/llama_cpp_build.sh builds."""

@@ -1,9 +1,10 @@
 """The decode modes of `dflash eval`, beside offline replay: `--online` (our live loop) and
-`--served` (a serving engine, vLLM). One interface: check the options, prepare everything
-(load the target, find the engine, check it is the store's target) before the first drafter
-forward, then run on the held-out prompts. A run's results have one summary type (summary.py)
-and one table signature, and are checked by the one agreement check (agreement.py); a new
-mode or engine is one subclass here and one line in `decode_modes`.
+`--served` (a serving engine: vLLM, or llama.cpp with `--engine llama.cpp`). One interface:
+check the options, prepare everything (load the target, find the engine, check it is the
+store's target) before the first drafter forward, then run on the held-out prompts. A run's
+results have one summary type (summary.py) and one table signature, and are checked by the
+one agreement check (agreement.py); a new mode is one subclass here and one line in
+`decode_modes`, a new engine one ServedMode subclass and one entry in SERVING_ENGINES.
 """
 
 from abc import ABC, abstractmethod
@@ -185,6 +186,8 @@ class VllmMode(ServedMode):
 
     def check_options(self, cfg: EvalConfig) -> None:
         super().check_options(cfg)
+        if cfg.llama_server:
+            raise EvalError("--llama-server only applies to --served --engine llama.cpp")
         if not (Path(cfg.model) / "config.json").is_file():
             raise EvalError(f"--served --model {cfg.model}: vLLM serves a model directory "
                             "(config.json + safetensors); give the target's directory (for "
@@ -227,9 +230,74 @@ def vllm_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
                       max_position=config_field(text_part(config), "max_position_embeddings"))
 
 
-SERVING_ENGINES: dict[str, type[ServedMode]] = {"vllm": VllmMode}
-"""--served's engines by name (a second engine, e.g. llama.cpp, is one ServedMode subclass
-and one entry here)."""
+class LlamaCppMode(ServedMode):
+    """`--served --engine llama.cpp`: llama-server with each checkpoint exported as a DFlash
+    GGUF (served_llama.py)."""
+
+    def check_options(self, cfg: EvalConfig) -> None:
+        from dflash_train.evaluate.llama_server import find_llama_server
+
+        super().check_options(cfg)
+        if cfg.vllm_python:
+            raise EvalError("--vllm-python only applies to --served --engine vllm")
+        model = Path(cfg.model)
+        if model.suffix.lower() != ".gguf" or not model.is_file():
+            raise EvalError(f"--served --engine llama.cpp --model {cfg.model}: llama-server "
+                            "serves a target .gguf file and this is not one (convert the "
+                            "target with llama.cpp's convert_hf_to_gguf.py; float32 for a "
+                            "like-for-like check)")
+        find_llama_server(cfg.llama_server)  # a wrong --llama-server is refused before work
+
+    def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
+        self.plan = llama_plan(cfg, store)
+
+    def serve(self, inputs, samples, stop):
+        from dflash_train.evaluate.served_llama import run_llama_served
+
+        paths = {c.name: (c.path, c.config.block_size) for c in inputs.checkpoints}
+        self.served = run_llama_served(self.plan, paths, samples, stop, inputs.echo)
+        return self.served
+
+    def causes(self, diff, inputs, name):
+        meta = inputs.store.meta
+        config = next(c.config for c in inputs.checkpoints if c.name == name)
+        served = "float32" if self.plan.target_type == "ALL_F32" else self.plan.target_type
+        causes = likely_causes(diff, served_dtype=served, store_dtype=meta.hidden_dtype,
+                               regenerated=meta.source.regenerated,
+                               sliding="sliding_attention" in config.layer_types,
+                               drafter_dtype=self.plan.dtype, engine="llama.cpp")
+        if diff["kind"] == "text" and \
+                diff["prompt"] in self.served[name].info["stopped_on_other_eog"]:
+            causes.insert(1, "llama.cpp stopped on an end-of-generation token of its "
+                             "vocabulary that --online's stop rule does not end on")
+        return causes
+
+
+def llama_plan(cfg: EvalConfig, store: Store):
+    """Find llama-server and check --model is the store's target, before the first forward."""
+    from dflash_train.evaluate.llama_server import find_llama_server
+    from dflash_train.evaluate.online import check_target
+    from dflash_train.evaluate.served_llama import LlamaPlan, server_version, target_file_type
+    from dflash_train.target.errors import TargetError
+    from dflash_train.target.loading import load_config, target_info
+    from dflash_train.target_config import config_field, text_part
+
+    binary = find_llama_server(cfg.llama_server)
+    try:
+        config = load_config(cfg.model)
+        info = target_info(cfg.model, config)
+    except TargetError as e:
+        raise EvalError(str(e)) from e
+    check_target(cfg.model, info, store.meta.target)
+    return LlamaPlan(binary=binary, version=server_version(binary),
+                     target=str(Path(cfg.model).resolve()),
+                     target_type=target_file_type(Path(cfg.model)),
+                     vocab=config_field(text_part(config), "vocab_size"),
+                     dtype=store.meta.hidden_dtype, threads=torch.get_num_threads())
+
+
+SERVING_ENGINES: dict[str, type[ServedMode]] = {"vllm": VllmMode, "llama.cpp": LlamaCppMode}
+"""--served's engines by --engine name: each one ServedMode subclass."""
 
 
 def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:
@@ -238,7 +306,7 @@ def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:
     if cfg.online:
         modes.append(OnlineMode())
     if cfg.served:
-        modes.append(SERVING_ENGINES["vllm"]())
+        modes.append(SERVING_ENGINES[cfg.engine]())
     return modes
 
 

@@ -290,8 +290,12 @@ def check_options(cfg: EvalConfig) -> list[DecodeMode]:
     modes = decode_modes(cfg)
     for mode in modes:
         mode.check_options(cfg)
-    if cfg.vllm_python and not cfg.served:
-        raise EvalError("--vllm-python only applies to --served; add --served or drop it")
+    served_only = [name for name, given in (("--vllm-python", cfg.vllm_python),
+                                            ("--llama-server", cfg.llama_server),
+                                            (f"--engine {cfg.engine}", cfg.engine != "vllm"))
+                   if given]
+    if served_only and not cfg.served:
+        raise EvalError(f"{served_only[0]} only applies to --served; add --served or drop it")
     if not modes:
         # Offline replay never loads the target: a --model given without --online would be
         # silently ignored, and the user would read offline numbers as live ones.

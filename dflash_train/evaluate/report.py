@@ -251,26 +251,49 @@ def _rates(values: list) -> str:
     return " ".join(_fmt(v, 2) for v in values)
 
 
+SERVING_ENGINES = {"vllm": "vLLM", "llama_cpp": "llama.cpp"}
+"""A served column's key of the engine's own counters -> the engine's name."""
+
+
+def _engine_of(report: dict) -> str:
+    """The report key of the engine that served (the served columns hold its counters)."""
+    for c in report["checkpoints"]:
+        for key in SERVING_ENGINES:
+            if (c.get("served") or {}).get(key) is not None:
+                return key
+    return "vllm"
+
+
+def _engine_line(name: str, key: str, served: dict) -> str:
+    """One checkpoint's counters in the engine's convention."""
+    v, info = served[key], served.get("info") or {}
+    resolved = (info.get("resolved") or {}).get("architectures")
+    engine = SERVING_ENGINES[key]
+    version = (info.get("versions") or {}).get(engine.lower(), "?")
+    return (f"  {name}: {engine.lower()} {version}"
+            + (f" as {','.join(resolved)}" if resolved else "")
+            + f": drafts {v['num_drafts']}, accepted {v['num_accepted_tokens']}, "
+            f"mean acceptance length {_fmt(v['mean_acceptance_length'])}; per "
+            f"position {_rates(v['acceptance_rate_per_pos'])}; per-request counts "
+            + ("equal" if v["counters_agree"] else "DIFFER FROM")
+            + " its Prometheus totals")
+
+
 def format_served(report: dict) -> list[str]:
-    """vLLM's own counters (its convention) and the served-vs-offline check, per checkpoint."""
+    """The engine's own counters (its convention) and the served-vs-offline check, per
+    checkpoint."""
     check = report["served_check"]
-    out = [f"served through vLLM, {check['prompts']} prompts; the served columns above count "
-           "committed tokens, like offline. vLLM's own counters (accepted drafts per verify "
-           "step, counted before its stop check; mean acceptance length = 1 + accepted / "
-           "drafts):"]
+    key = _engine_of(report)
+    engine = SERVING_ENGINES[key]
+    out = [f"served through {engine}, {check['prompts']} prompts; the served columns above "
+           f"count committed tokens, like offline. {engine}'s own counters (accepted drafts "
+           "per verify step, counted before its stop check; mean acceptance length = 1 + "
+           "accepted / drafts):"]
     for c in report["checkpoints"]:
         served = c.get("served")
         if served is None:
             continue
-        v, info = served["vllm"], served.get("info") or {}
-        resolved = (info.get("resolved") or {}).get("architectures")
-        out.append(f"  {c['name']}: vllm {(info.get('versions') or {}).get('vllm', '?')}"
-                   + (f" as {','.join(resolved)}" if resolved else "")
-                   + f": drafts {v['num_drafts']}, accepted {v['num_accepted_tokens']}, "
-                   f"mean acceptance length {_fmt(v['mean_acceptance_length'])}; per "
-                   f"position {_rates(v['acceptance_rate_per_pos'])}; per-request counts "
-                   + ("equal" if v["counters_agree"] else "DIFFER FROM")
-                   + " its Prometheus totals")
+        out.append(_engine_line(c["name"], key, served))
         entry = check["checkpoints"][c["name"]]
         same = [f"text equal to the stored text for {entry['same_text']}"]
         same += [f"taus equal to {k.removeprefix('same_taus_as_')} for {n}"

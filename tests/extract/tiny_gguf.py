@@ -50,10 +50,15 @@ def random_llama(seed: int = 0):
     return LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
 
 
-def write_tiny_gguf(path, hf_dir=None, seed: int = 0, name: str = "tiny-llama") -> str:
-    """Write the GGUF at `path`; with `hf_dir`, the dequantized weights as safetensors there
-    (with the tokenizer transformers builds from the GGUF)."""
+def write_tiny_gguf(path, hf_dir=None, seed: int = 0, name: str = "tiny-llama",
+                    matrices: str = "Q8_0") -> str:
+    """Write the GGUF at `path`, its matrices `matrices` ("Q8_0", or "F32" where llama.cpp must
+    compute what transformers computes: it multiplies Q8_0 weights by Q8_0-rounded
+    activations); with `hf_dir`, the dequantized weights as safetensors there (with the
+    tokenizer transformers builds from the GGUF)."""
     import gguf
+
+    kind = gguf.GGMLQuantizationType[matrices]
 
     model = random_llama(seed)
     tokens = _tokenizer_metadata()
@@ -69,7 +74,8 @@ def write_tiny_gguf(path, hf_dir=None, seed: int = 0, name: str = "tiny-llama") 
     writer.add_rope_freq_base(LLAMA["rope_theta"])
     writer.add_layer_norm_rms_eps(LLAMA["rms_norm_eps"])
     writer.add_vocab_size(LLAMA["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if matrices == "F32"
+                         else gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen35")  # the split regex the tiny BPE was trained with
     writer.add_token_list(tokens["tokens"])
@@ -90,13 +96,13 @@ def write_tiny_gguf(path, hf_dir=None, seed: int = 0, name: str = "tiny-llama") 
             writer.add_tensor(gguf_name(hf), w)
             reference[hf] = w
             continue
-        q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)  # [rows, bytes per row]
-        reference[hf] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+        q = gguf.quants.quantize(w, kind)  # [rows, bytes per row]; F32: the values
+        reference[hf] = gguf.quants.dequantize(q, kind)
         if hf.endswith("q_proj.weight"):
             q = llama_cpp_permute(q, LLAMA["num_attention_heads"])
         elif hf.endswith("k_proj.weight"):
             q = llama_cpp_permute(q, LLAMA["num_key_value_heads"])
-        writer.add_tensor(gguf_name(hf), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(gguf_name(hf), q, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,394 @@
+"""`eval --served --engine llama.cpp`: llama-server serves the target GGUF with each checkpoint
+exported as a DFlash GGUF (`dflash export --format gguf`), greedy, one prompt at a time, and
+its counts become rounds through served.py's engine-neutral counting, beside offline replay
+and `--online`.
+
+What llama.cpp tells, per request (docs/design.md lists the source lines):
+- the response: the generated token ids (`return_tokens`), why it stopped (`stop_type`), and
+  `timings.draft_n` / `timings.draft_n_accepted`, the request's drafted and accepted totals;
+- its log, with LLAMA_TRACE=1: one "accepted A/D draft tokens" line per verify step, the only
+  per-step account it gives;
+- /metrics, once per checkpoint (a fresh server each): `llamacpp:spec_decode_*` totals.
+The log's steps must add up to the response's totals (EvalError otherwise); their sum over
+every request is checked against /metrics (`counters_agree` in the report).
+
+The stop rule is `--online`'s, applied here to llama-server's output: it may generate a block
+past the cap (n_predict = cap + block), because near its n_predict llama-server shortens the
+draft to the tokens left and drafts none for the last one, which our loop never does; the
+text is cut where --online stops and the steps are kept up to the one that reaches that
+point. llama.cpp stops by itself at its end-of-generation tokens; where one is not among
+--online's end-of-turn ids the texts differ and the report names that as a likely cause.
+
+llama.cpp's convention (the `llama_cpp` block of the served summary) is vLLM's: accepted
+drafts per verify step, counted before the stop check, over the steps that made the text;
+mean acceptance length = 1 + accepted / steps.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_train.dtypes import torch_dtype as named_dtype
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.llama_server import LlamaServer, ServerSetup
+from dflash_train.evaluate.online import StopRule
+from dflash_train.evaluate.replay import EvalSample
+from dflash_train.evaluate.served import (
+    ServedPrompt,
+    ServedResults,
+    ServedRun,
+    served_prompts,
+    served_run,
+)
+
+ENGINE = "llama.cpp"
+REPORT_KEY = "llama_cpp"
+STEP = re.compile(r"\| task (\d+) \| accepted\s+(\d+)/\s*(\d+) draft tokens(.*)$")
+"""server-context.cpp logs a verify step so (LLAMA_TRACE > 0); a suffix marks a restore."""
+RELEASE = re.compile(r"\| task (\d+) \| stop processing:")
+"""Logged when the slot is released, after the last step of the request."""
+_STOP_TYPES = ("eos", "limit")
+"""Why it may stop here: an end-of-generation token, n_predict (no stop words are sent)."""
+LOG_SECONDS = 30.0
+"""How long the log may lag the response (llama.cpp logs from a worker thread)."""
+
+Step = tuple[int, int]
+"""One verify step: (accepted, drafted)."""
+
+
+@dataclass
+class Completion:
+    """One /completion answer, checked."""
+
+    tokens: list[int]
+    """The generated ids."""
+    stop_type: str
+    draft_n: int
+    draft_accepted: int
+
+
+def _int(value, what: str, where: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise EvalError(f"{where}: {what} is {value!r}, not an integer >= {low}")
+    return value
+
+
+def parse_completion(raw: bytes, prompt_length: int, vocab: int, where: str) -> Completion:
+    """llama-server's /completion answer; EvalError naming what is wrong in it."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise EvalError(f"{where}: the answer is not JSON ({e}): {raw[:200]!r}") from e
+    if not isinstance(body, dict):
+        raise EvalError(f"{where}: the answer is a {type(body).__name__}, not an object")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise EvalError(f"{where}: no generated token ids (`tokens` is {str(tokens)[:80]})")
+    for t in tokens:
+        if _int(t, "a generated token id", where) >= vocab:
+            raise EvalError(f"{where}: generated token id {t} is outside the {vocab}-token "
+                            "vocabulary")
+    _check_prompt_length(body, prompt_length, where)
+    stop = body.get("stop_type")
+    if stop not in _STOP_TYPES:
+        raise EvalError(f"{where}: stop_type {stop!r}, expected one of {_STOP_TYPES}")
+    timings = body.get("timings")
+    if not isinstance(timings, dict):
+        raise EvalError(f"{where}: no `timings` object (it carries the draft counts)")
+    if _int(timings.get("predicted_n"), "timings.predicted_n", where) != len(tokens):
+        raise EvalError(f"{where}: timings.predicted_n {timings['predicted_n']} but "
+                        f"{len(tokens)} token ids")
+    # draft_n and draft_n_accepted are left out when nothing was drafted (server-common.cpp)
+    return Completion(tokens, stop, _int(timings.get("draft_n", 0), "timings.draft_n", where),
+                      _int(timings.get("draft_n_accepted", 0), "timings.draft_n_accepted",
+                           where))
+
+
+def _check_prompt_length(body: dict, prompt_length: int, where: str) -> None:
+    """It read exactly our ids (no BOS of its own, nothing cached)."""
+    evaluated = _int(body.get("tokens_evaluated"), "tokens_evaluated", where)
+    if evaluated != prompt_length:
+        raise EvalError(f"{where}: it evaluated {evaluated} prompt tokens, we sent "
+                        f"{prompt_length} (a BOS of its own or a cached prefix?)")
+
+
+_METRICS = {
+    "llamacpp:spec_decode_num_drafts_total": "num_drafts",
+    "llamacpp:spec_decode_num_draft_tokens_total": "num_draft_tokens",
+    "llamacpp:spec_decode_num_accepted_tokens_total": "num_accepted_tokens",
+}
+_PER_POS = re.compile(
+    r'^llamacpp:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}$')
+
+
+def parse_metrics(text: str, where: str) -> dict:
+    """The spec-decode totals of llama-server's Prometheus text, in served.py's names;
+    EvalError when one is missing or not a number."""
+    out: dict = {}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            number = float(value)
+        except ValueError:
+            raise EvalError(f"{where}: /metrics line {line[:120]!r} has no number") from None
+        if name in _METRICS:
+            out[_METRICS[name]] = number
+        elif (m := _PER_POS.match(name)) is not None:
+            per_pos[int(m.group(1))] = number
+    missing = [n for n in _METRICS if _METRICS[n] not in out]
+    if missing:
+        raise EvalError(f"{where}: /metrics has no {', '.join(missing)} (was it started "
+                        "with --metrics and a drafter?)")
+    if sorted(per_pos) != list(range(len(per_pos))):
+        raise EvalError(f"{where}: /metrics per-position counts at positions "
+                        f"{sorted(per_pos)}, not 0..{len(per_pos) - 1}")
+    out["accepted_per_pos"] = [per_pos[i] for i in range(len(per_pos))]
+    return out
+
+
+def parse_steps(log: str, where: str) -> tuple[list[Step], bool]:
+    """The verify steps the log segment `log` records for the request it ends, and whether
+    it reached that request's end (the slot's release)."""
+    steps: dict[int, list[Step]] = {}
+    for line in log.splitlines():
+        if (m := STEP.search(line)) is not None:
+            if m.group(4).strip():
+                raise EvalError(f"{where}: llama-server restored a checkpoint after a partly "
+                                f"rejected draft ({line.strip()[-80:]}): a target whose cache "
+                                "cannot drop rejected tokens (recurrent or hybrid); its log "
+                                "then does not say what each step committed")
+            task, accepted, drafted = (int(g) for g in m.groups()[:3])
+            steps.setdefault(task, []).append((accepted, drafted))
+        elif (m := RELEASE.search(line)) is not None:
+            return steps.get(int(m.group(1)), []), True
+    return [], False
+
+
+def check_steps(steps: list[Step], done: Completion, block_size: int, where: str) -> None:
+    """The log's steps are whole drafts of the drafter's block and add up to the answer's
+    totals."""
+    for i, (accepted, drafted) in enumerate(steps):
+        if not 0 < drafted <= block_size - 1 or accepted > drafted:
+            raise EvalError(f"{where}: step {i} accepted {accepted} of {drafted} drafts "
+                            f"(block size {block_size})")
+    drafted, accepted = sum(d for _, d in steps), sum(a for a, _ in steps)
+    if (drafted, accepted) != (done.draft_n, done.draft_accepted):
+        raise EvalError(f"{where}: its log's {len(steps)} steps drafted {drafted} and "
+                        f"accepted {accepted}, its answer says {done.draft_n} and "
+                        f"{done.draft_accepted}")
+
+
+def cut_at_stop(prompt: ServedPrompt, generated: list[int], stop: StopRule) -> list[int]:
+    """The generated tokens --online's stop rule keeps (through the first token it stops on)."""
+    for n, token in enumerate(generated, start=1):
+        if stop.done(token, n, len(prompt.ids) + n):
+            return generated[:n]
+    return generated
+
+
+def steps_for(steps: list[Step], n_tokens: int) -> list[Step]:
+    """The steps that made the first `n_tokens` generated tokens (the first is the prefill's):
+    each but the last commits accepted + 1."""
+    kept, made = [], 1
+    for step in steps:
+        if made >= n_tokens:
+            break
+        kept.append(step)
+        made += step[0] + 1
+    return kept
+
+
+def request_body(prompt: ServedPrompt, block_size: int) -> dict:
+    """Greedy on our ids, nothing cached; a block of tokens past the cap so that no draft
+    inside --online's text is shortened (see the module docstring)."""
+    return {"prompt": prompt.ids, "n_predict": prompt.max_tokens + block_size,
+            "temperature": 0.0, "samplers": ["temperature"], "cache_prompt": False,
+            "return_tokens": True, "stream": False, "seed": 0}
+
+
+def printed_equal(printed: float | None, exact: int) -> bool:
+    """Whether a Prometheus value llama-server printed equals `exact`: it streams doubles with
+    C++'s default 6 significant digits (server-task.cpp), so 1234567 reads 1.23457e+06."""
+    return printed is not None and float(f"{exact:.6g}") == printed
+
+
+def metrics_agree(metrics: dict, steps: list[Step], block_size: int) -> bool:
+    """Every step of every request (past --online's stop too) against /metrics."""
+    per_pos = [sum(a > k for a, _ in steps) for k in range(block_size - 1)]
+    printed = metrics.get("accepted_per_pos") or []
+    return (printed_equal(metrics.get("num_drafts"), len(steps))
+            and printed_equal(metrics.get("num_draft_tokens"), sum(d for _, d in steps))
+            and printed_equal(metrics.get("num_accepted_tokens"), sum(a for a, _ in steps))
+            and len(printed) == len(per_pos)
+            and all(printed_equal(p, n) for p, n in zip(printed, per_pos, strict=True)))
+
+
+def request_steps(server: LlamaServer, offset: int, where: str) -> list[Step]:
+    """The steps its log records from `offset` to the request's end (the log may lag)."""
+    deadline = time.monotonic() + LOG_SECONDS
+    while True:
+        steps, done = parse_steps(server.read_log(offset), where)
+        if done:
+            return steps
+        if time.monotonic() > deadline:
+            raise server.failure(f"logged no end of the request within {LOG_SECONDS:.0f} s "
+                                 f"({where})")
+        time.sleep(0.05)
+
+
+@dataclass
+class Served:
+    """One prompt through llama-server."""
+
+    run: ServedRun
+    steps: list[Step]
+    """Every verify step of the request, past --online's stop too."""
+    early_eog: bool
+    """It stopped on an end-of-generation token --online does not stop on."""
+
+
+def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, stop: StopRule,
+                 vocab: int, name: str) -> Served:
+    where = f"llama-server, checkpoint {name}, prompt {prompt.key}"
+    offset = server.log_size()
+    raw = server.complete(request_body(prompt, block_size))
+    done = parse_completion(raw, len(prompt.ids), vocab, where)
+    steps = request_steps(server, offset, where)
+    check_steps(steps, done, block_size, where)
+    text = cut_at_stop(prompt, done.tokens, stop)
+    kept = steps_for(steps, len(text))
+    run = served_run(prompt, {"token_ids": text, "per_step_accepted": [a for a, _ in kept],
+                              "per_step_drafted": [d for _, d in kept]}, block_size, ENGINE)
+    ended = len(prompt.ids) + len(text)
+    early = (done.stop_type == "eos" and text == done.tokens
+             and not stop.done(text[-1], len(text), ended))
+    return Served(run, steps, early)
+
+
+# -- a run of every checkpoint -------------------------------------------------------------
+
+
+@dataclass
+class LlamaPlan:
+    """What `run_llama_served` needs besides the checkpoints, all checked before it runs."""
+
+    binary: str
+    version: str
+    """What `llama-server --version` says after "version: "."""
+    target: str
+    """The target GGUF (--model)."""
+    target_type: str
+    """Its weights' type as its general.file_type names it (ALL_F32, MOSTLY_Q8_0, ...)."""
+    vocab: int
+    dtype: str
+    """The store's dtype: the drafter's matrices are exported in it."""
+    threads: int
+
+
+def server_version(binary: str) -> str:
+    """`llama-server --version`'s version line, or why there is none (never fatal)."""
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    lines = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("version: ")]
+    return lines[0].removeprefix("version: ") if lines else "unknown"
+
+
+def target_file_type(path: Path) -> str:
+    """The target GGUF's general.file_type by name (ALL_F32, MOSTLY_Q8_0, ...), which says
+    how llama.cpp computes it; "unknown" when the key is absent or unnamed."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(path).fields.get("general.file_type")
+    try:
+        return LlamaFileType(int(field.contents())).name
+    except (AttributeError, TypeError, ValueError):
+        return "unknown"
+
+
+def export_drafters(checkpoints: dict[str, tuple[str, int]], plan: LlamaPlan, workdir: Path
+                    ) -> dict[str, Path]:
+    """Each checkpoint as a DFlash GGUF beside the target (drafter/gguf_export.py)."""
+    from dflash_train.drafter import DrafterError
+    from dflash_train.drafter.gguf_export import export_gguf
+
+    out = {}
+    for name, (path, _) in checkpoints.items():
+        try:
+            out[name] = export_gguf(path, workdir / f"{name}.gguf", plan.target,
+                                    dtype=named_dtype(plan.dtype))
+        except DrafterError as e:
+            raise EvalError(f"--served --engine llama.cpp {name}: cannot export {path} as a "
+                            f"llama.cpp GGUF ({e})") from e
+    return out
+
+
+def context_size(prompts: list[ServedPrompt], block_size: int) -> int:
+    """Room for the longest request and a block more: llama-server drafts only
+    n_ctx - tokens - 2 near the end of its context (server-context.cpp)."""
+    return max(len(p.ids) + p.max_tokens for p in prompts) + 3 * block_size
+
+
+def serve_checkpoint(plan: LlamaPlan, name: str, drafter: Path, block_size: int,
+                     prompts: list[ServedPrompt], stop: StopRule, workdir: Path
+                     ) -> ServedResults:
+    """One llama-server with this drafter, every prompt in turn, then its /metrics."""
+    setup = ServerSetup(plan.binary, plan.target, str(drafter), block_size,
+                        context_size(prompts, block_size), plan.threads,
+                        workdir / f"{name}.log")
+    started = time.monotonic()
+    with LlamaServer(setup) as server:
+        loaded = time.monotonic()
+        served = [serve_prompt(server, p, block_size, stop, plan.vocab, name) for p in prompts]
+        generated = time.monotonic()
+        metrics = parse_metrics(server.metrics(), f"llama-server, checkpoint {name}")
+    steps = [s for x in served for s in x.steps]
+    info = {"versions": {"llama.cpp": plan.version}, "server": plan.binary,
+            "target_type": plan.target_type,
+            "stopped_on_other_eog": [x.run.prompt.key for x in served if x.early_eog],
+            "seconds": {"load": loaded - started, "generate": generated - loaded}}
+    return ServedResults(name, block_size, [x.run for x in served], metrics, info,
+                         engine=REPORT_KEY,
+                         counters_agree=metrics_agree(metrics, steps, block_size))
+
+
+def run_llama_served(plan: LlamaPlan, checkpoints: dict[str, tuple[str, int]],
+                     samples: list[EvalSample], stop: StopRule,
+                     echo: Callable[[str], None] = print) -> dict[str, ServedResults]:
+    """Serve each checkpoint ({name: (path, block_size)}) and decode every prompt.
+
+    Exports and logs live in a temporary directory, removed when every run succeeded and
+    kept (named in the error) when one failed."""
+    prompts = served_prompts(samples, stop)
+    if not prompts:
+        raise EvalError("--served: no held-out sample has a prompt and a response to decode")
+    workdir = Path(tempfile.mkdtemp(prefix="dflash-served-llama-"))
+    try:
+        drafters = export_drafters(checkpoints, plan, workdir)
+    except BaseException:  # Ctrl-C and a full disk too: half-written exports are worth nothing
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    results = {}
+    for name, (_, block_size) in checkpoints.items():
+        echo(f"served: {name}: llama-server ({plan.version}) serves {plan.target} "
+             f"({plan.target_type}) with {len(prompts)} prompts (log: {workdir / name}.log)")
+        try:
+            results[name] = serve_checkpoint(plan, name, drafters[name], block_size, prompts,
+                                             stop, workdir)
+        except EvalError as e:
+            raise EvalError(f"{e} (exports and logs kept in {workdir})") from e
+        seconds = results[name].info["seconds"]
+        echo(f"served: {name}: done (load {seconds['load']:.0f} s, generate "
+             f"{seconds['generate']:.1f} s)")
+    shutil.rmtree(workdir, ignore_errors=True)
+    return results
