@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from dflash_train.batching import padded_batches
 from dflash_train.blocks import block_label_mask, block_labels, eligible_anchors, replay_anchors
 from dflash_train.evaluate.damage import DamagePolicy
 from dflash_train.evaluate.drafting import BlockDrafter, select_rows
@@ -159,22 +160,6 @@ def _read_part(part: Part, damage: DamagePolicy) -> Iterator[EvalSample]:
             else:
                 yield EvalSample.from_sample(part.index, k, span[k - i])
         i = j
-
-
-def batch_samples(samples: Iterable[EvalSample], batch_tokens: int
-                  ) -> Iterator[list[EvalSample]]:
-    """Consecutive samples grouped so that count x longest <= batch_tokens."""
-    batch: list[EvalSample] = []
-    longest = 0
-    for s in samples:
-        n = len(s.input_ids)
-        if batch and (len(batch) + 1) * max(longest, n) > batch_tokens:
-            yield batch
-            batch, longest = [], 0
-        batch.append(s)
-        longest = max(longest, n)
-    if batch:
-        yield batch
 
 
 def padded_context(samples: list[EvalSample]) -> torch.Tensor:
@@ -384,7 +369,7 @@ def evaluate_offline(
     results = {name: CheckpointResults(name, d.block_size, settings, not d.walks)
                for name, d in drafters.items()}
     agreement = Agreement()
-    for batch in batch_samples(samples, settings.batch_tokens):
+    for batch in padded_batches(samples, lambda s: len(s.input_ids), settings.batch_tokens):
         for s in batch:
             agreement.add(s)
         for name, drafter in drafters.items():

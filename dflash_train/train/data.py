@@ -36,6 +36,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from dflash_train.batching import padded_batches
 from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import (
     Damage,
@@ -176,19 +177,12 @@ def plan_epoch(
 ) -> Iterator[list[SampleRef]]:
     """The global batches of one epoch, from sample lengths only."""
     rng = np.random.default_rng([cfg.seed, epoch])
-    draw = _draw_random if cfg.grouping == "random" else _draw_by_length
-    buffer: list[SampleRef] = []
-    buffered = 0  # tokens in buffer
-    batch: list[SampleRef] = []
-    for refs in _shuffled_units(parts, cfg, rng):
-        for ref in refs:
-            buffer.append(ref)
-            buffered += ref.length
-            if buffered > cfg.shuffle_buffer_tokens:
-                batch, buffered = yield from draw(buffer, buffered, batch, cfg, rng)
-    batch, _ = yield from draw(buffer, buffered, batch, cfg, rng, keep=-1)
-    if batch:
-        yield batch
+    units = _shuffled_units(parts, cfg, rng)
+    if cfg.grouping == "random":
+        refs = _random_draws(units, cfg.shuffle_buffer_tokens, rng)
+        yield from padded_batches(refs, _ref_length, cfg.batch_tokens)
+    else:
+        yield from _by_length(units, cfg, rng)
 
 
 def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
@@ -212,49 +206,50 @@ def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
             yield units[u]
 
 
-def _draw_random(buffer: list[SampleRef], buffered: int, batch: list[SampleRef],
-                 cfg: LoaderConfig, rng: np.random.Generator, keep: int | None = None):
-    """Move random samples of the buffer (`buffered` tokens) into the batch filling until it
-    holds at most `keep` tokens (default: the shuffle buffer's size); returns that batch and
-    the tokens left."""
-    keep = cfg.shuffle_buffer_tokens if keep is None else keep
-    while buffered > keep and buffer:
-        ref = buffer.pop(int(rng.integers(len(buffer))))
-        buffered -= ref.length
-        batch = yield from _add(batch, ref, cfg.batch_tokens)
-    return batch, buffered
+def _ref_length(ref: SampleRef) -> int:
+    return ref.length
 
 
-def _draw_by_length(buffer: list[SampleRef], buffered: int, batch: list[SampleRef],
-                    cfg: LoaderConfig, rng: np.random.Generator, keep: int | None = None):
-    """Empty the whole buffer into batches of samples sorted by length and yield them in
-    random order; no batch is left filling (`batch` is always empty here, `keep` unused:
-    the buffer is drawn only once it is full, or at the epoch's end)."""
-    by_length = sorted(buffer, key=lambda r: r.length)  # stable: ties keep the random order
-    buffer.clear()
-    batches = list(_pack(batch + by_length, cfg.batch_tokens))
+def _random_draws(units: Iterator[list[SampleRef]], keep: int, rng: np.random.Generator
+                  ) -> Iterator[SampleRef]:
+    """The units' samples in random order: each drawn at random from a buffer refilled to
+    `keep` tokens, which is then emptied at the epoch's end."""
+    buffer: list[SampleRef] = []
+    buffered = 0  # tokens in buffer
+    for unit in units:
+        for ref in unit:
+            buffer.append(ref)
+            buffered += ref.length
+            while buffered > keep and buffer:
+                drawn = buffer.pop(int(rng.integers(len(buffer))))
+                buffered -= drawn.length
+                yield drawn
+    while buffer:
+        yield buffer.pop(int(rng.integers(len(buffer))))
+
+
+def _by_length(units: Iterator[list[SampleRef]], cfg: LoaderConfig,
+               rng: np.random.Generator) -> Iterator[list[SampleRef]]:
+    """Each time the buffer holds more than the shuffle buffer's tokens (and at the epoch's
+    end), all of it in batches of samples sorted by length, yielded in random order."""
+    buffer: list[SampleRef] = []
+    buffered = 0  # tokens in buffer
+    for unit in units:
+        for ref in unit:
+            buffer.append(ref)
+            buffered += ref.length
+            if buffered > cfg.shuffle_buffer_tokens:
+                yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
+                buffer, buffered = [], 0
+    yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
+
+
+def _sorted_batches(buffer: list[SampleRef], budget: int, rng: np.random.Generator
+                    ) -> Iterator[list[SampleRef]]:
+    by_length = sorted(buffer, key=_ref_length)  # stable: ties keep the random order
+    batches = list(padded_batches(by_length, _ref_length, budget))
     for i in rng.permutation(len(batches)):
         yield batches[i]
-    return [], 0
-
-
-def _pack(refs: list[SampleRef], budget: int) -> Iterator[list[SampleRef]]:
-    """Consecutive runs of refs, each within the padded-token budget."""
-    batch: list[SampleRef] = []
-    for ref in refs:
-        batch = yield from _add(batch, ref, budget)
-    if batch:
-        yield batch
-
-
-def _add(batch: list[SampleRef], ref: SampleRef, budget: int):
-    """Append ref to batch, first yielding the batch if the padded size would exceed budget."""
-    longest = max([r.length for r in batch] + [ref.length])
-    if batch and longest * (len(batch) + 1) > budget:
-        yield batch
-        batch = []
-    batch.append(ref)
-    return batch
 
 
 def empty_batch(store: Store, skipped: list[Damage] | None = None) -> Batch:
