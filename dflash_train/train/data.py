@@ -49,7 +49,7 @@ from dflash_train.store_schema import (
     read_guarded,
     refusal,
 )
-from dflash_train.store_schema.integrity import refuse_unless_skipping
+from dflash_train.store_schema.integrity import read_by_span, refuse_unless_skipping, sample_spans
 from dflash_train.store_schema.layout import hidden_to_numpy
 from dflash_train.store_schema.sample import sample_from_arrays
 from dflash_train.train.options import option_name, require
@@ -159,19 +159,6 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _read_units(lengths: np.ndarray, unit_tokens: int) -> list[tuple[int, int]]:
-    """Runs [i, j) of consecutive samples holding about unit_tokens tokens each."""
-    units, i, acc = [], 0, 0
-    for j, n in enumerate(lengths):
-        acc += int(n)
-        if acc >= unit_tokens:
-            units.append((i, j + 1))
-            i, acc = j + 1, 0
-    if i < len(lengths):
-        units.append((i, len(lengths)))
-    return units
-
-
 def plan_epoch(
     parts: list[tuple[int, Part]], cfg: LoaderConfig, epoch: int
 ) -> Iterator[list[SampleRef]]:
@@ -198,7 +185,7 @@ def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
             if cfg.max_length:
                 lengths = np.minimum(lengths, cfg.max_length)
             weight = 1.0 if weights is None else weights[store_i]
-            for a, b in _read_units(lengths, part.store.shard_tokens):
+            for a, b in sample_spans(lengths, part.store.shard_tokens):
                 copies = int(weight) + int(rng.random() < weight - int(weight))
                 units += [[SampleRef(store_i, part.index, s, int(lengths[s]), (a, b))
                            for s in range(a, b)]] * copies
@@ -424,25 +411,25 @@ class StoreLoader:
         offsets = part.offsets()
         cut = self.cfg.max_length
 
+        def tokens(s: int) -> tuple[int, int]:
+            t0, t1 = int(offsets[s]), int(offsets[s + 1])
+            return t0, min(t1, t0 + cut) if cut else t1
+
         def read(t0: int, t1: int) -> np.ndarray:
             return part.read_tokens(t0, t1, ("loss_mask",))["loss_mask"].astype(bool)
 
-        for a, b in _read_units(np.diff(offsets), part.store.shard_tokens):
+        def read_span(a: int, b: int) -> list[np.ndarray]:
             start = int(offsets[a])
-            unit, _ = read_guarded(part.store.url, part.index, a,
-                                   lambda a=a, b=b, start=start: read(start, int(offsets[b])))
-            for s in range(a, b):
-                t0 = int(offsets[s])
-                t1 = min(int(offsets[s + 1]), t0 + cut) if cut else int(offsets[s + 1])
-                if unit is not None:
-                    yield unit[t0 - start : t1 - start]
-                    continue
-                mask, broken = read_guarded(part.store.url, part.index, s,
-                                            lambda t0=t0, t1=t1: read(t0, t1))
-                if broken is not None:
-                    damage.append(broken)
-                else:
-                    yield mask
+            unit = read(start, int(offsets[b]))
+            return [unit[t0 - start : t1 - start] for t0, t1 in map(tokens, range(a, b))]
+
+        spans = sample_spans(np.diff(offsets), part.store.shard_tokens)
+        for _, mask, broken in read_by_span(part.store.url, part.index, spans, read_span,
+                                            lambda s: read(*tokens(s))):
+            if broken is not None:
+                damage.append(broken)
+            else:
+                yield mask
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):
