@@ -39,7 +39,8 @@ from dflash_train.evaluate.metrics import (
 from dflash_train.evaluate.summary import Summary
 from dflash_train.evaluate.tree import tree_acceptance_lengths
 from dflash_train.store_schema import Damage, Part, Sample, Store, read_guarded
-from dflash_train.store_schema.integrity import read_by_span, sample_spans
+from dflash_train.store_schema.integrity import read_by_span
+from dflash_train.store_schema.part import sample_spans
 
 Mode = Literal["replay", "all"]
 

@@ -74,20 +74,6 @@ def read_guarded(store_url: str, part: int, sample: int, read: Callable[[], T]
         return None, Damage(store_url, part, sample, reason)
 
 
-def sample_spans(lengths: Sequence[int], span_tokens: int) -> list[tuple[int, int]]:
-    """Runs [i, j) of consecutive samples holding at least span_tokens tokens each (the last
-    may hold fewer): what one read of a part covers."""
-    spans, i, acc = [], 0, 0
-    for j, n in enumerate(lengths):
-        acc += int(n)
-        if acc >= span_tokens:
-            spans.append((i, j + 1))
-            i, acc = j + 1, 0
-    if i < len(lengths):
-        spans.append((i, len(lengths)))
-    return spans
-
-
 def read_by_span(store_url: str, part: int, spans: Iterable[tuple[int, int]],
                  read_span: Callable[[int, int], Sequence[T]], read_one: Callable[[int], T]
                  ) -> Iterator[tuple[int, T | None, Damage | None]]:

@@ -49,8 +49,9 @@ from dflash_train.store_schema import (
     read_guarded,
     refusal,
 )
-from dflash_train.store_schema.integrity import read_by_span, refuse_unless_skipping, sample_spans
+from dflash_train.store_schema.integrity import read_by_span, refuse_unless_skipping
 from dflash_train.store_schema.layout import hidden_to_numpy
+from dflash_train.store_schema.part import sample_spans
 from dflash_train.store_schema.sample import sample_from_arrays
 from dflash_train.train.options import option_name, require
 

@@ -1,7 +1,8 @@
 """read_by_span / sample_spans: the span-then-sample fallback train and eval share when they
 read a part (store_schema/integrity.py)."""
 
-from dflash_train.store_schema.integrity import read_by_span, sample_spans
+from dflash_train.store_schema.integrity import read_by_span
+from dflash_train.store_schema.part import sample_spans
 
 
 def test_spans_hold_at_least_the_span_tokens_and_cover_every_sample_once():
