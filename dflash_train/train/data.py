@@ -31,6 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Literal
 
 import numpy as np
@@ -165,12 +166,12 @@ def plan_epoch(
 ) -> Iterator[list[SampleRef]]:
     """The global batches of one epoch, from sample lengths only."""
     rng = np.random.default_rng([cfg.seed, epoch])
-    units = _shuffled_units(parts, cfg, rng)
+    refs = chain.from_iterable(_shuffled_units(parts, cfg, rng))
     if cfg.grouping == "random":
-        refs = _random_draws(units, cfg.shuffle_buffer_tokens, rng)
-        yield from padded_batches(refs, _ref_length, cfg.batch_tokens)
+        drawn = _random_draws(refs, cfg.shuffle_buffer_tokens, rng)
+        yield from padded_batches(drawn, _ref_length, cfg.batch_tokens)
     else:
-        yield from _by_length(units, cfg, rng)
+        yield from _by_length(refs, cfg, rng)
 
 
 def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
@@ -198,37 +199,35 @@ def _ref_length(ref: SampleRef) -> int:
     return ref.length
 
 
-def _random_draws(units: Iterator[list[SampleRef]], keep: int, rng: np.random.Generator
+def _random_draws(refs: Iterator[SampleRef], keep: int, rng: np.random.Generator
                   ) -> Iterator[SampleRef]:
-    """The units' samples in random order: each drawn at random from a buffer refilled to
-    `keep` tokens, which is then emptied at the epoch's end."""
+    """The samples in random order: each drawn at random from a buffer refilled to `keep`
+    tokens, which is then emptied at the epoch's end."""
     buffer: list[SampleRef] = []
     buffered = 0  # tokens in buffer
-    for unit in units:
-        for ref in unit:
-            buffer.append(ref)
-            buffered += ref.length
-            while buffered > keep and buffer:
-                drawn = buffer.pop(int(rng.integers(len(buffer))))
-                buffered -= drawn.length
-                yield drawn
+    for ref in refs:
+        buffer.append(ref)
+        buffered += ref.length
+        while buffered > keep and buffer:
+            drawn = buffer.pop(int(rng.integers(len(buffer))))
+            buffered -= drawn.length
+            yield drawn
     while buffer:
         yield buffer.pop(int(rng.integers(len(buffer))))
 
 
-def _by_length(units: Iterator[list[SampleRef]], cfg: LoaderConfig,
-               rng: np.random.Generator) -> Iterator[list[SampleRef]]:
+def _by_length(refs: Iterator[SampleRef], cfg: LoaderConfig, rng: np.random.Generator
+               ) -> Iterator[list[SampleRef]]:
     """Each time the buffer holds more than the shuffle buffer's tokens (and at the epoch's
     end), all of it in batches of samples sorted by length, yielded in random order."""
     buffer: list[SampleRef] = []
     buffered = 0  # tokens in buffer
-    for unit in units:
-        for ref in unit:
-            buffer.append(ref)
-            buffered += ref.length
-            if buffered > cfg.shuffle_buffer_tokens:
-                yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
-                buffer, buffered = [], 0
+    for ref in refs:
+        buffer.append(ref)
+        buffered += ref.length
+        if buffered > cfg.shuffle_buffer_tokens:
+            yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
+            buffer, buffered = [], 0
     yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
 
 
