@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from dflash_train.batching import padded_batches
 from dflash_train.blocks import block_label_mask, block_labels, eligible_anchors, replay_anchors
 from dflash_train.evaluate.damage import DamagePolicy
 from dflash_train.evaluate.drafting import BlockDrafter, select_rows
@@ -37,7 +38,9 @@ from dflash_train.evaluate.metrics import (
 )
 from dflash_train.evaluate.summary import Summary
 from dflash_train.evaluate.tree import tree_acceptance_lengths
-from dflash_train.store_schema import Part, Sample, Store, read_guarded
+from dflash_train.store_schema import Damage, Part, Sample, Store, read_guarded
+from dflash_train.store_schema.integrity import read_by_span
+from dflash_train.store_schema.part import sample_spans
 
 Mode = Literal["replay", "all"]
 
@@ -139,42 +142,22 @@ def _read_one(part: Part, i: int, damage: DamagePolicy) -> EvalSample | None:
 
 
 def _read_part(part: Part, damage: DamagePolicy) -> Iterator[EvalSample]:
-    """A part's samples, read about a shard of tokens at a time; a span that fails is read
-    again sample by sample, so only the damaged samples are named."""
-    offsets = part.offsets()
-    i = 0
-    while i < part.num_samples:
-        j = i + 1
-        while j < part.num_samples and offsets[j] - offsets[i] < part.store.shard_tokens:
-            j += 1
-        try:
-            span = list(part.iter_samples(i, j))
-        except Exception:  # a checksum or decode failure somewhere in the span
-            span = None
-        for k in range(i, j):
-            if span is None or damage.known_damage(part.index, k) is not None:
-                sample = _read_one(part, k, damage)
-                if sample is not None:
-                    yield sample
-            else:
-                yield EvalSample.from_sample(part.index, k, span[k - i])
-        i = j
+    """A part's samples, read about a shard of tokens at a time (store_schema.read_by_span:
+    a span that fails is read again sample by sample, so only the damaged samples are named)."""
+    def known(k: int) -> Damage | None:
+        return damage.known_damage(part.index, k)
 
+    def read_one(k: int) -> Sample | None:  # a sample already known damaged is not read
+        return None if known(k) is not None else part.sample(k)
 
-def batch_samples(samples: Iterable[EvalSample], batch_tokens: int
-                  ) -> Iterator[list[EvalSample]]:
-    """Consecutive samples grouped so that count x longest <= batch_tokens."""
-    batch: list[EvalSample] = []
-    longest = 0
-    for s in samples:
-        n = len(s.input_ids)
-        if batch and (len(batch) + 1) * max(longest, n) > batch_tokens:
-            yield batch
-            batch, longest = [], 0
-        batch.append(s)
-        longest = max(longest, n)
-    if batch:
-        yield batch
+    spans = sample_spans(np.diff(part.offsets()), part.store.shard_tokens)
+    for k, sample, found in read_by_span(part.store.url, part.index, spans,
+                                         lambda i, j: list(part.iter_samples(i, j)), read_one):
+        found = known(k) or found
+        if found is not None:
+            damage.handle(found)
+        else:
+            yield EvalSample.from_sample(part.index, k, sample)
 
 
 def padded_context(samples: list[EvalSample]) -> torch.Tensor:
@@ -384,7 +367,7 @@ def evaluate_offline(
     results = {name: CheckpointResults(name, d.block_size, settings, not d.walks)
                for name, d in drafters.items()}
     agreement = Agreement()
-    for batch in batch_samples(samples, settings.batch_tokens):
+    for batch in padded_batches(samples, lambda s: len(s.input_ids), settings.batch_tokens):
         for s in batch:
             agreement.add(s)
         for name, drafter in drafters.items():

@@ -71,7 +71,8 @@ def _rank_and_world() -> tuple[int, int]:
               type=click.Choice(["causal-lm", "multimodal"]),
               help="Load the checkpoint as CausalLM or as its multimodal wrapper.")
 @click.option("--revision", default=None, help="Model revision, recorded in provenance.")
-@click.option("--enable-thinking/--no-enable-thinking", default=False, show_default=True,
+@click.option("--enable-thinking/--no-enable-thinking", default=_DEFAULTS.enable_thinking,
+              show_default=True,
               help="Chat template thinking mode; must match serving.")
 @click.option("--regenerate", is_flag=True,
               help="Replace each last assistant turn by the target's greedy continuation.")
@@ -83,7 +84,7 @@ def _rank_and_world() -> tuple[int, int]:
                    "first row past the tokenizer, else a special token no chat uses.")
 @click.option("--dry-run", is_flag=True,
               help="Print bytes/token, total size and the parts plan; load no model.")
-@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+@click.option("--progress/--no-progress", default=_DEFAULTS.progress, help="Show a progress bar.")
 @click.option("--server", "servers", multiple=True, metavar="URL",
               help="With --regenerate: an OpenAI-compatible server (vLLM) serving --model, "
                    "e.g. http://127.0.0.1:8000, that generates instead of the loaded target "

@@ -8,6 +8,8 @@ uninterrupted single process would, and its stored numbers are bit-identical.
 import math
 from dataclasses import dataclass
 
+from dflash_train.batching import padded_batches
+
 
 @dataclass(frozen=True)
 class PartPlan:
@@ -34,21 +36,9 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Consecutive item indices per batch, padded size (count * longest) <= batch_tokens.
 
     Consecutive, not length-sorted: a part's samples must be appended in row order so that
-    resume can continue from the last committed row. An item longer than the budget gets a
-    batch of its own.
+    resume can continue from the last committed row.
     """
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if current and (len(current) + 1) * max(longest, n) > batch_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    return batches
+    return list(padded_batches(range(len(lengths)), lengths.__getitem__, batch_tokens))
 
 
 def bytes_per_token(num_layers: int, hidden_size: int, hidden_bytes: int, top_k: int) -> int:

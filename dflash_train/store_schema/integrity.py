@@ -8,12 +8,14 @@ Two cheap guards, no full scan:
   objects), not O(store bytes). A missing shard must be caught here: zarr would read it as
   zeros. `store stats` runs the same check before it reads.
 - while reading, `read_guarded`: a sample whose bytes fail their crc32c or do not decode
-  becomes a `Damage` naming store, part and sample, instead of a codec traceback.
+  becomes a `Damage` naming store, part and sample, instead of a codec traceback;
+  `read_by_span` reads a shard of tokens at a time and falls back to reading sample by
+  sample only where a span fails, so that only the damaged samples are named.
 Damage found either way is refused (`refusal`) unless the caller opted in to skipping it.
 This module never decides that policy itself and never repairs anything.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -70,6 +72,23 @@ def read_guarded(store_url: str, part: int, sample: int, read: Callable[[], T]
     except Exception as e:  # zarr and the codecs raise ValueError, RuntimeError, OSError, ...
         reason = one_line(f"cannot be read: {type(e).__name__}: {e}")
         return None, Damage(store_url, part, sample, reason)
+
+
+def read_by_span(store_url: str, part: int, spans: Iterable[tuple[int, int]],
+                 read_span: Callable[[int, int], Sequence[T]], read_one: Callable[[int], T]
+                 ) -> Iterator[tuple[int, T | None, Damage | None]]:
+    """(sample, what was read, None) for each sample of `spans` in order, each span read at
+    once by read_span(i, j); a span that fails is read again sample by sample by read_one(s),
+    where a damaged sample gives (sample, None, its Damage). Lazy: a span is read only when
+    the caller reaches it."""
+    for a, b in spans:
+        values, _ = read_guarded(store_url, part, a, lambda a=a, b=b: read_span(a, b))
+        for s in range(a, b):
+            if values is not None:
+                yield s, values[s - a], None
+            else:
+                value, damage = read_guarded(store_url, part, s, lambda s=s: read_one(s))
+                yield s, value, damage
 
 
 def refusal(damage: list[Damage]) -> StoreError:

@@ -8,7 +8,7 @@ the commit record, so a crash at any point leaves a part whose committed counter
 A resumed writer reloads the committed tokens of the last, partly filled shard and carries on.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -167,21 +167,31 @@ class Part:
         return sample_from_arrays(arrays, self.store.meta.hidden_dtype, self.sources()[i])
 
     def iter_samples(self, start: int = 0, stop: int | None = None) -> Iterator[Sample]:
-        """Samples start..stop in order, read a shard or more at a time."""
+        """Samples start..stop in order, read a span (sample_spans) at a time."""
         stop = self.num_samples if stop is None else min(stop, self.num_samples)
         off, src = self.offsets(), self.sources()
-        i = start
-        while i < stop:
-            j = i + 1  # grow the span to at least one shard of tokens
-            while j < stop and off[j] - off[i] < self.store.shard_tokens:
-                j += 1
+        spans = sample_spans(np.diff(off[start : stop + 1]), self.store.shard_tokens)
+        for i, j in ((start + a, start + b) for a, b in spans):
             t0 = int(off[i])
             arrays = self.read_tokens(t0, int(off[j]))
             for s in range(i, j):
                 a, b = int(off[s]) - t0, int(off[s + 1]) - t0
                 yield sample_from_arrays({k: v[a:b] for k, v in arrays.items()},
                                          self.store.meta.hidden_dtype, src[s])
-            i = j
+
+
+def sample_spans(lengths: Sequence[int], span_tokens: int) -> list[tuple[int, int]]:
+    """Runs [i, j) of consecutive samples holding at least span_tokens tokens each (the last
+    may hold fewer): what one read of a part covers, a shard or more of tokens."""
+    spans, i, acc = [], 0, 0
+    for j, n in enumerate(lengths):
+        acc += int(n)
+        if acc >= span_tokens:
+            spans.append((i, j + 1))
+            i, acc = j + 1, 0
+    if i < len(lengths):
+        spans.append((i, len(lengths)))
+    return spans
 
 
 def _token_array_spec(store: "Store", name: str) -> tuple[tuple[int, ...], type, dict]:

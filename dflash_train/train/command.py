@@ -2,10 +2,11 @@
 
 import click
 
-from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP, RANKS_HELP
+from dflash_train.devices import DEVICE_HELP, RANKS_HELP
 from dflash_train.errors import reported_as_one_line
 from dflash_train.run_layout import LOG
-from dflash_train.train.config import load_config
+from dflash_train.train.config import TrainConfig, load_config
+from dflash_train.train.drafter_shape import DRAFTER_LAYERS
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import CLI_OPTIONS
 
@@ -13,35 +14,51 @@ from dflash_train.train.options import CLI_OPTIONS
 # with --set. Keyed by click's parameter name: --max-steps -> max_steps.
 _FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items()}
 
+_DEFAULTS = TrainConfig()
+
+
+def _default(key: str, when_none: object = None) -> str:
+    """The help's `[default: ...]` of a flag, read from TrainConfig so --help cannot drift
+    from what training uses. The flags' own click default stays None: a flag overrides a
+    --config file only when given. `when_none` says what a None field means."""
+    section, name = key.split(".")
+    value = getattr(getattr(_DEFAULTS, section), name)
+    return f"  [default: {when_none if value is None else value}]"
+
 
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--store", "stores", multiple=True, required=True,
               help="Feature store to train on (repeat to mix several of one target).")
 @click.option("--weights", help="Comma-separated passes per epoch over each --store, e.g. 1,0.5."
-              "  [default: 1 per store]")
+              + _default("loader.store_weights", "1 per store"))
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="TOML file of settings ([loader], [model], [loss], [noise], [optim], [run]).")
-@click.option("--out", help="Run directory for checkpoints and logs.  [default: runs/drafter]")
+@click.option("--out", help="Run directory for checkpoints and logs." + _default("run.out_dir"))
 @click.option("--resume", is_flag=True, help="Continue from the run directory's latest checkpoint.")
-@click.option("--epochs", type=click.IntRange(1), help="Passes over the store.  [default: 6]")
+@click.option("--epochs", type=click.IntRange(1),
+              help="Passes over the store." + _default("optim.epochs"))
 @click.option("--max-steps", type=click.IntRange(1), help="Stop after this many steps.")
-@click.option("--lr", type=float, help="Peak learning rate.  [default: 6e-4]")
+@click.option("--lr", type=float, help="Peak learning rate." + _default("optim.lr"))
 @click.option("--batch-tokens", type=click.IntRange(1),
-              help="Padded tokens per global batch.  [default: 16384]")
+              help="Padded tokens per global batch." + _default("loader.batch_tokens"))
 @click.option("--max-length", type=click.IntRange(3),
-              help="Cut longer samples to this many tokens.  [default: none (no cut)]")
-@click.option("--gamma", type=float, help="Position decay of the loss weights.  [default: 10]")
+              help="Cut longer samples to this many tokens."
+              + _default("loader.max_length", "none (no cut)"))
+@click.option("--gamma", type=float,
+              help="Position decay of the loss weights." + _default("loss.gamma"))
 @click.option("--loss", type=click.Choice(["ce", "kl-topk"]),
-              help="Hard CE on the verifier argmax, or KL to its stored top-k.  [default: ce]")
+              help="Hard CE on the verifier argmax, or KL to its stored top-k."
+              + _default("loss.kind"))
 @click.option("--noise", type=click.Choice(["none", "uniform", "gaussian"]),
-              help="Noise on the fc input (context features only).  [default: uniform]")
+              help="Noise on the fc input (context features only)." + _default("noise.kind"))
 @click.option("--noise-std", type=float,
-              help="Noise std, relative to each context layer's RMS.  [default: 0.05]")
+              help="Noise std, relative to each context layer's RMS." + _default("noise.std"))
 @click.option("--anchors-per-seq", type=click.IntRange(1),
-              help="Blocks per sequence per epoch.  [default: 512]")
-@click.option("--layers", type=click.IntRange(1), help="Drafter decoder layers.  [default: 5]")
-@click.option("--device", help=f"{DEVICE_HELP}{RANKS_HELP}  [default: {DEFAULT_DEVICE}]")
-@click.option("--seed", type=int, help="Seed of weights, anchors and noise.  [default: 0]")
+              help="Blocks per sequence per epoch." + _default("run.anchors_per_seq"))
+@click.option("--layers", type=click.IntRange(1), help="Drafter decoder layers."
+              + _default("model.num_hidden_layers", DRAFTER_LAYERS))
+@click.option("--device", help=DEVICE_HELP + RANKS_HELP + _default("run.device"))
+@click.option("--seed", type=int, help="Seed of weights, anchors and noise." + _default("run.seed"))
 @click.option("--set", "sets", multiple=True, metavar="SECTION.FIELD=VALUE",
               help="Any other setting (repeatable), e.g. --set optim.weight_decay=0.01; "
                    "--set loss.position_weights=dpace for D-PACE weights (loss.dpace_alpha); "
@@ -54,7 +71,8 @@ _FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items
 @click.option("--skip-corrupt", is_flag=True, default=None,
               help="Skip samples of a damaged store (missing shard, failed checksum, torn part "
                    "metadata) and list them in RUN/skipped.jsonl, instead of refusing it.")
-@click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
+@click.option("--progress/--no-progress", default=_DEFAULTS.run.progress,
+              help="Show a progress bar.")
 def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
     """Train a DFlash (or DFlash 2) drafter from feature stores; no target model is loaded.
 

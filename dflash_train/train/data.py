@@ -31,11 +31,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Literal
 
 import numpy as np
 import torch
 
+from dflash_train.batching import padded_batches
 from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import (
     Damage,
@@ -48,8 +50,9 @@ from dflash_train.store_schema import (
     read_guarded,
     refusal,
 )
-from dflash_train.store_schema.integrity import refuse_unless_skipping
+from dflash_train.store_schema.integrity import read_by_span, refuse_unless_skipping
 from dflash_train.store_schema.layout import hidden_to_numpy
+from dflash_train.store_schema.part import sample_spans
 from dflash_train.store_schema.sample import sample_from_arrays
 from dflash_train.train.options import option_name, require
 
@@ -158,37 +161,17 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _read_units(lengths: np.ndarray, unit_tokens: int) -> list[tuple[int, int]]:
-    """Runs [i, j) of consecutive samples holding about unit_tokens tokens each."""
-    units, i, acc = [], 0, 0
-    for j, n in enumerate(lengths):
-        acc += int(n)
-        if acc >= unit_tokens:
-            units.append((i, j + 1))
-            i, acc = j + 1, 0
-    if i < len(lengths):
-        units.append((i, len(lengths)))
-    return units
-
-
 def plan_epoch(
     parts: list[tuple[int, Part]], cfg: LoaderConfig, epoch: int
 ) -> Iterator[list[SampleRef]]:
     """The global batches of one epoch, from sample lengths only."""
     rng = np.random.default_rng([cfg.seed, epoch])
-    draw = _draw_random if cfg.grouping == "random" else _draw_by_length
-    buffer: list[SampleRef] = []
-    buffered = 0  # tokens in buffer
-    batch: list[SampleRef] = []
-    for refs in _shuffled_units(parts, cfg, rng):
-        for ref in refs:
-            buffer.append(ref)
-            buffered += ref.length
-            if buffered > cfg.shuffle_buffer_tokens:
-                batch, buffered = yield from draw(buffer, buffered, batch, cfg, rng)
-    batch, _ = yield from draw(buffer, buffered, batch, cfg, rng, keep=-1)
-    if batch:
-        yield batch
+    refs = chain.from_iterable(_shuffled_units(parts, cfg, rng))
+    if cfg.grouping == "random":
+        drawn = _random_draws(refs, cfg.shuffle_buffer_tokens, rng)
+        yield from padded_batches(drawn, _ref_length, cfg.batch_tokens)
+    else:
+        yield from _by_length(refs, cfg, rng)
 
 
 def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
@@ -204,7 +187,7 @@ def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
             if cfg.max_length:
                 lengths = np.minimum(lengths, cfg.max_length)
             weight = 1.0 if weights is None else weights[store_i]
-            for a, b in _read_units(lengths, part.store.shard_tokens):
+            for a, b in sample_spans(lengths, part.store.shard_tokens):
                 copies = int(weight) + int(rng.random() < weight - int(weight))
                 units += [[SampleRef(store_i, part.index, s, int(lengths[s]), (a, b))
                            for s in range(a, b)]] * copies
@@ -212,49 +195,48 @@ def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
             yield units[u]
 
 
-def _draw_random(buffer: list[SampleRef], buffered: int, batch: list[SampleRef],
-                 cfg: LoaderConfig, rng: np.random.Generator, keep: int | None = None):
-    """Move random samples of the buffer (`buffered` tokens) into the batch filling until it
-    holds at most `keep` tokens (default: the shuffle buffer's size); returns that batch and
-    the tokens left."""
-    keep = cfg.shuffle_buffer_tokens if keep is None else keep
-    while buffered > keep and buffer:
-        ref = buffer.pop(int(rng.integers(len(buffer))))
-        buffered -= ref.length
-        batch = yield from _add(batch, ref, cfg.batch_tokens)
-    return batch, buffered
+def _ref_length(ref: SampleRef) -> int:
+    return ref.length
 
 
-def _draw_by_length(buffer: list[SampleRef], buffered: int, batch: list[SampleRef],
-                    cfg: LoaderConfig, rng: np.random.Generator, keep: int | None = None):
-    """Empty the whole buffer into batches of samples sorted by length and yield them in
-    random order; no batch is left filling (`batch` is always empty here, `keep` unused:
-    the buffer is drawn only once it is full, or at the epoch's end)."""
-    by_length = sorted(buffer, key=lambda r: r.length)  # stable: ties keep the random order
-    buffer.clear()
-    batches = list(_pack(batch + by_length, cfg.batch_tokens))
+def _random_draws(refs: Iterator[SampleRef], keep: int, rng: np.random.Generator
+                  ) -> Iterator[SampleRef]:
+    """The samples in random order: each drawn at random from a buffer refilled to `keep`
+    tokens, which is then emptied at the epoch's end."""
+    buffer: list[SampleRef] = []
+    buffered = 0  # tokens in buffer
+    for ref in refs:
+        buffer.append(ref)
+        buffered += ref.length
+        while buffered > keep and buffer:
+            drawn = buffer.pop(int(rng.integers(len(buffer))))
+            buffered -= drawn.length
+            yield drawn
+    while buffer:
+        yield buffer.pop(int(rng.integers(len(buffer))))
+
+
+def _by_length(refs: Iterator[SampleRef], cfg: LoaderConfig, rng: np.random.Generator
+               ) -> Iterator[list[SampleRef]]:
+    """Each time the buffer holds more than the shuffle buffer's tokens (and at the epoch's
+    end), all of it in batches of samples sorted by length, yielded in random order."""
+    buffer: list[SampleRef] = []
+    buffered = 0  # tokens in buffer
+    for ref in refs:
+        buffer.append(ref)
+        buffered += ref.length
+        if buffered > cfg.shuffle_buffer_tokens:
+            yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
+            buffer, buffered = [], 0
+    yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
+
+
+def _sorted_batches(buffer: list[SampleRef], budget: int, rng: np.random.Generator
+                    ) -> Iterator[list[SampleRef]]:
+    by_length = sorted(buffer, key=_ref_length)  # stable: ties keep the random order
+    batches = list(padded_batches(by_length, _ref_length, budget))
     for i in rng.permutation(len(batches)):
         yield batches[i]
-    return [], 0
-
-
-def _pack(refs: list[SampleRef], budget: int) -> Iterator[list[SampleRef]]:
-    """Consecutive runs of refs, each within the padded-token budget."""
-    batch: list[SampleRef] = []
-    for ref in refs:
-        batch = yield from _add(batch, ref, budget)
-    if batch:
-        yield batch
-
-
-def _add(batch: list[SampleRef], ref: SampleRef, budget: int):
-    """Append ref to batch, first yielding the batch if the padded size would exceed budget."""
-    longest = max([r.length for r in batch] + [ref.length])
-    if batch and longest * (len(batch) + 1) > budget:
-        yield batch
-        batch = []
-    batch.append(ref)
-    return batch
 
 
 def empty_batch(store: Store, skipped: list[Damage] | None = None) -> Batch:
@@ -429,25 +411,25 @@ class StoreLoader:
         offsets = part.offsets()
         cut = self.cfg.max_length
 
+        def tokens(s: int) -> tuple[int, int]:
+            t0, t1 = int(offsets[s]), int(offsets[s + 1])
+            return t0, min(t1, t0 + cut) if cut else t1
+
         def read(t0: int, t1: int) -> np.ndarray:
             return part.read_tokens(t0, t1, ("loss_mask",))["loss_mask"].astype(bool)
 
-        for a, b in _read_units(np.diff(offsets), part.store.shard_tokens):
+        def read_span(a: int, b: int) -> list[np.ndarray]:
             start = int(offsets[a])
-            unit, _ = read_guarded(part.store.url, part.index, a,
-                                   lambda a=a, b=b, start=start: read(start, int(offsets[b])))
-            for s in range(a, b):
-                t0 = int(offsets[s])
-                t1 = min(int(offsets[s + 1]), t0 + cut) if cut else int(offsets[s + 1])
-                if unit is not None:
-                    yield unit[t0 - start : t1 - start]
-                    continue
-                mask, broken = read_guarded(part.store.url, part.index, s,
-                                            lambda t0=t0, t1=t1: read(t0, t1))
-                if broken is not None:
-                    damage.append(broken)
-                else:
-                    yield mask
+            unit = read(start, int(offsets[b]))
+            return [unit[t0 - start : t1 - start] for t0, t1 in map(tokens, range(a, b))]
+
+        spans = sample_spans(np.diff(offsets), part.store.shard_tokens)
+        for _, mask, broken in read_by_span(part.store.url, part.index, spans, read_span,
+                                            lambda s: read(*tokens(s))):
+            if broken is not None:
+                damage.append(broken)
+            else:
+                yield mask
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):

@@ -17,18 +17,10 @@ import torch.nn.functional as F
 from dflash_train.assets.tiny import VOCAB_SIZE, make_chats, save_qwen3, save_qwen3_5, write_jsonl
 from dflash_train.blocks import block_labels, eligible_anchors
 from dflash_train.drafter import DFlashDrafter, DrafterConfig, build_block_ids, save_drafter
-from dflash_train.store_schema import (
-    CreatedWith,
-    Sample,
-    SourceInfo,
-    StoreMeta,
-    TargetInfo,
-    TokenizerInfo,
-    create_store,
-    open_store,
-)
+from dflash_train.store_schema import Sample, StoreMeta, create_store, open_store
 from dflash_train.train.drafter_shape import most_frequent_labels
 from tests.extract.conftest import run_extract_cfg
+from tests.store_factory import store_meta
 
 EOS_ID = 3
 EOS_LIKE = 293
@@ -171,16 +163,11 @@ def random_drafter_dir(tmp_path_factory) -> str:
 
 def synthetic_meta(*, regenerated: bool, name: str = "tiny-target", num_layers: int = 4,
                    layers: list[int] = LAYERS, top_k: int = 4) -> StoreMeta:
-    return StoreMeta(
-        target=TargetInfo(name_or_path=name, revision=None, model_type="qwen3",
-                          num_hidden_layers=num_layers, hidden_size=64, vocab_size=VOCAB_SIZE,
-                          config_sha256="0" * 64),
-        tokenizer=TokenizerInfo(sha256="1" * 64, chat_template_sha256=None,
-                                enable_thinking=False),
-        source=SourceInfo(paths=["synthetic"], sha256=["2" * 64], max_length=4096,
-                          regenerated=regenerated, num_rows=1000),
-        created_with=CreatedWith(dflash="test", torch=torch.__version__, transformers="-",
-                                 device="cpu", kernels="-"),
+    return store_meta(
+        target={"name_or_path": name, "model_type": "qwen3", "num_hidden_layers": num_layers,
+                "hidden_size": 64, "vocab_size": VOCAB_SIZE},
+        source={"paths": ["synthetic"], "regenerated": regenerated},
+        created_with={"kernels": "-"},
         context_layer_ids=list(layers), top_k=top_k, hidden_dtype="float32", num_parts=1)
 
 

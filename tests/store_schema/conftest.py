@@ -4,36 +4,18 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_train.store_schema import (
-    CreatedWith,
-    Sample,
-    SourceInfo,
-    StoreMeta,
-    TargetInfo,
-    TokenizerInfo,
-)
+from dflash_train.store_schema import Sample, StoreMeta
+from tests.store_factory import store_meta
 
 HIDDEN, LAYERS, TOP_K, VOCAB = 16, 3, 4, 97
 
 
 def make_meta(num_parts: int = 2, hidden_dtype: str = "bfloat16", context_dtype=None,
               **target) -> StoreMeta:
-    t = dict(name_or_path="tiny", revision=None, model_type="qwen3_5", num_hidden_layers=8,
-             hidden_size=HIDDEN, vocab_size=VOCAB, config_sha256="0" * 64)
-    t.update(target)
-    return StoreMeta(
-        target=TargetInfo(**t),
-        tokenizer=TokenizerInfo(sha256="1" * 64, chat_template_sha256=None, enable_thinking=False),
-        source=SourceInfo(paths=["x.jsonl"], sha256=["2" * 64], max_length=4096,
-                          regenerated=False, num_rows=1000),
-        created_with=CreatedWith(dflash="test", torch=torch.__version__, transformers="-",
-                                 device="cpu", kernels="torch"),
-        context_layer_ids=[1, 3, 5],
-        top_k=TOP_K,
-        hidden_dtype=hidden_dtype,
-        num_parts=num_parts,
-        context_dtype=context_dtype,
-    )
+    """`target`: fields of TargetInfo (hidden_size, name_or_path, weights_sha256, ...)."""
+    return store_meta(target={"hidden_size": HIDDEN, "vocab_size": VOCAB, **target},
+                      context_layer_ids=[1, 3, 5], top_k=TOP_K, hidden_dtype=hidden_dtype,
+                      num_parts=num_parts, context_dtype=context_dtype)
 
 
 def random_sample(

@@ -10,15 +10,8 @@ import json
 import pytest
 import torch
 
-from dflash_train.store_schema import (
-    CreatedWith,
-    Sample,
-    SourceInfo,
-    StoreMeta,
-    TargetInfo,
-    TokenizerInfo,
-    create_store,
-)
+from dflash_train.store_schema import Sample, create_store
+from tests.store_factory import store_meta
 
 VOCAB, HIDDEN, LAYERS, TOP_K, MASK = 64, 32, 2, 4, 63
 
@@ -31,11 +24,13 @@ def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: s
                 unfinished: int = 0, weights: str | None = None):
     """`unfinished`: the last parts are written but never finished (extraction cut short);
     `weights`: the target's weights fingerprint (None: a store made before them)."""
-    meta = StoreMeta(
-        target=TargetInfo(name, None, "qwen3", 4, HIDDEN, VOCAB, "c" * 64, weights),
-        tokenizer=TokenizerInfo("t" * 64, None, False),
-        source=SourceInfo(["synthetic"], ["s" * 64], 256, True, rows),
-        created_with=CreatedWith("test", torch.__version__, "-", "cpu", "torch"),
+    meta = store_meta(
+        target={"name_or_path": name, "model_type": "qwen3", "num_hidden_layers": 4,
+                "hidden_size": HIDDEN, "vocab_size": VOCAB, "config_sha256": "c" * 64,
+                "weights_sha256": weights},
+        tokenizer={"sha256": "t" * 64},
+        source={"paths": ["synthetic"], "sha256": ["s" * 64], "max_length": 256,
+                "regenerated": True, "num_rows": rows},
         context_layer_ids=[1, 2], top_k=TOP_K, hidden_dtype="float32", num_parts=parts,
         extra={"mask_token_id": MASK},
     )
