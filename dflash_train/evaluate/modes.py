@@ -210,21 +210,29 @@ class VllmMode(ServedMode):
                              drafter_dtype=self.plan.dtype)
 
 
-def vllm_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
-    """Find vLLM and check --model is the store's target, before the first forward."""
+def checked_target_config(model: str, store: Store):
+    """--model's config, once the same-target rule says it is the store's target (EvalError
+    naming what differs otherwise); the serving engines read their limits from it."""
     from dflash_train.evaluate.online import check_target
-    from dflash_train.evaluate.served import find_vllm
     from dflash_train.target.errors import TargetError
     from dflash_train.target.loading import load_config, target_info
+
+    try:
+        config = load_config(model)
+        info = target_info(model, config)
+    except TargetError as e:
+        raise EvalError(str(e)) from e
+    check_target(model, info, store.meta.target)
+    return config
+
+
+def vllm_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
+    """Find vLLM and check --model is the store's target, before the first forward."""
+    from dflash_train.evaluate.served import find_vllm
     from dflash_train.target_config import config_field, text_part
 
     python = find_vllm(cfg.vllm_python)
-    try:
-        config = load_config(cfg.model)
-        info = target_info(cfg.model, config)
-    except TargetError as e:
-        raise EvalError(str(e)) from e
-    check_target(cfg.model, info, store.meta.target)
+    config = checked_target_config(cfg.model, store)
     return ServedPlan(python=python, target=str(Path(cfg.model).resolve()),
                       dtype=store.meta.hidden_dtype,
                       max_position=config_field(text_part(config), "max_position_embeddings"))
@@ -276,19 +284,11 @@ class LlamaCppMode(ServedMode):
 def llama_plan(cfg: EvalConfig, store: Store):
     """Find llama-server and check --model is the store's target, before the first forward."""
     from dflash_train.evaluate.llama_server import find_llama_server
-    from dflash_train.evaluate.online import check_target
     from dflash_train.evaluate.served_llama import LlamaPlan, server_version, target_file_type
-    from dflash_train.target.errors import TargetError
-    from dflash_train.target.loading import load_config, target_info
     from dflash_train.target_config import config_field, text_part
 
     binary = find_llama_server(cfg.llama_server)
-    try:
-        config = load_config(cfg.model)
-        info = target_info(cfg.model, config)
-    except TargetError as e:
-        raise EvalError(str(e)) from e
-    check_target(cfg.model, info, store.meta.target)
+    config = checked_target_config(cfg.model, store)
     return LlamaPlan(binary=binary, version=server_version(binary),
                      target=str(Path(cfg.model).resolve()),
                      target_type=target_file_type(Path(cfg.model)),
