@@ -37,7 +37,8 @@ RESUME_FROM = "step_00000004"
 
 SETTINGS = {"model.num_hidden_layers": 1, "loader.batch_tokens": 256, "run.anchors_per_seq": 8,
             "optim.lr": 3e-3, "optim.epochs": 3, "run.progress": False, "run.log_every": 1,
-            "run.checkpoint_every": 4, "run.keep_checkpoints": 0, "loader.prefetch_batches": 0}
+            "run.checkpoint_every": 4, "run.keep_checkpoints": 0, "loader.prefetch_batches": 0,
+            "run.precision": "fp32"}
 DFLASH2 = {"model.kind": "dflash2", "model.selector_rank": 8, "model.selector_top_k": 4,
            "model.selector_codebooks": "factorised"}
 
