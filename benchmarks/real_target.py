@@ -346,7 +346,7 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="The ~10-minute preset.")
+    parser.add_argument("--quick", action="store_true", help="The ~4-minute preset.")
     parser.add_argument("--out", type=Path, default=None,
                         help="Working directory (default: <cache>/real_target_<preset>).")
     parser.add_argument("--cache", type=Path, default=default_cache(),

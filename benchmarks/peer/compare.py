@@ -6,7 +6,10 @@
 1. speculators' training files from --store (benchmarks.peer.writer) and its verifier
    directory from the store's frozen rows (benchmarks.peer.verifier), kept in --work and
    reused by a later run on the same store;
-2. both trainers with the same PeerSettings (benchmarks.peer.runner);
+2. both trainers with the same PeerSettings (benchmarks.peer.runner): the same steps, or
+   with --seconds the same training wall time: each trainer first runs --calibrate-steps
+   steps, and its real run gets the steps that fill --seconds at that rate (so each
+   schedule still ends at its last step);
 3. speculators' checkpoint converted into a drafter directory (benchmarks.peer.convert) and
    ours exported in bf16 (`dflash export`, the dtype speculators saves in);
 4. `dflash eval --store HELD_OUT` on both in one run, and a table of tau, training tokens/s,
@@ -19,8 +22,9 @@ import argparse
 import json
 import subprocess
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 from benchmarks.peer.convert import convert
 from benchmarks.peer.runner import REPO, Measured, PeerSettings, run_ours, run_speculators
@@ -63,8 +67,14 @@ def evaluate(held_out: str, checkpoints: list[str], work: Path) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+def steps_filling(seconds: float, calibration: Measured) -> int:
+    """Steps that fill `seconds` of training at the calibration run's seconds per step."""
+    return max(1, round(seconds * calibration.steps / calibration.train_seconds))
+
+
 def compare(store: str, held_out: str, model: str, work: Path, s: PeerSettings,
-            venv: Path = DEFAULT_DIR) -> dict:
+            venv: Path = DEFAULT_DIR, seconds: float | None = None,
+            calibrate_steps: int = 10) -> dict:
     python = python_of(venv)
     work.mkdir(parents=True, exist_ok=True)
     src = open_store(store)
@@ -74,11 +84,27 @@ def compare(store: str, held_out: str, model: str, work: Path, s: PeerSettings,
     verifier = work / "speculators-verifier"
     if not verifier.exists():
         write_verifier(src, verifier)
-    ours = run_ours(store, work, s)
-    theirs = run_speculators(python, str(data), verifier,
-                             speculators_layer_ids(src.meta.context_layer_ids),
-                             int(src.meta.extra["mask_token_id"]), samples, mean_length, work,
-                             s)
+
+    def ours_for(settings: PeerSettings, into: Path) -> Measured:
+        return run_ours(store, into, settings)
+
+    def theirs_for(settings: PeerSettings, into: Path) -> Measured:
+        return run_speculators(python, str(data), verifier,
+                               speculators_layer_ids(src.meta.context_layer_ids),
+                               int(src.meta.extra["mask_token_id"]), samples, mean_length,
+                               into, settings)
+
+    calibration = {}
+    s_ours = s_theirs = s
+    if seconds is not None:
+        into = work / "calibrate"
+        into.mkdir(exist_ok=True)
+        short = replace(s, steps=calibrate_steps)
+        calibration = {"ours": ours_for(short, into), "theirs": theirs_for(short, into)}
+        s_ours = replace(s, steps=steps_filling(seconds, calibration["ours"]))
+        s_theirs = replace(s, steps=steps_filling(seconds, calibration["theirs"]))
+    ours = ours_for(s_ours, work)
+    theirs = theirs_for(s_theirs, work)
     theirs_dir = convert(theirs.checkpoint, work / "speculators-drafter",
                          src.meta.target.num_hidden_layers, overwrite=True)
     ours_dir = work / "ours-drafter"
@@ -87,7 +113,8 @@ def compare(store: str, held_out: str, model: str, work: Path, s: PeerSettings,
                    stdout=subprocess.DEVNULL)
     report = evaluate(held_out, [str(ours_dir), str(theirs_dir)], work)
     result = {
-        "settings": asdict(s),
+        "settings": asdict(s), "seconds": seconds,
+        "calibration": {k: asdict(m) for k, m in calibration.items()},
         "store": store, "held_out": held_out, "samples": samples, "tokens": src.num_tokens,
         "runs": [dict(asdict(m), tokens_per_s=m.tokens_per_s) for m in (ours, theirs)],
         "tau": [c["offline"]["mean_tau"] for c in report["checkpoints"]],
@@ -108,6 +135,8 @@ def table(result: dict) -> str:
             ("held-out mean tau", *(f"{t:.3f}" for t in result["tau"]),
              f"{result['tau'][1] / result['tau'][0]:.2f}"),
             ("steps", str(ours.steps), str(theirs.steps), ""),
+            ("training seconds", f"{ours.train_seconds:,.0f}", f"{theirs.train_seconds:,.0f}",
+             f"{theirs.train_seconds / ours.train_seconds:.2f}"),
             ("training tokens", str(ours.train_tokens), str(theirs.train_tokens),
              f"{theirs.train_tokens / ours.train_tokens:.2f}"),
             ("training tokens/s", f"{ours.tokens_per_s:,.0f}", f"{theirs.tokens_per_s:,.0f}",
@@ -127,6 +156,13 @@ def table(result: dict) -> str:
                      for r in rows)
 
 
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--store", required=True, help="store both trainers train on")
@@ -134,13 +170,23 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="the stores' target (a local directory)")
     ap.add_argument("--work", type=Path, required=True, help="directory for every output")
     ap.add_argument("--venv", type=Path, default=DEFAULT_DIR, help="speculators' venv")
+    ap.add_argument("--seconds", type=positive, default=None,
+                    help="equal training wall time instead of equal steps (--steps ignored)")
+    ap.add_argument("--calibrate-steps", type=int, default=10, choices=range(2, 1001),
+                    metavar="2..1000",
+                    help="steps each trainer runs to measure its seconds per step")
     for f in fields(PeerSettings):
         kind = f.type if f.type in (int, float) else int if f.type == (int | None) else str
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
+                        choices=get_args(f.type) if get_origin(f.type) is Literal else None,
                         help=f"PeerSettings.{f.name} (default {f.default})")
     args = ap.parse_args()
-    s = PeerSettings(**{f.name: getattr(args, f.name) for f in fields(PeerSettings)})
-    result = compare(args.store, args.held_out, args.model, args.work, s, args.venv)
+    try:
+        s = PeerSettings(**{f.name: getattr(args, f.name) for f in fields(PeerSettings)})
+    except ValueError as e:
+        ap.error(str(e))
+    result = compare(args.store, args.held_out, args.model, args.work, s, args.venv,
+                     args.seconds, args.calibrate_steps)
     print(table(result))
 
 

@@ -7,11 +7,15 @@ benchmarks.peer.launch in its own venv) that reports its own peak RSS; training 
 tokens fed to training steps over the wall time of those steps (data waits included, start-up,
 checkpointing and speculators' validation passes not).
 
-Pinned where both expose it: drafter layers (all full attention), block size 16, AdamW with
-betas (0.9, 0.999) (speculators does not expose betas: ours is set to torch's default, which
-it uses), learning rate, weight decay, warmup ratio + cosine decay to 0, steps, gradient clip
-1.0 (speculators' is fixed), hard CE on the verifier argmax with exp(-(k-1)/gamma) slot
-weights, bf16 autocast, no noise (speculators has none), seed.
+Pinned where both expose it: drafter layers (all full attention), block size 16, the
+optimizer (AdamW with betas (0.9, 0.999): speculators does not expose betas, ours is set to
+torch's default, which it uses; or Muon on the matrices with AdamW on the rest, Muon's lr
+adjusted to match AdamW's update RMS in both), learning rate, weight decay (speculators' Muon
+group has its own, set to the same), warmup ratio + cosine decay to 0, steps, gradient clip
+1.0 (speculators' is fixed), hard CE on the verifier argmax with exp(-(k-1)/gamma) or D-PACE
+slot weights (alpha 0.5 in both), bf16 autocast, no noise (speculators has none), seed.
+A reduced draft vocabulary is ours only: convert.py refuses speculators' (its d2t is not
+read by our loader), and its own guide prefers the full vocabulary for DFlash.
 
 Not the same by construction:
 - batches: ours pads samples to the longest (`batch_tokens` = samples x longest), grouping
@@ -55,7 +59,13 @@ class PeerSettings:
     batch_tokens: int = 2048
     """Ours: padded tokens per batch; speculators: its packed row length (--total-seq-len)."""
     gamma: float = 10.0
-    """Slot weight decay length, exp(-(k-1)/gamma)."""
+    """Slot weight decay length, exp(-(k-1)/gamma) (position_weights "decay" only)."""
+    position_weights: Literal["decay", "dpace"] = "decay"
+    """Slot weights: decay over gamma, or D-PACE (speculators' DFlash default)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """AdamW, or Muon on the drafter's matrices (speculators' default)."""
+    draft_vocab_size: int | None = None
+    """Ours only: model.draft_vocab_size (None: the target's whole vocabulary)."""
     warmup_ratio: float = 0.04
     """Share of the steps warming up linearly, then cosine decay to 0."""
     weight_decay: float = 0.0
@@ -69,6 +79,11 @@ class PeerSettings:
     grouping: Literal["random", "by_length"] = "by_length"
     """Ours: how samples form batches (loader.grouping); by_length comes closest to the
     real tokens per step speculators' packing gives (random, our default, pads ~40 %)."""
+
+    def __post_init__(self):
+        if self.position_weights != "decay" and self.gamma != 10.0:
+            raise ValueError(f"gamma {self.gamma} acts only with position_weights 'decay', "
+                             f"not {self.position_weights!r}")
 
 
 @dataclass
@@ -90,16 +105,23 @@ class Measured:
 
 
 def ours_flags(store: str, run_dir: str, s: PeerSettings) -> list[str]:
-    return ["--store", store, "--out", run_dir, "--max-steps", str(s.steps), "--epochs",
-            "1000000", "--lr", repr(s.lr), "--batch-tokens", str(s.batch_tokens),
-            "--gamma", repr(s.gamma), "--loss", "ce", "--noise", "none",
-            "--anchors-per-seq", str(s.anchors_per_seq), "--layers", str(s.layers),
-            "--device", "cpu", "--seed", str(s.seed), "--no-progress",
-            "--set", "optim.betas=0.9,0.999", "--set", f"optim.warmup_ratio={s.warmup_ratio}",
-            "--set", f"optim.weight_decay={s.weight_decay}", "--set", "optim.min_lr_ratio=0",
-            "--set", "optim.grad_clip=1.0", "--set", f"run.precision={s.precision}",
-            "--set", "model.sliding_layers=0", "--set", f"run.checkpoint_every={s.steps}",
-            "--set", f"run.log_every={s.steps}", "--set", f"loader.grouping={s.grouping}"]
+    flags = ["--store", store, "--out", run_dir, "--max-steps", str(s.steps), "--epochs",
+             "1000000", "--lr", repr(s.lr), "--batch-tokens", str(s.batch_tokens),
+             "--loss", "ce", "--noise", "none",
+             "--anchors-per-seq", str(s.anchors_per_seq), "--layers", str(s.layers),
+             "--device", "cpu", "--seed", str(s.seed), "--no-progress",
+             "--set", "optim.betas=0.9,0.999", "--set", f"optim.warmup_ratio={s.warmup_ratio}",
+             "--set", f"optim.weight_decay={s.weight_decay}", "--set", "optim.min_lr_ratio=0",
+             "--set", "optim.grad_clip=1.0", "--set", f"run.precision={s.precision}",
+             "--set", "model.sliding_layers=0", "--set", f"run.checkpoint_every={s.steps}",
+             "--set", f"run.log_every={s.steps}", "--set", f"loader.grouping={s.grouping}",
+             "--set", f"optim.optimizer={s.optimizer}",
+             "--set", f"loss.position_weights={s.position_weights}"]
+    if s.position_weights == "decay":  # our loss refuses a gamma that would not act
+        flags += ["--gamma", repr(s.gamma)]
+    if s.draft_vocab_size is not None:
+        flags += ["--set", f"model.draft_vocab_size={s.draft_vocab_size}"]
+    return flags
 
 
 def speculators_flags(data_dir: str, save_path: str, target: str, layer_ids: list[int],
@@ -110,24 +132,32 @@ def speculators_flags(data_dir: str, save_path: str, target: str, layer_ids: lis
     # epochs enough for the steps (its train split, packed, is at least this many rows per
     # epoch); launch.py stops it at --max-steps exactly
     rows = max(1, math.floor((samples - 1) * mean_length / s.batch_tokens))
-    return ["--speculator-type", "dflash", "--verifier-name-or-path", target,
-            "--data-path", data_dir, "--save-path", save_path,
-            "--log-dir", str(Path(save_path) / "logs"),
-            "--target-layer-ids", *map(str, layer_ids), "--mask-token-id", str(mask_token_id),
-            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
-            "--num-layers", str(s.layers),
-            "--full-attention-indices", *map(str, range(s.layers)),
-            "--block-size", "16", "--loss-fn", "ce",
-            "--per-position-loss-weight", "fixed-exp-decay",
-            "--dflash-decay-gamma", repr(s.gamma),
-            "--max-anchors", str(max(1, round(s.anchors_per_seq * per_row))),
-            "--total-seq-len", str(s.batch_tokens),
-            "--optimizer", "adamw", "--lr", repr(s.lr), "--weight-decay", repr(s.weight_decay),
-            "--scheduler-type", "cosine", "--scheduler-warmup-ratio", repr(s.warmup_ratio),
-            "--max-steps", str(s.steps), "--epochs", str(math.ceil(s.steps / rows) + 1),
-            "--train-data-ratio", repr(1 - 0.5 / samples),
-            "--hidden-states-dtype", "bfloat16" if s.precision == "bf16" else "float32",
-            "--num-workers", "0", "--seed", str(s.seed)]
+    flags = ["--speculator-type", "dflash", "--verifier-name-or-path", target,
+             "--data-path", data_dir, "--save-path", save_path,
+             "--log-dir", str(Path(save_path) / "logs"),
+             "--target-layer-ids", *map(str, layer_ids), "--mask-token-id", str(mask_token_id),
+             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
+             "--num-layers", str(s.layers),
+             "--full-attention-indices", *map(str, range(s.layers)),
+             "--block-size", "16", "--loss-fn", "ce",
+             "--max-anchors", str(max(1, round(s.anchors_per_seq * per_row))),
+             "--total-seq-len", str(s.batch_tokens),
+             "--optimizer", s.optimizer, "--lr", repr(s.lr),
+             "--weight-decay", repr(s.weight_decay),
+             "--scheduler-type", "cosine", "--scheduler-warmup-ratio", repr(s.warmup_ratio),
+             "--max-steps", str(s.steps), "--epochs", str(math.ceil(s.steps / rows) + 1),
+             "--train-data-ratio", repr(1 - 0.5 / samples),
+             "--hidden-states-dtype", "bfloat16" if s.precision == "bf16" else "float32",
+             "--num-workers", "0", "--seed", str(s.seed)]
+    if s.position_weights == "decay":
+        flags += ["--per-position-loss-weight", "fixed-exp-decay",
+                  "--dflash-decay-gamma", repr(s.gamma)]
+    else:
+        flags += ["--per-position-loss-weight", "dpace", "--dpace-alpha", "0.5"]
+    if s.optimizer == "muon":
+        flags += ["--muon-weight-decay", repr(s.weight_decay),
+                  "--muon-adjust-lr-fn", "match_rms_adamw"]
+    return flags
 
 
 def _env(s: PeerSettings, **extra: str) -> dict[str, str]:
