@@ -315,8 +315,9 @@ def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
     echo(f"target's responses: {loops:.1%} of their 4-grams repeat an earlier one")
 
     lap("extract")
-    echo(f"\n[2/3] train: a {cfg.drafter_layers}-layer drafter, {cfg.epochs} epochs (the "
-         "untrained drafter is its seeded starting point)")
+    echo(f"\n[2/3] train: a {cfg.drafter_layers}-layer drafter, {cfg.epochs} epochs, "
+         f"{cfg.optimizer}, {cfg.position_weights} loss weights (the untrained drafter is its "
+         "seeded starting point)")
     run_dir = out / "run"
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh run each time; the stores above are resumed
