@@ -85,9 +85,6 @@ def compare(store: str, held_out: str, model: str, work: Path, s: PeerSettings,
     if not verifier.exists():
         write_verifier(src, verifier)
 
-    def ours_for(settings: PeerSettings, into: Path) -> Measured:
-        return run_ours(store, into, settings)
-
     def theirs_for(settings: PeerSettings, into: Path) -> Measured:
         return run_speculators(python, str(data), verifier,
                                speculators_layer_ids(src.meta.context_layer_ids),
@@ -100,10 +97,10 @@ def compare(store: str, held_out: str, model: str, work: Path, s: PeerSettings,
         into = work / "calibrate"
         into.mkdir(exist_ok=True)
         short = replace(s, steps=calibrate_steps)
-        calibration = {"ours": ours_for(short, into), "theirs": theirs_for(short, into)}
+        calibration = {"ours": run_ours(store, into, short), "theirs": theirs_for(short, into)}
         s_ours = replace(s, steps=steps_filling(seconds, calibration["ours"]))
         s_theirs = replace(s, steps=steps_filling(seconds, calibration["theirs"]))
-    ours = ours_for(s_ours, work)
+    ours = run_ours(store, work, s_ours)
     theirs = theirs_for(s_theirs, work)
     theirs_dir = convert(theirs.checkpoint, work / "speculators-drafter",
                          src.meta.target.num_hidden_layers, overwrite=True)
