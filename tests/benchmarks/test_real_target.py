@@ -9,7 +9,16 @@ import pytest
 # The benchmarks are scripts: they import their siblings by bare name (`from report import`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from benchmarks.real_target import PRESETS, recipe, train_config  # noqa: E402
+import benchmarks.real_target as real_target  # noqa: E402
+from benchmarks.real_target import (  # noqa: E402
+    PRESETS,
+    evaluate_drafter,
+    markdown,
+    plot,
+    prompt_sets,
+    recipe,
+    train_config,
+)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -31,3 +40,94 @@ def test_recipe_names_what_a_run_trained_with():
     text = recipe({"gamma": 4.0, "optimizer": "muon", "position_weights": "dpace",
                    "draft_vocab_size": 4096})
     assert text == "muon, dpace, draft vocabulary 4096"
+
+
+def test_validation_prompts_come_out_of_the_train_set():
+    train, held = [f"t{i}" for i in range(10)], ["h0", "h1"]
+    sets = prompt_sets(train, held, 3)
+    assert sets == {"train": train[:7], "held_out": held, "validation": ["t7", "t8", "t9"]}
+    assert prompt_sets(train, held, 0) == {"train": train, "held_out": held}
+    with pytest.raises(SystemExit, match="10 validation prompts out of 10"):
+        prompt_sets(train, held, 10)
+
+
+def fake_evaluate(taus_by_store: dict, calls: list):
+    """evaluate() over made-up taus: {store: {step: tau}}; records what it was asked."""
+    def evaluate(store, checkpoints):
+        calls.append((store, sorted(checkpoints)))
+        return {s: {"tau": taus_by_store[store][s], "tau_ci95": None, "slot_accepted": [0.5],
+                    "slot_accuracy": [0.5], "tree_tau": {"64": 2.0}} for s in checkpoints}, 1.0
+    return evaluate
+
+
+TRAINED = {"checkpoints": {0: "u", 10: "c10", 20: "c20", 30: "c30"}, "steps": 30}
+
+
+def test_the_checkpoint_is_chosen_on_validation_never_on_held_out(monkeypatch):
+    # held-out would prefer step 30, validation prefers 20: validation must win
+    taus = {"val": {0: 1.0, 10: 1.2, 20: 1.5, 30: 1.4},
+            "held": {0: 1.0, 10: 1.1, 20: 1.3, 30: 1.9}}
+    calls = []
+    monkeypatch.setattr(real_target, "evaluate", fake_evaluate(taus, calls))
+    evals, seconds = evaluate_drafter(TRAINED, "held", "val")
+    assert evals["chosen_step"] == 20
+    assert calls == [("val", [0, 10, 20, 30]), ("held", [0, 20, 30])]
+    assert sorted(evals["eval"]) == [0, 20, 30] and seconds == 2.0
+
+
+def test_without_validation_every_checkpoint_is_evaluated_held_out(monkeypatch):
+    taus = {"held": {0: 1.0, 10: 1.1, 20: 1.3, 30: 1.2}}
+    calls = []
+    monkeypatch.setattr(real_target, "evaluate", fake_evaluate(taus, calls))
+    evals, _ = evaluate_drafter(TRAINED, "held", None)
+    assert evals["chosen_step"] is None and evals["validation"] == {}
+    assert calls == [("held", [0, 10, 20, 30])]
+
+
+def test_the_report_marks_the_chosen_step_and_its_training_seconds(tmp_path):
+    entry = {"tau": 1.5, "tau_ci95": [1.4, 1.6], "slot_accepted": [0.4, None],
+             "tree_tau": {"64": 2.25}}
+    results = {
+        "preset": "long", "date": "2026-12-04",
+        "config": {**vars(PRESETS["long"]), "drafter_layers": [1]},
+        "drafters": {"1L": {"eval": {"0": {**entry, "tau": 1.0}, "400": entry},
+                            "validation": {"0": {"tau": 1.0}, "400": {"tau": 1.55}},
+                            "chosen_step": 400, "train_seconds": {"0": 0.0, "400": 612.4}}},
+        "seconds": {"train_1L": 612.4}, "stores": {},
+        "fidelity": {"same_taus": 8, "prompts": 8, "same_text": 8}}
+    text = markdown(results)
+    assert "3936 train / 64 validation / 128 held-out prompts" in text
+    assert "| 1L | 400 (chosen) | 612 | 1.550 | 1.500 (1.400-1.600) | 2.250 |" in text
+    assert "1L at step 400, held-out P(slot accepted" in text and "0.40, -" in text
+    plot(results, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+class Stopped(Exception):
+    pass
+
+
+def test_extract_seconds_add_up_over_sittings_and_restart_with_the_store(monkeypatch, tmp_path):
+    import dflash_train.extract.pipeline as pipeline
+
+    clock = iter([0.0, 5.0, 10.0, 13.0, 20.0, 22.0])
+    monkeypatch.setattr(real_target.time, "perf_counter", lambda: next(clock))
+    store, ledger = tmp_path / "train.zarr", tmp_path / "extract_seconds.json"
+
+    def stopped(config, echo):
+        store.mkdir(exist_ok=True)
+        raise Stopped  # a sitting killed mid-store
+
+    class Summary:
+        def lines(self):
+            return ["extracted"]
+
+    monkeypatch.setattr(pipeline, "run_extract", stopped)
+    with pytest.raises(Stopped):
+        real_target.extract(tmp_path / "m", "d.jsonl", str(store), PRESETS["quick"], ledger)
+    monkeypatch.setattr(pipeline, "run_extract", lambda config, echo: Summary())
+    assert real_target.extract(tmp_path / "m", "d.jsonl", str(store), PRESETS["quick"],
+                               ledger) == 5.0 + 3.0
+    store.rmdir()  # deleted to be redone: its old seconds no longer describe it
+    assert real_target.extract(tmp_path / "m", "d.jsonl", str(store), PRESETS["quick"],
+                               ledger) == 2.0
