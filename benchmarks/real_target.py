@@ -26,8 +26,7 @@ Every stage resumes on a re-run with the same settings: stores are kept in --out
 continues them, training runs continue from their last checkpoint (a finished one is only
 evaluated again); delete a store or run_*L/ to redo it. Extract seconds add up every sitting
 (extract_seconds.json); train seconds are the runs' logged step times, a step repeated by a
-resume counted once. A benchmark: it measures, CI does not
-run it.
+resume counted once. A benchmark: it measures, CI does not run it.
 """
 
 import argparse
@@ -333,20 +332,20 @@ def markdown(results: dict) -> str:
                  "held-out DDTree tau @64 |")
     lines.append("|---|---|---|---|---|---|")
     for depth, d in results["drafters"].items():
-        for step in sorted({*d["eval"], *d.get("validation", {})}, key=int):
-            held, val = d["eval"].get(step), d.get("validation", {}).get(step)
+        for step in sorted({*d["eval"], *d["validation"]}, key=int):
+            held, val = d["eval"].get(step), d["validation"].get(step)
             ci = held and held.get("tau_ci95")
             chosen = " (chosen)" if step == str(d.get("chosen_step")) else ""
             lines.append(" | ".join([
                 f"| {depth}", step + chosen,
-                f"{d['train_seconds'][step]:,.0f}" if "train_seconds" in d else "",
+                f"{d['train_seconds'][step]:,.0f}",
                 f"{val['tau']:.3f}" if val else "",
                 (f"{held['tau']:.3f}" + (f" ({ci[0]:.3f}-{ci[1]:.3f})" if ci else ""))
                 if held else "",
                 f"{held['tree_tau']['64']:.3f}" if held and "64" in held.get("tree_tau", {})
                 else ""]) + " |")
     for depth, d in results["drafters"].items():
-        step = str(d.get("chosen_step") or max(map(int, d["eval"])))
+        step = str(d["chosen_step"] or max(map(int, d["eval"])))
         slots = ", ".join("-" if a is None else f"{a:.2f}"
                           for a in d["eval"][step]["slot_accepted"][:8])
         lines.append(f"\n{depth} at step {step}, held-out P(slot accepted | the earlier ones "
@@ -372,7 +371,7 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for depth, d in results["drafters"].items():
         for store, style in (("eval", "-"), ("validation", "--")):
-            steps = sorted(d.get(store, {}), key=int)
+            steps = sorted(d[store], key=int)
             if steps:
                 ax.plot([d["train_seconds"][s] / 60 for s in steps],
                         [d[store][s]["tau"] for s in steps], style, marker="o",
