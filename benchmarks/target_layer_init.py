@@ -78,11 +78,10 @@ def main() -> None:
     cfg = TrainConfig(stores=[args.store], model=ModelConfig(
         num_hidden_layers=args.layers, draft_vocab_size=args.draft_vocab_size or None))
     config = drafter_config(cfg, store)
+    if not 0 <= args.layer <= config.num_target_layers - args.layers:
+        raise SystemExit(f"--layer {args.layer}: the target has {config.num_target_layers} "
+                         f"layers, the drafter takes {args.layers} from it")
     weights = target_weights(args.model)
-    layers = sum(1 for name in weights if name.endswith(".self_attn.q_proj.weight"))
-    if not 0 <= args.layer <= layers - args.layers:
-        raise SystemExit(f"--layer {args.layer}: the target has {layers} layers, the drafter "
-                         f"takes {args.layers} from it")
     torch.manual_seed(args.seed)
     model = DFlashDrafter(config)
     if config.draft_vocab_size:
