@@ -9,6 +9,12 @@
            dense at fewer blocks per sequence, where dense's score matrices fit (flex then
            recompiles for the second shape with dynamic shapes, as `dflash train` does once
            its batches take a second padded shape)
+  head     the loss head alone at that step's block tokens: chunked CE forward + backward over
+           a draft vocabulary (32,768 rows, as EAGLE-3 drafters use) against all 248,320
+  loader   a store of 1024-token samples at the drafter's context width (5 layers x 5120
+           bf16, 51 KB a token), its page cache dropped, read by the training loader (in a
+           thread, then in worker processes) and copied to the device, against what one
+           training step consumes (the train part's context tok/s x 51 KB)
   extract  a Qwen3.5-architecture target of real width (random weights, hidden 5120, a few
            layers: linear attention x 3 + full x 1, vocab 248320): tokens/s of the bare
            forward, of forward_states + verifier top-k, and of those plus the background
@@ -18,11 +24,14 @@ Random weights everywhere: speed only, nothing here depends on values. Never dow
 
 import argparse
 import faulthandler
+import math
+import os
 import shutil
 import signal
 import tempfile
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -57,13 +66,19 @@ class Shapes:
     """Blocks per sequence of the flex vs dense comparison (dense scores must fit)."""
     train_steps: int = 3
     """Timed training steps per attention backend (after warm-up)."""
+    draft_vocab: int = 32768
+    """Rows of the reduced lm_head the head part compares with the full vocabulary."""
+    loader_samples: int = 64
+    """1024-token samples in the loader part's store (64: 3.4 GB of bf16 context)."""
+    loader_workers: int = 4
+    """DataLoader worker processes of the loader part's second read."""
     dtype: torch.dtype = torch.bfloat16
     """Compute dtype."""
 
 
 CPU_SMOKE = Shapes(hidden=64, target_layers=4, vocab=512, intermediate=128, extract_batch=2,
                    seq=64, extract_steps=1, train_batch=2, anchors=4, compare_anchors=2,
-                   train_steps=1,
+                   train_steps=1, draft_vocab=128, loader_samples=4, loader_workers=2,
                    dtype=torch.float32)
 
 
@@ -192,7 +207,8 @@ def drafter_flops(cfg, n: int, t: int, k: int) -> float:
     return flops + cfg.num_hidden_layers * per_layer + 2 * q_tokens * h * cfg.vocab_size
 
 
-def bench_train(s: Shapes, device: torch.device, budget_s: float) -> list[tuple[str, str]]:
+def bench_train(s: Shapes, device: torch.device, budget_s: float,
+                measured: dict[str, float]) -> list[tuple[str, str]]:
     """The training step at full shape on the backend `dflash train` picks here (flex on CUDA),
     then flex vs dense at `compare_anchors` blocks, where dense's [N, heads, K*B, T+K*B]
     scores fit (at full shape they alone would be ~100 GB over the layers)."""
@@ -259,6 +275,8 @@ def bench_train(s: Shapes, device: torch.device, budget_s: float) -> list[tuple[
             rows.append((label, f"failed: {type(e).__name__}: {e}"[:200]))
             continue
         sec = seconds[k, attention]
+        if k == s.anchors:  # the full step: what the head and loader parts are set against
+            measured.update(step_s=sec, context_tok_s=n * t / sec)
         mfu = 3 * drafter_flops(cfg, n, t, k) / sec / H200_BF16_FLOPS if cuda else float("nan")
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
         rows.append((label, f"{n * t / sec:,.0f} context tok/s, {n * k * b / sec:,.0f} block "
@@ -280,13 +298,156 @@ def bench_train(s: Shapes, device: torch.device, budget_s: float) -> list[tuple[
     return rows
 
 
+def head_step(hidden: torch.Tensor, head_rows: torch.Tensor, labels: torch.Tensor,
+              valid: torch.Tensor) -> None:
+    from dflash_train.train.loss import block_ce_loss
+
+    hidden.grad = None
+    block_ce_loss(labels, valid, hidden=hidden, lm_head_weight=head_rows).backward()
+
+
+def bench_head(s: Shapes, device: torch.device,
+               measured: dict[str, float]) -> list[tuple[str, str]]:
+    """The chunked CE head (forward + backward into the hidden states; the borrowed rows are
+    frozen) at the full step's block tokens, over `draft_vocab` rows and over all of them."""
+    from dflash_train.drafter import DrafterConfig
+
+    b = DrafterConfig.qwen3_6_27b().block_size
+    blocks = s.train_batch * s.anchors
+    torch.manual_seed(0)
+    with torch.device(device):
+        head = torch.randn(s.vocab, s.hidden, dtype=s.dtype) * 0.02
+        hidden = torch.randn(blocks, b, s.hidden, dtype=s.dtype).requires_grad_(True)
+        valid = torch.ones(blocks, b, dtype=torch.bool)
+    valid[:, 0] = False
+    rows, seconds = [], {}
+    for vocab in (s.draft_vocab, s.vocab):
+        labels = torch.randint(0, vocab, (blocks, b), device=device)
+        step = partial(head_step, hidden, head[:vocab], labels, valid)
+        progress(f"head: {vocab:,} rows")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        sec = seconds[vocab] = timed(step, device, s.train_steps)
+        # forward logits and the input gradient: two [M, H] x [H, V] products
+        flops = 4 * blocks * b * s.hidden * vocab
+        extra = (torch.cuda.max_memory_allocated() - before) / 2**30 \
+            if device.type == "cuda" else float("nan")
+        share = f", {sec / measured['step_s']:.0%} of the training step" \
+            if "step_s" in measured else ""
+        rows.append((f"head: {blocks * b:,} block tokens x {vocab:,} rows",
+                     f"{sec * 1e3:.1f} ms, {flops / sec / 1e12:.0f} TFLOP/s, "
+                     f"+{extra:.1f} GiB peak{share}"))
+    rows.append((f"head: {s.vocab:,} rows / {s.draft_vocab:,} rows, time",
+                 f"{seconds[s.vocab] / seconds[s.draft_vocab]:.2f}x"))
+    return rows
+
+
+def drop_page_cache(root: Path) -> None:
+    """Evict the files under root from the page cache (clean once synced; no root needed),
+    so the next read comes from the disk, as a store larger than memory would."""
+    os.sync()
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding path (tmpfs would make every read a memory read)."""
+    where, kind, full = "", "?", str(path.resolve())
+    for line in Path("/proc/mounts").read_text().splitlines():
+        mount, fs = line.split()[1:3]
+        inside = full == mount or full.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > len(where):
+            where, kind = mount, fs
+    return kind
+
+
+def read_epoch(url: str, cfg, device: torch.device, tokens: int) -> None:
+    """One epoch of the store through the training loader, each batch's context copied to the
+    device as the training step takes it."""
+    from dflash_train.train.data import StoreLoader
+
+    read = 0
+    for batch in StoreLoader([url], cfg).epoch(0):
+        if batch is not None:
+            batch.context.to(device)
+            read += batch.num_tokens
+    assert read == tokens, f"the loader read {read} of {tokens} tokens"
+
+
+def bench_loader(s: Shapes, device: torch.device, root: Path,
+                 measured: dict[str, float]) -> list[tuple[str, str]]:
+    """Bytes/s of context the training loader delivers to the device, read cold."""
+    from loader_memory import write_repeated_store
+
+    from dflash_train.drafter import DrafterConfig
+    from dflash_train.train.data import LoaderConfig
+
+    layers = DrafterConfig.qwen3_6_27b().num_context_features
+    url = str(root / "loader.zarr")
+    progress(f"loader: writing {s.loader_samples} samples of 1024 tokens")
+    tokens = write_repeated_store(url, s.loader_samples, layers, s.hidden)
+    mb = tokens * layers * s.hidden * 2 / 1e6
+    if "context_tok_s" in measured:
+        need, why = measured["context_tok_s"] * layers * s.hidden * 2 / 1e6, "the train part's"
+    else:  # the estimate for one H200 before any was measured: ~13k context tokens/s
+        need, why = 13_000 * layers * s.hidden * 2 / 1e6, "13k tok/s, assumed"
+    rows = []
+    for workers, cold in ((0, True), (s.loader_workers, True), (0, False)):
+        cfg = LoaderConfig(batch_tokens=s.train_batch * s.seq, workers=workers)
+        read = partial(read_epoch, url, cfg, device, tokens)
+        if cold:
+            drop_page_cache(root)
+        progress(f"loader: {workers} workers, {'cold' if cold else 'warm'}")
+        sec = per_call(read, device, 1)
+        rows.append((f"loader: {workers} workers, {'cold' if cold else 'warm'} "
+                     f"({filesystem(root)}), to {device.type}",
+                     f"{mb / sec:,.0f} MB/s, {mb / sec / need:.1f}x a step's "
+                     f"{need:,.0f} MB/s ({why})"))
+    return rows
+
+
+PARTS = ("train", "head", "loader", "extract")
+
+
+def seconds(text: str) -> float:
+    """--budget: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def parts_list(text: str) -> list[str]:
+    """--parts: known names, each once, run in PARTS order."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown part(s) {', '.join(unknown) or '(none given)'}: choose from "
+            f"{', '.join(PARTS)}")
+    return [p for p in PARTS if p in names]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny shapes on CPU (checks the script, measures nothing)")
-    parser.add_argument("--budget", type=float, default=270,
+    parser.add_argument("--budget", type=seconds, default=270,
                         help="seconds after which parts not yet started are skipped "
                              "(a started part finishes)")
+    parser.add_argument("--parts", type=parts_list, default=list(PARTS),
+                        help=f"comma-separated parts to run, in this order: {','.join(PARTS)} "
+                             "(default: all; a rerun can take the ones a first run missed)")
     args = parser.parse_args()
     # A run killed by its time limit (SIGTERM) first prints every thread's stack: the log
     # then says where the time went even inside a compile or a kernel wait.
@@ -305,9 +466,14 @@ def main() -> None:
     print(f"dflash GPU benchmarks on {name}, {time.strftime('%Y-%m-%d')}", flush=True)
     try:  # each part prints as it ends: a run cut short still reports what it measured
         # training first: the extract part was measured on an H200 (docs/benchmarks.md), the
-        # training step at the 27B drafter shape not yet
-        for name, bench in (("train", lambda: bench_train(shapes, device, args.budget)),
-                            ("extract", lambda: bench_extract(shapes, device, root))):
+        # training step at the 27B drafter shape not yet; head and loader set against it
+        measured: dict[str, float] = {}
+        benches = {"train": lambda: bench_train(shapes, device, args.budget, measured),
+                   "head": lambda: bench_head(shapes, device, measured),
+                   "loader": lambda: bench_loader(shapes, device, root, measured),
+                   "extract": lambda: bench_extract(shapes, device, root)}
+        for name in args.parts:
+            bench = benches[name]
             if time.perf_counter() - _START > args.budget:
                 print(f"  {name:<54}  skipped: the {args.budget:.0f} s budget is spent")
                 continue

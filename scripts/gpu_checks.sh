@@ -2,13 +2,17 @@
 # The checks a lent GPU runs, in one go (at most 9 minutes on one H200), from the repo root
 # with dflash importable (`pip install -e .`, or PYTHONPATH=. with the deps present):
 #   1. benchmarks/gpu.py: drafter training step tokens/s, MFU and peak memory at the
-#      Qwen3.6-27B drafter shape, flex vs dense speed, then extraction tokens/s at real width
-#      (bare forward, + top-k, + the store writer); it prints timestamped progress, skips
-#      parts not started within its budget, and dumps every thread's stack when the time
-#      limit kills it, so a cut run shows where its time went;
-#   2. the CUDA-only tests: compiled flex block mask vs the dense mask (forward and gradients),
-#      and fla's linear-attention kernels against the float32 torch path (skipped unless
-#      fla is installed).
+#      Qwen3.6-27B drafter shape, flex vs dense speed; the loss head over a 32,768-row draft
+#      vocabulary vs all 248,320; the training loader's cold read rate against what that
+#      step consumes; then extraction tokens/s at real width (bare forward, + top-k, + the
+#      store writer). It prints timestamped progress, skips parts not started within its
+#      budget, and dumps every thread's stack when the time limit kills it, so a cut run
+#      shows where its time went. Arguments go to it: a rerun can take only the parts the
+#      first run missed (`bash scripts/gpu_checks.sh --parts loader,extract`);
+#   2. the CUDA-only tests: compiled flex block mask vs the dense mask (forward and
+#      gradients), for DFlash and for DFlash 2 (its convolutions and selector term), and
+#      fla's linear-attention kernels against the float32 torch path (skipped unless fla is
+#      installed).
 # Everything printed is also written to ${OUT:-.}/gpu_checks.log.
 #
 # A GPU machine without a package index: on a machine with one, in the repo root,
@@ -16,8 +20,10 @@
 #     --implementation cp --platform manylinux_2_17_x86_64 -d .whl zarr==3.1.6 \
 #     numcodecs==0.16.6 donfig google-crc32c dask partd locket fla-core \
 #     flash-linear-attention transformers==5.24.0
-# (the 2026-11-30 H200 image had torch 2.11, tokenizers, safetensors, einops, pyarrow, click,
-# tqdm, fsspec, pyyaml, toolz, cloudpickle), then carry .whl and start the command with
+# (26 MB on 2026-12-04, well under the 64 MiB a run carries; gguf and accelerate, which
+# pyproject lists, are not imported by these checks; the 2026-11-30 H200 image had torch
+# 2.11, tokenizers, safetensors, einops, pyarrow, click, tqdm, fsspec, pyyaml, toolz,
+# cloudpickle), then carry .whl and start the command with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD
 set -u -o pipefail
@@ -26,7 +32,7 @@ log="${OUT:-.}/gpu_checks.log"
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  timeout -k 20 330 python3 benchmarks/gpu.py --budget 270
+  timeout -k 20 330 python3 benchmarks/gpu.py --budget 270 "$@"
   timeout 180 python3 -m pytest -q -rs -k cuda tests/drafter/test_model.py \
-      tests/extract/test_kernels_cuda.py
+      tests/drafter/test_dflash2.py tests/extract/test_kernels_cuda.py
 } 2>&1 | tee "$log"

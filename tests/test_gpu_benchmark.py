@@ -6,23 +6,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _call(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "benchmarks/gpu.py", "--cpu-smoke", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
 def _run(*args: str) -> str:
-    out = subprocess.run([sys.executable, "benchmarks/gpu.py", "--cpu-smoke", *args], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = _call(*args)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
+
+
+def _number(text: str, unit: str) -> float:
+    return float(re.match(rf"([\d,.]+) {unit}", text)[1].replace(",", ""))
 
 
 def test_the_gpu_benchmark_measures_every_part_at_tiny_shapes():
     rows = dict(re.findall(r"^  (\S.*?)\s{2,}(\S.*)$", _run(), re.M))
     train = rows["train: 2x64 tokens, 4 blocks/seq, dense mask"]
-    assert float(re.match(r"([\d,]+) context tok/s", train)[1].replace(",", "")) > 0
+    assert _number(train, "context tok/s") > 0
+    for vocab in (128, 512):  # the smoke run's draft vocabulary, then the whole one
+        head = rows[f"head: 128 block tokens x {vocab} rows"]
+        assert _number(head, "ms") > 0 and "% of the training step" in head
+    assert float(re.fullmatch(r"([\d.]+)x", rows["head: 512 rows / 128 rows, time"])[1]) > 0
+    for workers, cold in ((0, "cold"), (2, "cold"), (0, "warm")):
+        label = f"loader: {workers} workers, {cold}"
+        loader = next(v for k, v in rows.items() if k.startswith(label))
+        assert _number(loader, "MB/s") > 0 and "a step's" in loader
     for part in ("extract: bare forward (output_hidden_states)",
                  "extract: forward_states + top-k", "extract: + background store writer"):
-        assert float(re.match(r"([\d,]+) tok/s", rows[part])[1].replace(",", "")) > 0
+        assert _number(rows[part], "tok/s") > 0
 
 
 def test_parts_not_started_within_the_budget_are_skipped():
@@ -30,3 +48,21 @@ def test_parts_not_started_within_the_budget_are_skipped():
     assert re.search(r"^  train\s+skipped: the 0 s budget is spent$", out, re.M)
     assert re.search(r"^  extract\s+skipped: the 0 s budget is spent$", out, re.M)
     assert "tok/s" not in out
+
+
+def test_parts_run_alone_and_in_the_benchmark_order():
+    out = _run("--parts", "loader,head")
+    parts = [m for m in re.findall(r"^  (train|head|loader|extract):", out, re.M)]
+    assert parts and parts == sorted(parts, key=["head", "loader"].index)
+    assert "a step's" in out and "13k tok/s, assumed" in out  # no train part to set it
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--parts", "train,warp"), "unknown part(s) warp"),
+    (("--parts", ","), "(none given)"),
+    (("--budget", "-1"), "'-1' is not a number of seconds >= 0"),
+    (("--budget", "nan"), "'nan' is not a number of seconds >= 0"),
+])
+def test_bad_options_are_refused_before_anything_runs(args, words):
+    out = _call(*args)
+    assert out.returncode == 2 and words in out.stderr and "tok/s" not in out.stdout
