@@ -22,8 +22,9 @@
 #     flash-linear-attention transformers==5.24.0
 # (26 MB on 2026-12-04, well under the 64 MiB a run carries; gguf and accelerate, which
 # pyproject lists, are not imported by these checks; the 2026-11-30 H200 image had torch
-# 2.11, tokenizers, safetensors, einops, pyarrow, click, tqdm, fsspec, pyyaml, toolz,
-# cloudpickle), then carry .whl and start the command with
+# 2.11, numpy, tokenizers, safetensors, einops, pyarrow, click, tqdm, fsspec, pyyaml, toolz,
+# cloudpickle, pytest and transformers' other requirements), then carry .whl and start the
+# command with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site:$PWD
 set -u -o pipefail
