@@ -194,7 +194,8 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
 
 def drafter_flops(cfg, n: int, t: int, k: int) -> float:
     """Forward FLOPs of one drafter batch: fc over the context, context K/V per layer, the
-    block tokens' attention projections, attention over the masked keys, MLP and lm_head."""
+    block tokens' attention projections, attention over the masked keys, MLP, and the lm_head
+    over the labelled slots."""
     h, b = cfg.hidden_size, cfg.block_size
     q_tokens = n * k * b
     q_width = cfg.num_attention_heads * cfg.head_dim
@@ -204,7 +205,8 @@ def drafter_flops(cfg, n: int, t: int, k: int) -> float:
                  + 2 * q_tokens * h * (2 * q_width + 2 * kv_width)  # q, o, block k, v
                  + 4 * q_tokens * (t / 2 + b) * q_width  # scores and values, ~half the context
                  + 6 * q_tokens * h * cfg.intermediate_size)  # SwiGLU
-    return flops + cfg.num_hidden_layers * per_layer + 2 * q_tokens * h * cfg.vocab_size
+    labelled = n * k * (b - 1)  # the head runs on labelled slots only: slot 0 is the anchor
+    return flops + cfg.num_hidden_layers * per_layer + 2 * labelled * h * cfg.vocab_size
 
 
 def bench_train(s: Shapes, device: torch.device, budget_s: float,
@@ -325,18 +327,20 @@ def bench_head(s: Shapes, device: torch.device,
         labels = torch.randint(0, vocab, (blocks, b), device=device)
         step = partial(head_step, hidden, head[:vocab], labels, valid)
         progress(f"head: {vocab:,} rows")
+        hidden.grad = None  # the previous run's: not this one's peak
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         sec = seconds[vocab] = timed(step, device, s.train_steps)
-        # forward logits and the input gradient: two [M, H] x [H, V] products
-        flops = 4 * blocks * b * s.hidden * vocab
+        # forward logits and the input gradient: two [M, H] x [H, V] products, M the
+        # labelled slots (slot 0 of a block is its anchor)
+        flops = 4 * int(valid.sum()) * s.hidden * vocab
         extra = (torch.cuda.max_memory_allocated() - before) / 2**30 \
             if device.type == "cuda" else float("nan")
         share = f", {sec / measured['step_s']:.0%} of the training step" \
             if "step_s" in measured else ""
-        rows.append((f"head: {blocks * b:,} block tokens x {vocab:,} rows",
+        rows.append((f"head: {int(valid.sum()):,} labelled slots x {vocab:,} rows",
                      f"{sec * 1e3:.1f} ms, {flops / sec / 1e12:.0f} TFLOP/s, "
                      f"+{extra:.1f} GiB peak{share}"))
     rows.append((f"head: {s.vocab:,} rows / {s.draft_vocab:,} rows, time",
@@ -368,48 +372,62 @@ def filesystem(path: Path) -> str:
     return kind
 
 
-def read_epoch(url: str, cfg, device: torch.device, tokens: int) -> None:
+def read_epoch(url: str, cfg, device: torch.device, tokens: int) -> tuple[float, int, float]:
     """One epoch of the store through the training loader, each batch's context copied to the
-    device as the training step takes it."""
+    device as the training step takes it: (seconds to the first batch, its tokens, seconds
+    in all). Worker processes spend their start-up before the first batch."""
     from dflash_train.train.data import StoreLoader
 
-    read = 0
+    start = time.perf_counter()
+    read, first = 0, None
     for batch in StoreLoader([url], cfg).epoch(0):
         if batch is not None:
             batch.context.to(device)
             read += batch.num_tokens
-    assert read == tokens, f"the loader read {read} of {tokens} tokens"
+            if first is None:
+                sync(device)
+                first = (time.perf_counter() - start, batch.num_tokens)
+    sync(device)
+    assert read == tokens and first is not None, f"the loader read {read} of {tokens} tokens"
+    return (*first, time.perf_counter() - start)
 
 
 def bench_loader(s: Shapes, device: torch.device, root: Path,
                  measured: dict[str, float]) -> list[tuple[str, str]]:
-    """Bytes/s of context the training loader delivers to the device, read cold."""
+    """Bytes/s of context the training loader delivers to the device, read cold, after its
+    first batch (worker start-up apart); batches of one 27B sequence's tokens, so each worker
+    reads several."""
     from loader_memory import write_repeated_store
 
     from dflash_train.drafter import DrafterConfig
     from dflash_train.train.data import LoaderConfig
 
     layers = DrafterConfig.qwen3_6_27b().num_context_features
+    token_mb = layers * s.hidden * 2 / 1e6
     url = str(root / "loader.zarr")
     progress(f"loader: writing {s.loader_samples} samples of 1024 tokens")
     tokens = write_repeated_store(url, s.loader_samples, layers, s.hidden)
-    mb = tokens * layers * s.hidden * 2 / 1e6
     if "context_tok_s" in measured:
-        need, why = measured["context_tok_s"] * layers * s.hidden * 2 / 1e6, "the train part's"
+        need, why = measured["context_tok_s"] * token_mb, "the train part's"
     else:  # the estimate for one H200 before any was measured: ~13k context tokens/s
-        need, why = 13_000 * layers * s.hidden * 2 / 1e6, "13k tok/s, assumed"
-    rows = []
+        need, why = 13_000 * token_mb, "13k tok/s, assumed"
+    rows, rates = [], {}
     for workers, cold in ((0, True), (s.loader_workers, True), (0, False)):
-        cfg = LoaderConfig(batch_tokens=s.train_batch * s.seq, workers=workers)
-        read = partial(read_epoch, url, cfg, device, tokens)
+        cfg = LoaderConfig(batch_tokens=s.seq, workers=workers)
         if cold:
             drop_page_cache(root)
-        progress(f"loader: {workers} workers, {'cold' if cold else 'warm'}")
-        sec = per_call(read, device, 1)
-        rows.append((f"loader: {workers} workers, {'cold' if cold else 'warm'} "
-                     f"({filesystem(root)}), to {device.type}",
-                     f"{mb / sec:,.0f} MB/s, {mb / sec / need:.1f}x a step's "
-                     f"{need:,.0f} MB/s ({why})"))
+        when = "cold" if cold else "warm"
+        progress(f"loader: {workers} workers, {when}")
+        first_s, first_tokens, sec = read_epoch(url, cfg, device, tokens)
+        rate = rates[workers, when] = (tokens - first_tokens) * token_mb / max(sec - first_s,
+                                                                                1e-9)
+        rows.append((f"loader: {workers} workers, {when} ({filesystem(root)}), to "
+                     f"{device.type}", f"{rate:,.0f} MB/s after the first batch "
+                     f"({first_s:.1f} s), {rate / need:.1f}x a step's {need:,.0f} MB/s ({why})"))
+    ratio = rates[0, "cold"] / rates[0, "warm"]
+    rows.append(("loader: cold / warm rate, in a thread", f"{ratio:.2f}x" + (
+        " (close to warm: the page cache drop may not have reached the disk)"
+        if ratio >= 0.8 else "")))
     return rows
 
 
@@ -477,7 +495,11 @@ def main() -> None:
             if time.perf_counter() - _START > args.budget:
                 print(f"  {name:<54}  skipped: the {args.budget:.0f} s budget is spent")
                 continue
-            for what, value in bench():
+            try:
+                rows = bench()
+            except Exception as e:  # a part that fails is reported; the next one still runs
+                rows = [(name, f"failed: {type(e).__name__}: {e}"[:300])]
+            for what, value in rows:
                 print(f"  {what:<54}  {value}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()

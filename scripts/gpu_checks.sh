@@ -33,6 +33,7 @@ log="${OUT:-.}/gpu_checks.log"
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nproc && df -h /dev/shm /tmp .  # loader workers hand batches over through /dev/shm
   timeout -k 20 330 python3 benchmarks/gpu.py --budget 270 "$@"
   timeout 180 python3 -m pytest -q -rs -k cuda tests/drafter/test_model.py \
       tests/drafter/test_dflash2.py tests/extract/test_kernels_cuda.py
