@@ -24,6 +24,7 @@ Random weights everywhere: speed only, nothing here depends on values. Never dow
 
 import argparse
 import faulthandler
+import json
 import math
 import os
 import shutil
@@ -456,6 +457,22 @@ def parts_list(text: str) -> list[str]:
     return [p for p in PARTS if p in names]
 
 
+def read_measured(path: Path | None) -> dict[str, float]:
+    """What an earlier process's train part measured, if it left a file: numbers > 0 only."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--measured {path}: not readable as JSON ({e})") from e
+    good = isinstance(raw, dict) and all(
+        k in ("step_s", "context_tok_s") and isinstance(v, (int, float)) and math.isfinite(v)
+        and v > 0 for k, v in raw.items())
+    if not good:
+        raise SystemExit(f"--measured {path}: expected step_s and context_tok_s > 0, got {raw}")
+    return raw
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true",
@@ -466,7 +483,13 @@ def main() -> None:
     parser.add_argument("--parts", type=parts_list, default=list(PARTS),
                         help=f"comma-separated parts to run, in this order: {','.join(PARTS)} "
                              "(default: all; a rerun can take the ones a first run missed)")
+    parser.add_argument("--measured", type=Path, default=None,
+                        help="JSON file of what the train part measured (the step's seconds "
+                             "and context tok/s): read if it exists, rewritten after each "
+                             "part, so head and loader run in another process are still set "
+                             "against the step")
     args = parser.parse_args()
+    measured = read_measured(args.measured)
     # A run killed by its time limit (SIGTERM) first prints every thread's stack: the log
     # then says where the time went even inside a compile or a kernel wait.
     faulthandler.register(signal.SIGTERM, chain=True)
@@ -485,7 +508,6 @@ def main() -> None:
     try:  # each part prints as it ends: a run cut short still reports what it measured
         # training first: the extract part was measured on an H200 (docs/benchmarks.md), the
         # training step at the 27B drafter shape not yet; head and loader set against it
-        measured: dict[str, float] = {}
         benches = {"train": lambda: bench_train(shapes, device, args.budget, measured),
                    "head": lambda: bench_head(shapes, device, measured),
                    "loader": lambda: bench_loader(shapes, device, root, measured),
@@ -501,6 +523,8 @@ def main() -> None:
                 rows = [(name, f"failed: {type(e).__name__}: {e}"[:300])]
             for what, value in rows:
                 print(f"  {what:<54}  {value}", flush=True)
+            if args.measured is not None:
+                args.measured.write_text(json.dumps(measured))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:

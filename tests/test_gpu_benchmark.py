@@ -2,6 +2,7 @@
 change elsewhere would waste them. Its CPU smoke run takes every code path but CUDA's."""
 
 import faulthandler
+import json
 import re
 import signal
 import subprocess
@@ -88,3 +89,26 @@ def test_a_part_that_fails_is_reported_and_the_next_part_still_runs(monkeypatch,
     out = capfd.readouterr().out
     assert re.search(r"^  head\s+failed: RuntimeError: no space left on /dev/shm$", out, re.M)
     assert re.search(r"^  loader: 0 workers, cold .* MB/s after the first batch", out, re.M)
+
+
+def test_a_second_process_sets_head_and_loader_against_the_first_ones_step(tmp_path):
+    measured = tmp_path / "measured.json"
+    _run("--parts", "train", "--measured", str(measured))
+    step = json.loads(measured.read_text())
+    assert step["step_s"] > 0 and step["context_tok_s"] == pytest.approx(128 / step["step_s"])
+    out = _run("--parts", "head,loader", "--measured", str(measured))
+    assert "% of the training step" in out and "(the train part's)" in out
+
+
+@pytest.mark.parametrize("content, words", [
+    ("not json", "not readable as JSON"),
+    ('{"step_s": -1, "context_tok_s": 5}', "expected step_s and context_tok_s > 0"),
+    ('{"step_s": 1, "tokens": 5}', "expected step_s and context_tok_s > 0"),
+    ("[1, 2]", "expected step_s and context_tok_s > 0"),
+])
+def test_a_measured_file_that_is_not_a_step_is_refused_naming_it(tmp_path, content, words):
+    bad = tmp_path / "measured.json"
+    bad.write_text(content)
+    out = _call("--parts", "head", "--measured", str(bad))
+    assert out.returncode != 0 and f"--measured {bad}: {words}" in out.stderr
+    assert "head:" not in out.stdout
