@@ -1,7 +1,9 @@
-"""GPU benchmarks at real width, one prepared script (<= 8 min on one H200); prints a table.
+"""GPU benchmarks at real width, one prepared script (<= 6 min on one H200); prints a table.
 
-    python benchmarks/gpu.py               # CUDA, real shapes
+    python benchmarks/gpu.py               # CUDA, real shapes, every part
     python benchmarks/gpu.py --cpu-smoke   # tiny shapes on CPU: proves the script runs
+    python benchmarks/gpu.py --parts train --measured m.json        # scripts/gpu_checks.sh
+    python benchmarks/gpu.py --parts head,loader,extract --measured m.json  # runs these two
 
   train    the Qwen3.6-27B drafter shape (DrafterConfig.qwen3_6_27b): step tokens/s, MFU and
            peak memory of forward + CE loss + backward + AdamW with the mask `dflash train`
