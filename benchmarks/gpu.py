@@ -11,8 +11,9 @@
            dense at fewer blocks per sequence, where dense's score matrices fit (flex then
            recompiles for the second shape with dynamic shapes, as `dflash train` does once
            its batches take a second padded shape)
-  head     the loss head alone at that step's block tokens: chunked CE forward + backward over
-           a draft vocabulary (32,768 rows, as EAGLE-3 drafters use) against all 248,320
+  head     the loss head alone at that step's labelled slots: chunked CE forward + backward
+           over a 32,768-row draft vocabulary (EAGLE-3 drafters draft over ~32k) against all
+           248,320 rows
   loader   a store of 1024-token samples at the drafter's context width (5 layers x 5120
            bf16, 51 KB a token), its page cache dropped, read by the training loader (in a
            thread, then in worker processes) and copied to the device, against what one
@@ -427,7 +428,7 @@ def bench_loader(s: Shapes, device: torch.device, root: Path,
         rows.append((f"loader: {workers} workers, {when} ({filesystem(root)}), to "
                      f"{device.type}", f"{rate:,.0f} MB/s after the first batch "
                      f"({first_s:.1f} s), {rate / need:.1f}x a step's {need:,.0f} MB/s ({why})"))
-    ratio = rates[0, "cold"] / rates[0, "warm"]
+    ratio = rates[0, "cold"] / max(rates[0, "warm"], 1e-9)
     rows.append(("loader: cold / warm rate, in a thread", f"{ratio:.2f}x" + (
         " (close to warm: the page cache drop may not have reached the disk)"
         if ratio >= 0.8 else "")))
