@@ -325,7 +325,8 @@ def bench_head(s: Shapes, device: torch.device,
         head = torch.randn(s.vocab, s.hidden, dtype=s.dtype) * 0.02
         hidden = torch.randn(blocks, b, s.hidden, dtype=s.dtype).requires_grad_(True)
         valid = torch.ones(blocks, b, dtype=torch.bool)
-    valid[:, 0] = False
+    valid[:, 0] = False  # slot 0 of a block is its anchor: no label, no head row
+    labelled = int(valid.sum())
     rows, seconds = [], {}
     for vocab in (s.draft_vocab, s.vocab):
         labels = torch.randint(0, vocab, (blocks, b), device=device)
@@ -337,14 +338,13 @@ def bench_head(s: Shapes, device: torch.device,
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         sec = seconds[vocab] = timed(step, device, s.train_steps)
-        # forward logits and the input gradient: two [M, H] x [H, V] products, M the
-        # labelled slots (slot 0 of a block is its anchor)
-        flops = 4 * int(valid.sum()) * s.hidden * vocab
+        # forward logits and the input gradient: two [M, H] x [H, V] products
+        flops = 4 * labelled * s.hidden * vocab
         extra = (torch.cuda.max_memory_allocated() - before) / 2**30 \
             if device.type == "cuda" else float("nan")
         share = f", {sec / measured['step_s']:.0%} of the training step" \
             if "step_s" in measured else ""
-        rows.append((f"head: {int(valid.sum()):,} labelled slots x {vocab:,} rows",
+        rows.append((f"head: {labelled:,} labelled slots x {vocab:,} rows",
                      f"{sec * 1e3:.1f} ms, {flops / sec / 1e12:.0f} TFLOP/s, "
                      f"+{extra:.1f} GiB peak{share}"))
     rows.append((f"head: {s.vocab:,} rows / {s.draft_vocab:,} rows, time",
