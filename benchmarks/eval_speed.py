@@ -43,7 +43,7 @@ def bench(store_url: str, checkpoint: str, naive_limit: int = 64) -> tuple[list[
     from dflash_train.evaluate.replay import EvalSettings, evaluate_offline, read_samples
     from dflash_train.evaluate.tokenizer import store_tokenizer
     from dflash_train.store_schema import open_store
-    from dflash_train.target.generation import eos_token_ids
+    from dflash_train.target_model.generation import eos_token_ids
 
     store = open_store(store_url)
     _, drafters = load_drafters(store, [checkpoint], device=torch.device("cpu"),

@@ -28,7 +28,7 @@ def planned_batches(cfg) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[
     from dflash_train.extract.layers import resolve_layer_ids
     from dflash_train.extract.plan import plan_batches, plan_parts
     from dflash_train.extract.prepare import Counts, apply_length_policy, render_rows
-    from dflash_train.target.loading import load_config, load_tokenizer, target_info
+    from dflash_train.target_model.loading import load_config, load_tokenizer, target_info
 
     source = open_source(cfg.data)
     tokenizer = load_tokenizer(cfg.model)
@@ -65,7 +65,7 @@ def bare_forward(model, batches) -> None:
 @torch.inference_mode()
 def captured_forward(target, layer_ids, batches) -> list[torch.Tensor]:
     """forward_states (hooks, decoder only) per batch; returns the final states of real tokens."""
-    from dflash_train.target.capture import forward_states
+    from dflash_train.target_model.capture import forward_states
 
     finals = []
     for ids, attention in batches:
@@ -96,8 +96,8 @@ def rewrite_samples(src_url: str, dst_url: str) -> float:
 def bench(root: Path, s: EmbeddedSettings) -> list[Row]:
     """Rows of item 4. The process is warmed first (imports, first forward), then the bare
     forward runs before and after run_extract and their mean is the baseline (drift)."""
-    from dflash_train.target.loading import load_target, resolve_dtype
-    from dflash_train.target.verifier import verifier_topk
+    from dflash_train.target_model.loading import load_target, resolve_dtype
+    from dflash_train.target_model.verifier import verifier_topk
 
     data = first_rows("train", s.train_prompts, root / "overhead.jsonl")
     url = str(root / "overhead.zarr")

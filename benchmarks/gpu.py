@@ -137,8 +137,8 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
 
     from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
     from dflash_train.store_schema import Sample, create_store
-    from dflash_train.target.capture import forward_states
-    from dflash_train.target.verifier import verifier_topk
+    from dflash_train.target_model.capture import forward_states
+    from dflash_train.target_model.verifier import verifier_topk
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -498,7 +498,7 @@ def main() -> None:
     faulthandler.register(signal.SIGTERM, chain=True)
     if args.cpu_smoke:
         device, shapes = torch.device("cpu"), CPU_SMOKE
-        from dflash_train.target.loading import guard_kernels
+        from dflash_train.target_model.loading import guard_kernels
 
         guard_kernels("cpu")
     elif torch.cuda.is_available():

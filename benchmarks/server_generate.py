@@ -30,7 +30,7 @@ from dflash_train.extract.prepare import (  # noqa: E402
     render_rows,
 )
 from dflash_train.extract.server_generate import check_servers  # noqa: E402
-from dflash_train.target.loading import (  # noqa: E402
+from dflash_train.target_model.loading import (  # noqa: E402
     load_config,
     load_target,
     load_tokenizer,

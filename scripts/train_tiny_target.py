@@ -52,7 +52,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from dflash_train.target.loading import GPU_ONLY_PACKAGES  # noqa: E402
+from dflash_train.target_model.loading import GPU_ONLY_PACKAGES  # noqa: E402
 
 # trained and measured on the torch linear-attention path, the one a CPU user runs
 for _package in GPU_ONLY_PACKAGES:
@@ -213,7 +213,7 @@ def unigram_loss(train: torch.Tensor, held_out: torch.Tensor, vocab: int) -> flo
 @torch.no_grad()
 def greedy_loops(model, tok, prompts: list[str], max_new: int = 96) -> dict:
     """Greedy continuations of chat prompts: repeated-4-gram share, eos rate, a sample."""
-    from dflash_train.target.generation import greedy_continuations
+    from dflash_train.target_model.generation import greedy_continuations
 
     model.eval()
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

@@ -197,7 +197,7 @@ class TargetFinalLayer:
 
     def __init__(self, model: str, store: Store, *, device: str = "cpu",
                  load_as: str = "causal-lm"):
-        from dflash_train.target.loading import load_target
+        from dflash_train.target_model.loading import load_target
 
         meta = store.meta
         self.target = load_target(model, device=device, dtype=torch_dtype(meta.hidden_dtype),
@@ -209,7 +209,7 @@ class TargetFinalLayer:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from dflash_train.target.capture import forward_states
+        from dflash_train.target_model.capture import forward_states
 
         ids = input_ids.long()[None].to(self.target.device)
         context, _ = forward_states(self.target.decoder, [self.layer], ids,

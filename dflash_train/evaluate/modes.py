@@ -214,8 +214,8 @@ def checked_target_config(model: str, store: Store):
     """--model's config, once the same-target rule says it is the store's target (EvalError
     naming what differs otherwise); the serving engines read their limits from it."""
     from dflash_train.evaluate.online import check_target
-    from dflash_train.target.errors import TargetError
-    from dflash_train.target.loading import load_config, target_info
+    from dflash_train.target_model.errors import TargetError
+    from dflash_train.target_model.loading import load_config, target_info
 
     try:
         config = load_config(model)

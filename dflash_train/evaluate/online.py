@@ -85,8 +85,8 @@ class TargetStates:
     @torch.inference_mode()
     def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [1, T, n, H] (in the store's dtype, as offline sees them) and argmax [T]."""
-        from dflash_train.target.capture import forward_states
-        from dflash_train.target.verifier import verifier_topk
+        from dflash_train.target_model.capture import forward_states
+        from dflash_train.target_model.verifier import verifier_topk
 
         ids = torch.tensor([tokens], device=self.target.device)
         context, final = forward_states(self.target.decoder, self.layer_ids, ids,
@@ -98,8 +98,8 @@ class TargetStates:
 
 def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetStates:
     """Load --model (as extract loads it) and refuse a target other than the store's."""
-    from dflash_train.target.errors import TargetError
-    from dflash_train.target.loading import load_target
+    from dflash_train.target_model.errors import TargetError
+    from dflash_train.target_model.loading import load_target
 
     try:
         target = load_target(model, device=device, dtype=torch_dtype(meta.hidden_dtype),
@@ -119,7 +119,7 @@ path (a copy is the same target), its config hash or a hub revision (eval takes 
 def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
     """EvalError naming each field where --model (`got`) is not the store's target, by the
     one same-target rule (store_schema.target_differences)."""
-    from dflash_train.target.gguf import REVISION_PREFIX
+    from dflash_train.target_model.gguf import REVISION_PREFIX
 
     gguf = any(str(t.revision).startswith(REVISION_PREFIX) for t in (got, want))
     checked = [f for f in EVAL_CHECKED if f != "revision" or gguf]  # a GGUF's content hash

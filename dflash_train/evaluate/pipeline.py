@@ -365,14 +365,14 @@ def stop_rule(cfg: EvalConfig, store: Store, modes: list[DecodeMode]) -> StopRul
     """When every decode mode's generations end: at the end-of-turn ids of the target's
     generation config (the loaded target's, when a mode loaded one, else the --model
     directory's), after --max-new-tokens, or at the store's max_length."""
-    from dflash_train.target.generation import eos_token_ids
+    from dflash_train.target_model.generation import eos_token_ids
 
     model, tokenizer = cfg.model, store_tokenizer(store)
     max_new_tokens = cfg.max_new_tokens
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        from dflash_train.target.loading import from_pretrained_args
+        from dflash_train.target_model.loading import from_pretrained_args
 
         where, kwargs = from_pretrained_args(model)
         tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -392,7 +392,7 @@ def _generation_source(model: str):
 
     from transformers import GenerationConfig
 
-    from dflash_train.target.loading import load_config
+    from dflash_train.target_model.loading import load_config
 
     try:
         generation = GenerationConfig.from_pretrained(model)

@@ -58,9 +58,9 @@ from dflash_train.store_schema import (
     target_differences,
 )
 from dflash_train.store_schema.layout import FP8_CONTEXT
-from dflash_train.target.capture import forward_states
-from dflash_train.target.kernels import missing_kernels_note
-from dflash_train.target.loading import (
+from dflash_train.target_model.capture import forward_states
+from dflash_train.target_model.kernels import missing_kernels_note
+from dflash_train.target_model.loading import (
     Target,
     load_config,
     load_target,
@@ -71,7 +71,7 @@ from dflash_train.target.loading import (
     tokenizer_files,
     tokenizer_info,
 )
-from dflash_train.target.verifier import verifier_topk
+from dflash_train.target_model.verifier import verifier_topk
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dflash_train.extract.render import (
     render_prompt,
 )
 from dflash_train.extract.server_generate import Server, server_continuations
-from dflash_train.target.generation import eos_token_ids, greedy_continuations
+from dflash_train.target_model.generation import eos_token_ids, greedy_continuations
 
 
 @dataclass

@@ -42,7 +42,7 @@ from dflash_train.cli import main
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.store_schema import open_store
-from dflash_train.target.generation import eos_token_ids
+from dflash_train.target_model.generation import eos_token_ids
 from tests.evaluate.conftest import LAYERS, MASK_ID, MAX_NEW_TOKENS, drafter_config
 
 zlab = pytest.importorskip("dflash.model", reason="z-lab's dflash==0.1.0 (dev extra) is the "

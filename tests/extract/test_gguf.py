@@ -11,9 +11,9 @@ from conftest import run_extract_cfg
 from dflash_train.assets.tiny import build_tokenizer, make_chats
 from dflash_train.extract.errors import ExtractError
 from dflash_train.store_schema import open_store
-from dflash_train.target.capture import forward_states
-from dflash_train.target.errors import TargetError
-from dflash_train.target.loading import load_config, load_target, load_tokenizer, target_info
+from dflash_train.target_model.capture import forward_states
+from dflash_train.target_model.errors import TargetError
+from dflash_train.target_model.loading import load_config, load_target, load_tokenizer, target_info
 from tests.extract.tiny_gguf import LLAMA, write_tiny_gguf
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import run_extract_cfg
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_train.target.kernels import (
+from dflash_train.target_model.kernels import (
     CUDA_EXTRA,
     FALLBACK_NOTE,
     HUB_KERNELS_LOGGER,

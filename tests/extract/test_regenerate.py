@@ -13,7 +13,7 @@ from dflash_train.extract.data import to_chat
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.render import render_prompt
 from dflash_train.store_schema import open_store, validate
-from dflash_train.target.generation import greedy_continuations
+from dflash_train.target_model.generation import greedy_continuations
 
 NEW = 6
 

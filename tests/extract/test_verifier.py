@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from dflash_train.target.verifier import verifier_topk
+from dflash_train.target_model.verifier import verifier_topk
 
 
 def test_chunked_topk_and_lse_equal_full_vocab():

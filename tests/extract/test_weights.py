@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_train.target.errors import TargetError
-from dflash_train.target.weights import EDGE, WINDOW, WINDOWS, fingerprint, windows
+from dflash_train.target_model.errors import TargetError
+from dflash_train.target_model.weights import EDGE, WINDOW, WINDOWS, fingerprint, windows
 
 MiB = 1 << 20
 

@@ -23,7 +23,7 @@ import hashlib
 import struct
 from pathlib import Path
 
-from dflash_train.target.errors import TargetError
+from dflash_train.target_model.errors import TargetError
 
 EDGE = 1 << 20
 """Bytes read at the start, middle and end of each file's tensor data."""

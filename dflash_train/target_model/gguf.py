@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from dflash_train.hashing import file_sha256
-from dflash_train.target.errors import TargetError
+from dflash_train.target_model.errors import TargetError
 
 MAGIC = b"GGUF"
 """The first four bytes of every GGUF file."""

@@ -21,10 +21,10 @@ from torch import nn
 
 from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
-from dflash_train.target import gguf, weights
-from dflash_train.target.errors import TargetError
-from dflash_train.target.kernels import silence_fallback_notes
 from dflash_train.target_config import text_part
+from dflash_train.target_model import gguf, weights
+from dflash_train.target_model.errors import TargetError
+from dflash_train.target_model.kernels import silence_fallback_notes
 
 LoadAs = Literal["causal-lm", "multimodal"]
 GPU_ONLY_PACKAGES = ("fla", "causal_conv1d")
