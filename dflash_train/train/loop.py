@@ -1,7 +1,8 @@
 """The training loop: store -> batches -> blocks -> noised fc input -> drafter -> loss -> step.
 
 Reads top to bottom: build the run (train.run), then one step per batch, epoch after epoch:
-step, record, health, checkpoint. Everything random is keyed by (seed, epoch, sample), so a
+step, record, health, checkpoint. `train_step` needs only a Run (train.run.assemble_run
+makes one in memory) and a batch. Everything random is keyed by (seed, epoch, sample), so a
 resumed run continues bit-for-bit and W ranks train what one process trains.
 """
 
@@ -15,11 +16,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_train.run_layout import SKIPPED, checkpoint_dir
+from dflash_train.run_layout import checkpoint_dir
 from dflash_train.train.checkpoint import latest_checkpoint, save_checkpoint
-from dflash_train.train.config import TrainConfig
+from dflash_train.train.config import TrainConfig, to_toml
 from dflash_train.train.data import Batch, empty_batch
 from dflash_train.train.errors import TrainError
+from dflash_train.train.health import StepHealth
 from dflash_train.train.noise import noise_std_at
 from dflash_train.train.parallel import barrier, full_states, global_norm, sum_over_ranks
 from dflash_train.train.record import StepRecord
@@ -56,18 +58,18 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     if isinstance(run, AlreadyComplete):
         return TrainResult(run.step, float("nan"), run.checkpoint, Path(cfg.run.out_dir),
                            already_complete=True)
-    last_loss, checkpoint = float("nan"), None
+    health = StepHealth(run.run_dir, run.model.config.vocab_size, cfg.optim.lr)
+    sinks, last_loss, checkpoint = run.sinks, float("nan"), None
     for batch, waited in _batches(run):
         batch = batch if batch is not None else empty_batch(run.store)
         for damage in batch.skipped:
-            run.skipped.record(damage, run.state.step + 1)
+            sinks.skipped.record(damage, run.state.step + 1)
         record = train_step(run, batch, waited)
         last_loss = record.loss
-        if run.log is not None:
-            run.log.write(record)
-        run.health.check(record.step, record.loss, record.grad_norm)  # every rank agrees
-        run.bar.update(1)
-        run.bar.set_postfix(loss=f"{record.loss:.3f}", epoch=record.epoch)
+        sinks.log.write(record)
+        health.check(record.step, record.loss, record.grad_norm)  # every rank agrees
+        sinks.bar.update(1)
+        sinks.bar.set_postfix(loss=f"{record.loss:.3f}", epoch=record.epoch)
         if record.step % cfg.run.checkpoint_every == 0:
             checkpoint = save_run(run)
     return _finish(run, checkpoint, last_loss)
@@ -92,9 +94,11 @@ def _batches(run: Run) -> Iterator[tuple[Batch | None, float]]:
 
 def train_step(run: Run, batch: Batch, data_wait: float = 0.0) -> StepRecord:
     """One optimiser step on this rank's `batch`; the record's loss and gradient norm are
-    the global ones, the same on every rank. Accuracy is measured where it is logged."""
+    the global ones, the same on every rank. Rank 0 measures the drafts' accuracy, where it
+    is logged: every run.log_every steps and at the last."""
     start = time.perf_counter()
-    cfg, state, model, device = run.cfg, run.state, run.model, run.device
+    cfg, state, model = run.cfg, run.state, run.model
+    device, world = run.placement.device, run.placement.world
     blocks = make_blocks(batch, mask_token_id=model.config.mask_token_id,
                          block_size=model.config.block_size,
                          anchors_per_seq=cfg.run.anchors_per_seq, seed=cfg.run.seed,
@@ -111,8 +115,8 @@ def train_step(run: Run, batch: Batch, data_wait: float = 0.0) -> StepRecord:
         # each rank's share of the global weighted sum is scaled up by W for backward (the
         # single-process gradient), and back down by W to report its share of the loss.
         loss = block_loss(hidden, blocks, model.head_weight, cfg.loss,
-                          global_sum=sum_over_ranks if run.world > 1 else None,
-                          drafter=model) * run.world
+                          global_sum=sum_over_ranks if world > 1 else None,
+                          drafter=model) * world
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -122,8 +126,8 @@ def train_step(run: Run, batch: Batch, data_wait: float = 0.0) -> StepRecord:
     state.step += 1
     state.batch_in_epoch += 1
     state.tokens_seen += int(batch.lengths.sum())
-    reported = loss.detach() / run.world
-    if run.world > 1:
+    reported = loss.detach() / world
+    if world > 1:
         dist.all_reduce(reported)
     loss_value, norm = reported.item(), global_norm(grad_norm)  # the step's end on CUDA too
     tokens, step_s = int(batch.lengths.sum()), time.perf_counter() - start
@@ -132,8 +136,8 @@ def train_step(run: Run, batch: Batch, data_wait: float = 0.0) -> StepRecord:
         grad_norm=norm, tokens=tokens, samples=len(batch.refs), skipped=len(batch.skipped),
         blocks=int(blocks.valid.any(-1).sum()), noise_std=noise_std_at(cfg.noise, state.step - 1),
         data_wait_s=data_wait, step_s=step_s, tokens_per_s=tokens / max(1e-9, data_wait + step_s))
-    if run.log is not None and (state.step % cfg.run.log_every == 0
-                                or state.step == run.total_steps):
+    if run.placement.rank == 0 and (state.step % cfg.run.log_every == 0
+                                    or state.step == run.total_steps):
         record.accuracy = batch_accuracy(hidden.detach(), blocks, model)
     return record
 
@@ -143,24 +147,21 @@ def save_run(run: Run) -> Path | None:
     writes. Returns the checkpoint on rank 0, None elsewhere."""
     model_state, optimizer_state = full_states(run.model, run.optimizer)
     path = None
-    if run.rank == 0:
+    if run.placement.rank == 0:
         path = save_checkpoint(run.run_dir, run.model, model_state, optimizer_state,
-                               run.scheduler, run.state, run.store.meta, run.config_toml,
+                               run.scheduler, run.state, run.store.meta, to_toml(run.cfg),
                                keep=run.cfg.run.keep_checkpoints)
-    barrier(run.world)
+    barrier(run.placement.world)
     return path
 
 
 def _finish(run: Run, checkpoint: Path | None, last_loss: float) -> TrainResult:
     """The last checkpoint (unless the last step just wrote it), sinks closed, the summary."""
-    run.bar.close()
+    run.sinks.bar.close()
     if latest_checkpoint(run.run_dir) != checkpoint_dir(run.run_dir, run.state.step):
         checkpoint = save_run(run)
-    if run.log is not None:
-        run.log.close()
-    barrier(run.world)
-    if run.skipped.count:
-        run.echo(f"skipped {run.skipped.count} damaged sample(s) or part(s) (--skip-corrupt); "
-                 f"listed in {run.run_dir / SKIPPED}")
+    run.sinks.log.close()
+    barrier(run.placement.world)
+    run.sinks.skipped.summarise()
     return TrainResult(run.state.step, last_loss, checkpoint or latest_checkpoint(run.run_dir),
-                       run.run_dir, run.skipped.count)
+                       run.run_dir, run.sinks.skipped.count)

@@ -1,22 +1,24 @@
-"""Everything a training run holds before its first step, built in the order a reader
-expects: where it runs, its directory (new, or resumed from a checkpoint), its data, its
-drafter, the optimiser and schedule, its position, and the rank-0 sinks.
+"""Everything a training run holds before its first step, in two stages. `build_run` opens
+the run in the order a reader expects: where it runs, its directory (new, or resumed from a
+checkpoint), its data, its drafter. `assemble_run` then puts a drafter and its data together
+into a `Run` (the optimiser and schedule, its position) without touching a file: all a test
+or a benchmark needs to drive `train.loop.train_step`. Last, build_run restores a resumed
+run's position and gives rank 0 its log and progress bar.
 
 Every refusal a run can meet before training (a directory holding another run, a changed
-setting on resume, nothing to train on, a store of another target) happens here, on every
-rank, before rank 0 writes anything but the lock. Never takes a training step.
+setting on resume, nothing to train on, a store of another target) happens in build_run, on
+every rank, before rank 0 writes anything but the lock. Never takes a training step.
 """
 
 import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from dflash_train.devices import native_bf16, resolve_device
 from dflash_train.drafter import DFlashDrafter
@@ -41,7 +43,6 @@ from dflash_train.train.drafter_shape import (
     shape_conflicts,
 )
 from dflash_train.train.errors import TrainError
-from dflash_train.train.health import StepHealth
 from dflash_train.train.optimizer import build_optimizer
 from dflash_train.train.options import option_name
 from dflash_train.train.parallel import (
@@ -59,7 +60,9 @@ from dflash_train.train.rundir import (
     set_aside,
     set_aside_leftovers,
 )
-from dflash_train.train.sinks import RunLog, SkipLedger, progress_bar
+from dflash_train.train.sinks import NullLog, RunLog, Sinks, SkipLedger, progress_bar
+
+Echo = Callable[[str], None]
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
@@ -89,21 +92,25 @@ class AlreadyComplete:
     checkpoint: Path
 
 
-@dataclass
+@dataclass(frozen=True)
+class Placement:
+    """Which process of a run this is, and the device it trains on."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    """Processes training together (torchrun's WORLD_SIZE); DDP / FSDP average over them."""
+
+
+@dataclass(kw_only=True)
 class Run:
-    """A run ready for its next step; `state` is where it is and moves with every step."""
+    """A run ready for its next step; `state` is where it is and moves with every step.
+    `train_step` reads the fields down to `layer_rms`; the loop around it the rest."""
 
     cfg: TrainConfig
-    run_dir: Path
-    rank: int
-    world: int
-    device: torch.device
+    placement: Placement
     bf16: bool
     """The forward under bf16 autocast (use_bf16)."""
-    loader: StoreLoader
-    total_steps: int
-    pad_blocks_to: int
-    """Blocks per sequence rounded up to a multiple of this (few shapes for compiled kernels)."""
     model: DFlashDrafter
     """The drafter itself: what is saved, and what owns the target head."""
     forward: torch.nn.Module
@@ -111,68 +118,100 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     state: TrainState
+    total_steps: int
+    """Steps the run takes: the learning-rate schedule spans them; the last logs accuracy."""
     layer_rms: torch.Tensor | None
     """Per context layer RMS that relative noise scales by (None: absolute or no noise)."""
-    config_toml: str
-    log: RunLog | None
-    """log.jsonl (and TensorBoard): rank 0 only."""
-    bar: tqdm
-    skipped: SkipLedger
-    health: StepHealth
-    echo: Callable[[str], None]
+    loader: StoreLoader | None = None
+    """The batches the loop trains on; None for a run handed its batches one at a time."""
+    run_dir: Path | None = None
+    """checkpoints/, log.jsonl, config.toml; None for a run in memory, never saved."""
+    sinks: Sinks = field(default_factory=Sinks)
+    """Where the loop's records go; ones that do nothing unless build_run opened them."""
+
+    @property
+    def pad_blocks_to(self) -> int:
+        """Blocks per sequence rounded up to a multiple of this (few shapes for compiled
+        kernels)."""
+        return self.cfg.run.pad_blocks_to or (32 if self.placement.device.type == "cuda" else 1)
 
     @property
     def store(self) -> Store:
         return self.loader.stores[0]
 
 
-def build_run(cfg: TrainConfig, resume: bool, echo=print) -> Run | AlreadyComplete:
+def assemble_run(cfg: TrainConfig, model: DFlashDrafter, *, placement: Placement,
+                 total_steps: int, loader: StoreLoader | None = None,
+                 layer_rms: torch.Tensor | None = None, run_dir: Path | None = None) -> Run:
+    """A run of `model` (its target head attached) as `cfg` configures it, at step 0, with
+    sinks that do nothing, touching no file: the drafter set to train on the placement's
+    device and wrapped for its ranks, the optimiser and the learning-rate schedule over
+    `total_steps` built. `loader` is where the loop reads batches (and what checkpoints
+    record the plan of); `layer_rms` scales relative noise (train.run._layer_rms)."""
+    device = placement.device
+    model.to(device)
+    model.gradient_checkpointing = cfg.run.gradient_checkpointing
+    model.chunk_blocks = resolve_chunk_blocks(cfg.run, device.type == "cuda")
+    model.train()
+    # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
+    forward = wrap(model, parallel_mode(placement.world, cfg.run.fsdp), device)
+    optimizer = build_optimizer(model, cfg.optim)
+    return Run(cfg=cfg, placement=placement, bf16=use_bf16(cfg.run.precision, device),
+               model=model, forward=forward, optimizer=optimizer,
+               scheduler=_scheduler(optimizer, cfg.optim, total_steps),
+               state=TrainState(plan=loader.plan_inputs() if loader is not None else []),
+               total_steps=total_steps, layer_rms=layer_rms, loader=loader, run_dir=run_dir)
+
+
+def build_run(cfg: TrainConfig, resume: bool, echo: Echo = print) -> Run | AlreadyComplete:
     """The run `cfg` describes, new or (`resume`) continued from its newest whole checkpoint."""
-    rank, world, device = _placement(cfg)
-    bf16 = use_bf16(cfg.run.precision, device)
-    note = precision_note(cfg.run.precision, device)
-    if note and rank == 0:
-        echo(note)
+    placement = _placement(cfg)
+    say = echo if placement.rank == 0 else _silent  # rank 0 tells what every rank does
+    note = precision_note(cfg.run.precision, placement.device)
+    if note:
+        say(note)
     run_dir = Path(cfg.run.out_dir)
     torch.manual_seed(cfg.run.seed)
-    point = _claim_run_dir(run_dir, cfg, resume, rank, world, echo)
-    loader, total_steps = _open_data(cfg, rank, world, device.type == "cuda", echo)
-    plan = loader.plan_inputs()
+    point = _claim_run_dir(run_dir, cfg, resume, placement, say)
+    loader, total_steps = _open_data(cfg, placement, say)
     if point is not None:
         done = TrainState(**point.trainer["state"])
-        check_same_plan(done.plan, plan, point.path)
+        check_same_plan(done.plan, loader.plan_inputs(), point.path)
         if _finished(done, loader, cfg, total_steps):
             return AlreadyComplete(done.step, point.path)
-    model = _drafter(cfg, point, loader.stores, rank, echo, bf16, device)
-    layer_rms = _layer_rms(cfg, loader, device)
-    # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
-    forward = wrap(model, parallel_mode(world, cfg.run.fsdp), device)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = _scheduler(optimizer, cfg.optim, total_steps)
-    state = TrainState(plan=plan)
+    model = _drafter(cfg, point, loader.stores, placement, say)
+    run = assemble_run(cfg, model, placement=placement, total_steps=total_steps, loader=loader,
+                       layer_rms=_layer_rms(cfg, loader, placement.device), run_dir=run_dir)
     if point is not None:
-        state = _restore(point, model, optimizer, scheduler, plan)
-        if rank == 0:
-            echo(f"resumed from {point.path} (step {state.step}, epoch {state.epoch})")
+        _restore(point, run)
+        say(f"resumed from {point.path} (step {run.state.step}, epoch {run.state.epoch})")
     # The optimizer holds its state now: the checkpoint as read (trainer.pt with a second
     # copy of the Adam moments) is let go when this returns, before the first step.
-    config_toml = to_toml(cfg)
-    if rank == 0:
-        _write_config(run_dir, config_toml)
-    log = RunLog(run_dir / LOG, run_dir / TENSORBOARD if cfg.run.tensorboard else None
-                 ) if rank == 0 else None
-    bar = progress_bar(total_steps, state.step, rank == 0 and cfg.run.progress)
-    skipped = SkipLedger(run_dir / SKIPPED, rank, echo)
-    health = StepHealth(run_dir, model.config.vocab_size, cfg.optim.lr)
+    if placement.rank == 0:
+        _write_config(run_dir, to_toml(cfg))
+    run.sinks = rank_sinks(run, echo)
     for damage in loader.damage:  # found before reading: whole parts never enter the plan
-        skipped.record(damage, state.step)
-    return Run(cfg, run_dir, rank, world, device, bf16, loader, total_steps,
-               cfg.run.pad_blocks_to or (32 if device.type == "cuda" else 1), model, forward,
-               optimizer, scheduler, state, layer_rms, config_toml, log, bar, skipped, health,
-               echo)
+        run.sinks.skipped.record(damage, run.state.step)
+    return run
 
 
-def _placement(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+def rank_sinks(run: Run, echo: Echo) -> Sinks:
+    """This rank's sinks in the run directory: rank 0 logs (log.jsonl, and TensorBoard when
+    asked) and shows the progress bar, the other ranks' do nothing; every rank lists the
+    damaged samples it skipped in the one ledger."""
+    rank, out, settings = run.placement.rank, run.run_dir, run.cfg.run
+    log = RunLog(out / LOG, out / TENSORBOARD if settings.tensorboard else None) \
+        if rank == 0 else NullLog()
+    return Sinks(log=log, bar=progress_bar(run.total_steps, run.state.step,
+                                           rank == 0 and settings.progress),
+                 skipped=SkipLedger(out / SKIPPED, rank, echo))
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def _placement(cfg: TrainConfig) -> Placement:
     """This process's rank, the world size and the device it trains on."""
     rank, world = _distributed()
     device = resolve_device(cfg.run.device, TrainError, rank)
@@ -182,7 +221,7 @@ def _placement(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     elif cfg.run.attention == "flex":
         raise TrainError(f"run.attention flex trains on CUDA only (flex_attention has no "
                          f"backward on {device.type}); use split or dense")
-    return rank, world, device
+    return Placement(device=device, rank=rank, world=world)
 
 
 def _distributed() -> tuple[int, int]:
@@ -192,24 +231,24 @@ def _distributed() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, rank: int, world: int,
-                   echo) -> Checkpoint | None:
+def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, placement: Placement,
+                   say: Echo) -> Checkpoint | None:
     """The run directory: a new run never mixes into an old one; a resume continues the run
     it finds exactly as configured (rundir.RUN_MANAGEMENT_FIELDS aside), from the newest
     checkpoint that reads whole. Every rank checks before rank 0 writes anything."""
-    point = _resume_point(run_dir, cfg, rank, world, echo) if resume else None
+    point = _resume_point(run_dir, cfg, placement, say) if resume else None
     if point is None:
         check_new_run_dir(run_dir)
-        moved = set_aside_leftovers(run_dir) if rank == 0 else None
+        moved = set_aside_leftovers(run_dir) if placement.rank == 0 else None
         if moved:
-            echo(f"note: {run_dir} holds a run that stopped before its first checkpoint; "
+            say(f"note: {run_dir} holds a run that stopped before its first checkpoint; "
                  f"moved its {', '.join(moved[0])} to {moved[1]} and starting a new run")
-    barrier(world)
+    barrier(placement.world)
     return point
 
 
-def _resume_point(run_dir: Path, cfg: TrainConfig, rank: int, world: int,
-                  echo) -> Checkpoint:
+def _resume_point(run_dir: Path, cfg: TrainConfig, placement: Placement,
+                  say: Echo) -> Checkpoint:
     """The checkpoint a resume continues from, the same on every rank, its config checked
     against cfg; damaged newer ones are named and (rank 0, once every rank has chosen)
     renamed out of rotation."""
@@ -218,16 +257,15 @@ def _resume_point(run_dir: Path, cfg: TrainConfig, rank: int, world: int,
     except Exception as e:  # told to the other ranks first, so that none waits forever
         point, failure = None, e
     choice = point.path.name if point is not None else f"none ({type(failure).__name__})"
-    check_same_choice(gather_objects(choice, world), run_dir)
+    check_same_choice(gather_objects(choice, placement.world), run_dir)
     if failure is not None:
         raise failure
     check_resume_config(point, cfg)
-    barrier(world)
+    barrier(placement.world)
     for path, reason in point.damaged:
-        aside = set_aside(path) if rank == 0 else path
-        if rank == 0:
-            echo(f"note: {reason}; resuming from the previous complete checkpoint "
-                 f"{point.path.name} instead (the damaged one is kept as {aside})")
+        aside = set_aside(path) if placement.rank == 0 else path
+        say(f"note: {reason}; resuming from the previous complete checkpoint "
+            f"{point.path.name} instead (the damaged one is kept as {aside})")
     return point
 
 
@@ -241,16 +279,15 @@ def check_same_choice(choices: list[str], run_dir: Path) -> None:
                          "same files, then resume again")
 
 
-def _open_data(cfg: TrainConfig, rank: int, world: int, cuda: bool,
-               echo) -> tuple[StoreLoader, int]:
+def _open_data(cfg: TrainConfig, placement: Placement, say: Echo) -> tuple[StoreLoader, int]:
     """The loader (a deterministic plan over complete parts; this rank reads only its
     share) and the steps the run takes. On CUDA batches are padded to few shapes, so
     compiled flex attention does not recompile often."""
+    cuda = placement.device.type == "cuda"
     loader_cfg = replace(cfg.loader, pad_to=cfg.loader.pad_to if not cuda or
                          cfg.loader.pad_to > 1 else 256)
-    loader = StoreLoader(cfg.stores, loader_cfg, rank=rank, world=world)
-    if rank == 0:
-        _announce_unfinished(loader, echo)
+    loader = StoreLoader(cfg.stores, loader_cfg, rank=placement.rank, world=placement.world)
+    _announce_unfinished(loader, say)
     if not loader.has_trainable_block():
         raise TrainError(_nothing_to_train(cfg))
     total_steps = loader.batches_per_epoch() * cfg.optim.epochs
@@ -263,12 +300,12 @@ def _open_data(cfg: TrainConfig, rank: int, world: int, cuda: bool,
     return loader, total_steps
 
 
-def _announce_unfinished(loader: StoreLoader, echo) -> None:
+def _announce_unfinished(loader: StoreLoader, say: Echo) -> None:
     """One line naming the parts left out because extraction has not finished them."""
     named = [f"{s.url} part(s) {', '.join(map(str, parts))}" for s in loader.stores
              if (parts := s.unfinished_parts())]
     if named:
-        echo(f"leaving out unfinished parts (extraction still running or stopped; training "
+        say(f"leaving out unfinished parts (extraction still running or stopped; training "
              f"on complete parts only): {'; '.join(named)}")
 
 
@@ -291,36 +328,31 @@ def _finished(done: TrainState, loader: StoreLoader, cfg: TrainConfig, total_ste
             or (done.epoch == last and done.batch_in_epoch >= loader.batches_per_epoch(last)))
 
 
-def _drafter(cfg: TrainConfig, point: Checkpoint | None, stores: list[Store], rank: int,
-             echo, bf16: bool, device: torch.device) -> DFlashDrafter:
-    """The drafter the run trains, on `device`, borrowing the store's frozen embed_tokens /
-    lm_head, in training mode."""
+def _drafter(cfg: TrainConfig, point: Checkpoint | None, stores: list[Store],
+             placement: Placement, say: Echo) -> DFlashDrafter:
+    """The drafter the run trains, borrowing the store's frozen embed_tokens / lm_head (on
+    the placement's device, in bf16 where the forward runs in it)."""
     rows = stores[0].target_rows()
     model = _starting_drafter(cfg, point, stores[0])
     if point is None and not cfg.model.init_from and model.config.draft_vocab_size:
         start = time.perf_counter()
         ids, covered = most_frequent_labels(stores, model.config.draft_vocab_size)
         model.set_draft_vocab(ids)
-        if rank == 0:
-            echo(f"draft vocabulary: the {ids.numel():,} most frequent of "
-                 f"{model.config.vocab_size:,} ids cover {covered:.2%} of the train stores' "
-                 f"labels (counted in {time.perf_counter() - start:.1f} s)")
+        say(f"draft vocabulary: the {ids.numel():,} most frequent of "
+            f"{model.config.vocab_size:,} ids cover {covered:.2%} of the train stores' "
+            f"labels (counted in {time.perf_counter() - start:.1f} s)")
     if cfg.run.fsdp and model.config.kind == "dflash2":
         # The selector term reads the selector's weights outside the forward, where FSDP2
         # has not gathered them.
         raise TrainError("run.fsdp does not train a DFlash 2 drafter yet; use DDP (drop "
                          "--fsdp)")
-    if rank == 0:
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        echo(f"drafter: {model.config.describe()}; {parameter_count(trainable)} trainable "
-             "parameters")
-    head_dtype = torch.bfloat16 if bf16 else torch.float32
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    say(f"drafter: {model.config.describe()}; {parameter_count(trainable)} trainable "
+        "parameters")
+    device = placement.device
+    head_dtype = torch.bfloat16 if use_bf16(cfg.run.precision, device) else torch.float32
     model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
                              rows["lm_head"].to(device, head_dtype))
-    model.to(device)
-    model.gradient_checkpointing = cfg.run.gradient_checkpointing
-    model.chunk_blocks = resolve_chunk_blocks(cfg.run, device.type == "cuda")
-    model.train()
     return model
 
 
@@ -390,17 +422,16 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
     return scale
 
 
-def _restore(point: Checkpoint, model: DFlashDrafter, optimizer, scheduler,
-             plan: list) -> TrainState:
-    """The checkpoint's position, schedule, RNG and optimiser state, restored."""
-    state, optimizer_state = restore_trainer(point.trainer, scheduler)
-    state.plan = plan  # checked equal above; recorded again by checkpoints before it was
+def _restore(point: Checkpoint, run: Run) -> None:
+    """The checkpoint's position, schedule, RNG and optimiser state, restored into `run`."""
+    state, optimizer_state = restore_trainer(point.trainer, run.scheduler)
+    state.plan = run.state.plan  # checked equal above; recorded again by checkpoints before it was
     try:
-        load_optimizer_state(model, optimizer, optimizer_state)
+        load_optimizer_state(run.model, run.optimizer, optimizer_state)
     except (RuntimeError, ValueError, KeyError) as e:
         raise TrainError(f"{point.path}: its optimizer state does not fit this drafter "
                          f"({one_line(e)})") from e
-    return state
+    run.state = state
 
 
 def _write_config(run_dir: Path, config_toml: str) -> None:

@@ -1,11 +1,14 @@
 """Where a run's step records go: log.jsonl and TensorBoard (rank 0), the progress bar, and
-the ledger of damaged samples skipped (every rank appends its own).
+the ledger of damaged samples skipped (every rank appends its own). `Sinks` holds one of each;
+its defaults do nothing, so a rank above 0 or a run in memory is not asked which it is.
 
 Writes only into the run directory, one line per record; never decides anything about the
 run (train.health stops it, train.loop drives it).
 """
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -58,6 +61,16 @@ def _board_write(board, line: dict) -> None:
             board.add_scalar(key, value, step)
 
 
+class NullLog:
+    """The log of a rank above 0, or of a run in memory: records go nowhere."""
+
+    def write(self, record: StepRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def progress_bar(total: int, initial: int, shown: bool) -> tqdm:
     return tqdm(total=total, initial=initial, disable=not shown, desc="train", unit="step",
                 dynamic_ncols=True)
@@ -65,9 +78,9 @@ def progress_bar(total: int, initial: int, shown: bool) -> tqdm:
 
 class SkipLedger:
     """Damaged samples skipped by this rank: each is announced and listed once (a sample
-    skipped again in a later epoch is not repeated)."""
+    skipped again in a later epoch is not repeated) in `path` (None: counted only)."""
 
-    def __init__(self, path: Path, rank: int, echo):
+    def __init__(self, path: Path | None, rank: int, echo: Callable[[str], None]):
         self.path, self.rank, self.echo = path, rank, echo
         self.seen: set[tuple] = set()
 
@@ -81,7 +94,29 @@ class SkipLedger:
             return
         self.seen.add(key)
         self.echo(f"skipping damaged data (--skip-corrupt): {damage}")
+        if self.path is None:
+            return
         line = json.dumps({"step": step, "rank": self.rank, **damage.as_dict()}) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:  # one small append per line: ranks may share the file
             f.write(line)
+
+    def summarise(self) -> None:
+        """The run's last word on damage: how many were skipped and where they are listed."""
+        if self.count:
+            self.echo(f"skipped {self.count} damaged sample(s) or part(s) (--skip-corrupt); "
+                      f"listed in {self.path}")
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+@dataclass
+class Sinks:
+    """Where the loop's records go. The defaults do nothing: a rank above 0 gets them for the
+    log and the bar (rank 0 logs and shows progress for all), a run in memory for all three."""
+
+    log: RunLog | NullLog = field(default_factory=NullLog)
+    bar: tqdm = field(default_factory=lambda: progress_bar(0, 0, shown=False))
+    skipped: SkipLedger = field(default_factory=lambda: SkipLedger(None, 0, _silent))
