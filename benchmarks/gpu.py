@@ -6,8 +6,9 @@
     python benchmarks/gpu.py --parts head,loader,extract --measured m.json  # runs these two
 
   train    the Qwen3.6-27B drafter shape (DrafterConfig.qwen3_6_27b): step tokens/s, MFU and
-           peak memory of forward + CE loss + backward + AdamW with the mask `dflash train`
-           uses there (flex on CUDA; the first, compiling step timed apart), then flex vs
+           peak memory of `dflash train`'s own step (train_step: the batch from CPU memory,
+           forward, loss, backward, the default AdamW and schedule) with the mask it uses
+           there (flex on CUDA; the first, compiling step timed apart), then flex vs
            dense at fewer blocks per sequence, where dense's score matrices fit (flex then
            recompiles for the second shape with dynamic shapes, as `dflash train` does once
            its batches take a second padded shape)
@@ -213,13 +214,34 @@ def drafter_flops(cfg, n: int, t: int, k: int) -> float:
     return flops + cfg.num_hidden_layers * per_layer + 2 * labelled * h * cfg.vocab_size
 
 
+def train_batch(s: Shapes, cfg, generator: torch.Generator):
+    """A batch as the training loader hands one over: `train_batch` sequences of `seq` random
+    tokens on the CPU, every position a loss position, random context and verifier top-4."""
+    from dflash_train.train.data import Batch, SampleRef
+
+    n, t, top_k = s.train_batch, s.seq, 4
+    return Batch(
+        input_ids=torch.randint(0, cfg.vocab_size, (n, t), generator=generator),
+        loss_mask=torch.ones(n, t, dtype=torch.bool),
+        context=torch.randn(n, t, cfg.num_context_features, cfg.hidden_size,
+                            generator=generator).to(s.dtype),
+        topk_ids=torch.randint(0, cfg.vocab_size, (n, t, top_k), generator=generator),
+        topk_logits=torch.randn(n, t, top_k, generator=generator),
+        lse=torch.full((n, t), 10.0), lengths=torch.full((n,), t),
+        refs=[SampleRef(store=0, part=0, index=i, length=t) for i in range(n)])
+
+
 def bench_train(s: Shapes, device: torch.device, budget_s: float,
                 measured: dict[str, float]) -> list[tuple[str, str]]:
-    """The training step at full shape on the backend `dflash train` picks here (flex on CUDA),
-    then flex vs dense at `compare_anchors` blocks, where dense's [N, heads, K*B, T+K*B]
-    scores fit (at full shape they alone would be ~100 GB over the layers)."""
+    """`dflash train`'s own step (train.loop.train_step: blocks, noise, forward, loss,
+    backward, clipping, the configured optimiser and schedule) at full shape, on the backend
+    `dflash train` picks here (flex on CUDA), then flex vs dense at `compare_anchors` blocks,
+    where dense's [N, heads, K*B, T+K*B] scores fit (at full shape they alone would be ~100 GB
+    over the layers). Steps that also measure accuracy (every run.log_every) are not timed."""
     from dflash_train.drafter import DFlashDrafter, DrafterConfig, build_block_ids
-    from dflash_train.train.loss import block_ce_loss
+    from dflash_train.train.config import RunConfig, TrainConfig
+    from dflash_train.train.loop import train_step
+    from dflash_train.train.run import Placement, assemble_run
 
     cfg = DrafterConfig.qwen3_6_27b()
     if s.hidden != cfg.hidden_size:  # smoke: the same architecture, tiny
@@ -233,32 +255,18 @@ def bench_train(s: Shapes, device: torch.device, budget_s: float,
         embed = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=s.dtype) * 0.02
         head = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=s.dtype) * 0.02
     model.attach_target_head(embed, head)
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    batch = train_batch(s, cfg, torch.Generator().manual_seed(0))
     n, t, b = s.train_batch, s.seq, cfg.block_size
-    context = torch.randn(n, t, cfg.num_context_features, cfg.hidden_size, device=device,
-                          dtype=s.dtype)
-    lengths = torch.full((n,), t, device=device)
     cuda = device.type == "cuda"
+    precision = "bf16" if s.dtype == torch.bfloat16 else "fp32"  # the head's dtype, as trained
 
     def step_fn(k: int, attention: str):
-        anchors = torch.sort(torch.randint(1, t - b, (n, k), device=device), dim=1).values
-        ids = build_block_ids(torch.randint(0, cfg.vocab_size, (n, k), device=device),
-                              cfg.mask_token_id, b)
-        labels = torch.randint(0, cfg.vocab_size, (n * k, b), device=device)
-        valid = torch.ones(n * k, b, dtype=torch.bool, device=device)
-        valid[:, 0] = False
-
-        def step():
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                hidden = model(context, lengths, ids, anchors, attention=attention)
-                loss = block_ce_loss(labels, valid, hidden=hidden.flatten(0, 1),
-                                     lm_head_weight=model.target_lm_head)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        return step
+        train_cfg = TrainConfig(run=RunConfig(anchors_per_seq=k, attention=attention,
+                                              precision=precision))
+        # each context layer of randn features has RMS 1: what relative noise scales by
+        run = assemble_run(train_cfg, model, placement=Placement(device), total_steps=10**6,
+                           layer_rms=torch.ones(cfg.num_context_features, device=device))
+        return partial(train_step, run, batch)
 
     runs = [(s.anchors, "flex" if cuda else "dense")]
     if cuda:
@@ -293,6 +301,7 @@ def bench_train(s: Shapes, device: torch.device, budget_s: float,
                      f"{ratio:.2f}x"))
     if not cuda:  # flex on CPU runs eager and forward only: time that much
         k = s.compare_anchors
+        context, lengths = batch.context.to(device), batch.lengths
         anchors = torch.sort(torch.randint(1, t - b, (n, k)), dim=1).values
         ids = build_block_ids(torch.randint(0, cfg.vocab_size, (n, k)), cfg.mask_token_id, b)
         with torch.no_grad():

@@ -6,15 +6,19 @@
 
 Without --store it writes a synthetic store of SmolLM2-135M's shape (train_memory.py's) to a
 temporary directory. Each arm (a precision; `-recompute` recomputes the lm_head's logits in
-backward as the loss did before head_cross_entropy) runs the trainer's own pieces on the same
-batches, in turns (`--rounds` times each, so a noisy machine slows every arm alike):
+backward as the loss did before head_cross_entropy) times `dflash train`'s own step,
+train.loop.train_step, on a run assembled in memory (train.run.assemble_run) over the same
+batches, in turns (`--rounds` times each, so a noisy machine slows every arm alike). The
+step's pieces are timed where they are called:
   loader     the StoreLoader's wait for its next batch (its prefetch thread overlaps it);
   blocks     anchors, labels and block inputs (train.step.make_blocks);
+  noise      the noised copy of the context the drafter's fc reads (train.step.noised_context);
   forward    the drafter's forward to its last hidden states;
-  lm_head    the loss through the frozen lm_head, forward and its backward to the hidden
-             states, timed on a detached copy of them;
-  backward   the drafter's own backward: the whole backward less the lm_head part;
-  optimizer  clipping and the optimiser's step.
+  lm_head    the loss call (train.step.block_loss): the lm_head's logits and, but in the
+             -recompute arms, their gradient to the hidden states, built in the same pass;
+  backward   the rest of the step: the backward (with the -recompute arms' second pass over
+             the lm_head), gradient clipping, the accuracy pass of a log_every step;
+  optimizer  the configured optimiser's step.
 `attention` is the share of the forward spent in attention kernels, from torch.profiler on one
 forward. It prints one table: median milliseconds of each phase and its share of the step.
 Not a test.
@@ -25,7 +29,9 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import replace
+from functools import wraps
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,25 +40,35 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
+from dflash_train.train import loop  # noqa: E402
 from dflash_train.train.config import TrainConfig, load_config  # noqa: E402
 from dflash_train.train.data import StoreLoader  # noqa: E402
-from dflash_train.train.optimizer import build_optimizer  # noqa: E402
-from dflash_train.train.step import block_loss, make_blocks  # noqa: E402
+from dflash_train.train.run import (  # noqa: E402
+    Placement,
+    Run,
+    assemble_run,
+    noise_layer_rms,
+    use_bf16,
+)
+from dflash_train.train.step import make_blocks  # noqa: E402
 
-PHASES = ("loader", "blocks", "forward", "lm_head", "backward", "optimizer")
+PHASES = ("loader", "blocks", "noise", "forward", "lm_head", "backward", "optimizer")
+TIMED_CALLS = {"blocks": "make_blocks", "noise": "noised_context", "lm_head": "block_loss"}
+"""Phases timed around the train_step module's own calls, by the name it calls them by."""
 ATTENTION_OPS = ("attention", "flex", "softmax", "bmm", "baddbmm")
+CPU = torch.device("cpu")
 
 
-def drafter_for(cfg: TrainConfig, store, bf16: bool):
+def drafter_for(cfg: TrainConfig, store):
+    """A new drafter of the store's shape, borrowing its head in the dtype the run keeps it."""
     from dflash_train.drafter.model import DFlashDrafter
     from dflash_train.train.drafter_shape import drafter_config
 
     torch.manual_seed(cfg.run.seed)
     model = DFlashDrafter(drafter_config(cfg, store))
     rows = store.target_rows()
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if use_bf16(cfg.run.precision, CPU) else torch.float32
     model.attach_target_head(rows["embed_tokens"].to(dtype), rows["lm_head"].to(dtype))
-    model.train()
     return model
 
 
@@ -62,33 +78,45 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def one_step(model, optimizer, batch, cfg: TrainConfig, bf16: bool) -> dict:
-    """Seconds of each phase but the loader's for one step on `batch`."""
-    dcfg = model.config
-    blocks, t_blocks = timed(lambda: make_blocks(
-        batch, mask_token_id=dcfg.mask_token_id, block_size=dcfg.block_size,
-        anchors_per_seq=cfg.run.anchors_per_seq, seed=cfg.run.seed, epoch=0))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        hidden, t_fwd = timed(lambda: model(batch.context, batch.lengths, blocks.block_ids,
-                                            blocks.anchors, attention=cfg.run.attention))
-        # the lm_head alone, forward then backward to a detached copy of the hidden states
-        probe = hidden.detach().requires_grad_()
-        head_loss, t_head_fwd = timed(lambda: block_loss(probe, blocks, model.target_lm_head,
-                                                         cfg.loss))
-        _, t_head_bwd = timed(head_loss.backward)
-        loss = block_loss(hidden, blocks, model.target_lm_head, cfg.loss)
-    optimizer.zero_grad(set_to_none=True)
-    _, t_bwd = timed(loss.backward)  # the lm_head's backward again, then the drafter's
-    t_head = t_head_fwd + t_head_bwd
+def _timing(fn, seconds: list[float]):
+    """fn, appending the seconds of each call to `seconds` (its attributes kept: the LR
+    scheduler's mark on the optimiser's step among them)."""
+    @wraps(fn)
+    def call(*args, **kwargs):
+        out, took = timed(lambda: fn(*args, **kwargs))
+        seconds.append(took)
+        return out
 
-    def opt():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
+    return call
 
-    _, t_opt = timed(opt)
-    slots = int(blocks.valid[..., 1:].sum())
-    return {"blocks": t_blocks, "forward": t_fwd, "lm_head": t_head,
-            "backward": max(0.0, t_bwd - t_head_bwd), "optimizer": t_opt, "labels": slots}
+
+@contextmanager
+def phase_clocks(run: Run):
+    """{phase: [seconds of each call]} of the pieces train_step calls, for as long as this
+    lasts: the train_step module's calls, the run's forward and its optimiser's step each
+    wrapped in a clock (nothing else about them changes)."""
+    clocks: dict[str, list[float]] = {p: [] for p in (*TIMED_CALLS, "forward", "optimizer")}
+    real = {name: getattr(loop, name) for name in TIMED_CALLS.values()}
+    forward, step = run.forward, run.optimizer.step
+    for phase, name in TIMED_CALLS.items():
+        setattr(loop, name, _timing(real[name], clocks[phase]))
+    run.forward = _timing(forward, clocks["forward"])
+    run.optimizer.step = _timing(step, clocks["optimizer"])
+    try:
+        yield clocks
+    finally:
+        for name, fn in real.items():
+            setattr(loop, name, fn)
+        run.forward, run.optimizer.step = forward, step
+
+
+def one_step(run: Run, batch) -> dict:
+    """Seconds of each phase but the loader's for one train_step on `batch`."""
+    with phase_clocks(run) as clocks:
+        _, total = timed(lambda: loop.train_step(run, batch))
+    out = {phase: sum(seconds) for phase, seconds in clocks.items()}
+    out["backward"] = max(0.0, total - sum(out.values()))
+    return out
 
 
 def attention_share(model, batch, cfg: TrainConfig, bf16: bool) -> float:
@@ -112,37 +140,55 @@ def attention_share(model, batch, cfg: TrainConfig, bf16: bool) -> float:
 def profile_arm(cfg: TrainConfig, arm: str, steps: int) -> dict:
     import dflash_train.train.loss as loss_module
 
-    bf16 = arm.startswith("bf16")
+    precision = "bf16" if arm.startswith("bf16") else "fp32"
     fused = loss_module.head_cross_entropy
     if arm.endswith("-recompute"):  # block_ce_loss then takes its checkpointed path
         loss_module.head_cross_entropy = None
     try:
-        return _profile(cfg, bf16, steps)
+        return _profile(replace(cfg, run=replace(cfg.run, precision=precision)), steps)
     finally:
         loss_module.head_cross_entropy = fused
 
 
-def _profile(cfg: TrainConfig, bf16: bool, steps: int) -> dict:
+def in_memory_run(cfg: TrainConfig) -> Run:
+    """The run `dflash train` would train on CPU, assembled without a run directory; its
+    schedule as long as the run would be."""
     loader = StoreLoader(cfg.stores, cfg.loader)
-    model = drafter_for(cfg, loader.stores[0], bf16)
-    optimizer = build_optimizer(model, cfg.optim)
+    total = loader.batches_per_epoch() * cfg.optim.epochs
+    return assemble_run(cfg, drafter_for(cfg, loader.stores[0]), placement=Placement(CPU),
+                        total_steps=min(total, cfg.optim.max_steps or total), loader=loader,
+                        layer_rms=noise_layer_rms(cfg, loader, CPU))
+
+
+def _profile(cfg: TrainConfig, steps: int) -> dict:
+    run = in_memory_run(cfg)
     rows = {p: [] for p in PHASES}
     labels = []
-    batches = iter(loader.epoch(0))
+    batches = iter(run.loader.epoch(0))
     first = None
     for _ in range(steps + 1):  # the first step warms caches up and is not counted
         batch, t_load = timed(lambda: next(batches))
         first = first or batch
-        step = one_step(model, optimizer, batch, cfg, bf16)
+        step = one_step(run, batch)
         if first is not batch or steps == 0:
             rows["loader"].append(t_load)
             for p in PHASES[1:]:
                 rows[p].append(step[p])
-            labels.append(step["labels"])
+            labels.append(_labelled_slots(batch, run))
     out = {p: statistics.median(v) for p, v in rows.items()}
     out["labels"] = statistics.median(labels)
-    out["attention_share"] = attention_share(model, first, cfg, bf16)
+    out["attention_share"] = attention_share(run.model, first, cfg, run.bf16)
     return out
+
+
+def _labelled_slots(batch, run: Run) -> int:
+    """The batch's labelled block slots, as the step drew them (anchors are keyed by seed,
+    epoch and sample: drawing them again gives the same blocks)."""
+    dcfg = run.model.config
+    blocks = make_blocks(batch, mask_token_id=dcfg.mask_token_id, block_size=dcfg.block_size,
+                         anchors_per_seq=run.cfg.run.anchors_per_seq, seed=run.cfg.run.seed,
+                         epoch=0)
+    return int(blocks.valid[..., 1:].sum())
 
 
 def report(results: dict[str, list[dict]]) -> str:

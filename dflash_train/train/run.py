@@ -147,7 +147,7 @@ def assemble_run(cfg: TrainConfig, model: DFlashDrafter, *, placement: Placement
     sinks that do nothing, touching no file: the drafter set to train on the placement's
     device and wrapped for its ranks, the optimiser and the learning-rate schedule over
     `total_steps` built. `loader` is where the loop reads batches (and what checkpoints
-    record the plan of); `layer_rms` scales relative noise (train.run._layer_rms)."""
+    record the plan of); `layer_rms` scales relative noise (noise_layer_rms)."""
     device = placement.device
     model.to(device)
     model.gradient_checkpointing = cfg.run.gradient_checkpointing
@@ -181,7 +181,7 @@ def build_run(cfg: TrainConfig, resume: bool, echo: Echo = print) -> Run | Alrea
             return AlreadyComplete(done.step, point.path)
     model = _drafter(cfg, point, loader.stores, placement, say)
     run = assemble_run(cfg, model, placement=placement, total_steps=total_steps, loader=loader,
-                       layer_rms=_layer_rms(cfg, loader, placement.device), run_dir=run_dir)
+                       layer_rms=noise_layer_rms(cfg, loader, placement.device), run_dir=run_dir)
     if point is not None:
         _restore(point, run)
         say(f"resumed from {point.path} (step {run.state.step}, epoch {run.state.epoch})")
@@ -387,7 +387,7 @@ def parameter_count(n: int) -> str:
     return f"{n / 1e9:.3g}B"
 
 
-def _layer_rms(cfg: TrainConfig, loader: StoreLoader, device: torch.device
+def noise_layer_rms(cfg: TrainConfig, loader: StoreLoader, device: torch.device
                ) -> torch.Tensor | None:
     """The first store's per-layer context RMS, for noise relative to it (else None). Over
     the parts the loader checked and found sound (its check is not repeated); a shard
