@@ -315,10 +315,10 @@ def bench_train(s: Shapes, device: torch.device, budget_s: float,
 
 def head_step(hidden: torch.Tensor, head_rows: torch.Tensor, labels: torch.Tensor,
               valid: torch.Tensor) -> None:
-    from dflash_train.train.loss import block_ce_loss
+    from dflash_train.train.loss import Head, LossConfig, SlotTargets, unary_loss
 
     hidden.grad = None
-    block_ce_loss(labels, valid, hidden=hidden, lm_head_weight=head_rows).backward()
+    unary_loss(Head(hidden, head_rows), SlotTargets(labels, valid), LossConfig()).loss.backward()
 
 
 def bench_head(s: Shapes, device: torch.device,

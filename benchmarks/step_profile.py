@@ -142,8 +142,8 @@ def profile_arm(cfg: TrainConfig, arm: str, steps: int) -> dict:
 
     precision = "bf16" if arm.startswith("bf16") else "fp32"
     fused = loss_module.head_cross_entropy
-    if arm.endswith("-recompute"):  # block_ce_loss then takes its checkpointed path
-        loss_module.head_cross_entropy = None
+    if arm.endswith("-recompute"):  # the hard CE then recomputes the logits in backward
+        loss_module.head_cross_entropy = loss_module.recomputed_cross_entropy
     try:
         return _profile(replace(cfg, run=replace(cfg.run, precision=precision)), steps)
     finally:

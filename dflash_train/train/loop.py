@@ -114,9 +114,8 @@ def train_step(run: Run, batch: Batch, data_wait: float = 0.0) -> StepRecord:
         # The world-size scaling, both ways: DDP and FSDP average gradients over ranks, so
         # each rank's share of the global weighted sum is scaled up by W for backward (the
         # single-process gradient), and back down by W to report its share of the loss.
-        loss = block_loss(hidden, blocks, model.head_weight, cfg.loss,
-                          global_sum=sum_over_ranks if world > 1 else None,
-                          drafter=model) * world
+        loss = block_loss(hidden, blocks, model, cfg.loss,
+                          global_sum=sum_over_ranks if world > 1 else None) * world
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(

@@ -20,16 +20,20 @@ follow the drafter's confidence: at a = 0.5 and B = 16 the mean weight per slot 
 would then see. The weights are fixed once the forward has run, so the choice only rescales
 each step as a whole.
 
-A DFlash 2 drafter adds `selector_weight` x the selector term (`selector_ce_loss`): per slot a
+A DFlash 2 drafter adds `selector_weight` x the selector term (`selector_loss`): per slot a
 K-way CE over its top-K unary candidates, scored with the teacher-forced predecessor (the
 anchor, then the previous slot's label), weighed by the same position weights w as the unary
 term (decay, or D-PACE from the unary CE), the out-of-top-K rule LossConfig's.
 
+Every loss takes a `Head` (the hidden states and the frozen rows they are scored against),
+the `SlotTargets` and the whole LossConfig, and gives back a `BlockLoss`: the loss and the
+slot weights it used. The config's rules are checked once, where it is built.
+
 This module owns the formulas and the memory-safe way to apply the frozen lm_head (row
 chunks whose logits never outlive their chunk: hard CE builds each row's input gradient in
 the forward, head_cross_entropy; the KL, or a trainable head, recomputes them in backward).
-It must never build labels from anything but the verifier
-targets it is given, and never touch the noise or the optimiser.
+It must never build labels from anything but the verifier targets it is given, and never
+touch the noise or the optimiser.
 """
 
 import math
@@ -78,10 +82,10 @@ class LossConfig:
     """Smoothing a of `dpace`, in [0, 1]: s_i = (1 - a) q_i + a. 1 weighs slot j by the
     number of supervised slots from j on (no confidence); 0 is unsmoothed."""
     chunk_rows: int = DEFAULT_CHUNK_ROWS
-    """Rows (block slots) per lm_head chunk when the loss is given hidden states."""
+    """Rows (block slots) per lm_head chunk: only one chunk's logits exist at a time."""
     selector_weight: float = 1.0
     """DFlash 2 drafters only: the loss is unary + selector_weight x the selector term (a
-    K-way CE over each slot's top-K candidates, see `selector_ce_loss`); 0 trains the
+    K-way CE over each slot's top-K candidates, see `selector_loss`); 0 trains the
     selector not at all. Finite, >= 0."""
     selector_out_of_top_k: OutOfTopK = "strict"
     """DFlash 2: a slot whose label is not among its top-K candidates. `strict` (default):
@@ -103,7 +107,9 @@ class LossConfig:
                              f"is the probability of the verifier's token), got {self.kind!r}")
         if not self.gamma > 0:
             raise BlockError(f"loss gamma must be > 0, got {self.gamma}")
-        _check_alpha(self.dpace_alpha)
+        if not (math.isfinite(self.dpace_alpha) and 0 <= self.dpace_alpha <= 1):
+            raise BlockError(f"loss dpace_alpha must be a finite number in [0, 1], got "
+                             f"{self.dpace_alpha}")
         if self.chunk_rows < 1:
             raise BlockError(f"loss chunk_rows must be >= 1, got {self.chunk_rows}")
         if not (math.isfinite(self.selector_weight) and self.selector_weight >= 0):
@@ -114,10 +120,69 @@ class LossConfig:
                              f"'drop', got {self.selector_out_of_top_k!r}")
 
 
+@dataclass
+class Head:
+    """The drafter's last hidden states and the frozen target matrices the loss scores them
+    with: logits = hidden @ weight.T, never built whole."""
+
+    hidden: torch.Tensor
+    """[N, B, H]: the final hidden state of each of the B slots of N blocks."""
+    weight: torch.Tensor
+    """[V, H]: the lm_head rows the drafter drafts over (the target's, or its draft
+    vocabulary's). Frozen, hard CE takes one fused pass (head_cross_entropy); a weight that
+    requires grad has each chunk's logits recomputed in backward instead."""
+    embed: torch.Tensor | None = None
+    """The target's token embedding [V, H], which factorised DFlash 2 selector codebooks are
+    read through (None: free codebooks, or no selector)."""
+
+
+@dataclass
+class SlotTargets:
+    """What the B slots of N blocks are trained toward, in the head's ids."""
+
+    labels: torch.Tensor
+    """long [N, B]: the verifier's argmax (blocks.block_labels), IGNORE_LABEL where none."""
+    valid: torch.Tensor
+    """bool [N, B]: the slots with a label (slot 0, the anchor, never counts)."""
+    anchor_ids: torch.Tensor | None = None
+    """long [N]: each block's anchor token, slot 1's predecessor in the selector term."""
+    topk_ids: torch.Tensor | None = None
+    """long [N, B, k], kind kl-topk: the verifier's stored top-k ids of each slot
+    (blocks.verifier_rows)."""
+    topk_logits: torch.Tensor | None = None
+    """float [N, B, k]: their logits."""
+    lse: torch.Tensor | None = None
+    """float [N, B]: the log-sum-exp of the verifier's logits at each slot."""
+
+    def __post_init__(self) -> None:
+        if self.labels.shape != self.valid.shape or self.labels.dim() != 2:
+            raise BlockError(f"labels {tuple(self.labels.shape)} and valid "
+                             f"{tuple(self.valid.shape)} must both be [N, B]")
+        if self.topk_ids is None:
+            return
+        ids, logits, lse = self.topk_ids, self.topk_logits, self.lse
+        if ids.shape != logits.shape or ids.shape[:2] != self.valid.shape:
+            raise BlockError(f"topk_ids {tuple(ids.shape)} / topk_logits "
+                             f"{tuple(logits.shape)} must both be [N, B, k] with [N, B] = "
+                             f"{tuple(self.valid.shape)}")
+        if lse.shape != self.valid.shape:
+            raise BlockError(f"lse must be [N, B] = {tuple(self.valid.shape)}, got "
+                             f"{tuple(lse.shape)}")
+
+
+@dataclass
+class BlockLoss:
+    """A loss over block slots, and how it weighed them."""
+
+    loss: torch.Tensor
+    """The scalar minimised, attached to the graph (an exact 0 when no slot counts)."""
+    slot_weights: torch.Tensor
+    """[N, B], detached: each slot's position weight in the unary term, 0 where it does not
+    count; the selector term weighs its slots by the same."""
+
+
 def decay_weights(block_size: int = BLOCK_SIZE, gamma: float = DEFAULT_GAMMA) -> torch.Tensor:
     """Per-slot weights [B]: w_0 = 0 (the anchor has no label), w_k = exp(-(k-1)/gamma)."""
-    if not gamma > 0:
-        raise BlockError(f"gamma must be > 0, got {gamma}")
     k = torch.arange(block_size, dtype=torch.float32)
     w = torch.exp(-(k - 1) / gamma)
     w[0] = 0.0
@@ -141,7 +206,6 @@ def dpace_weights(
     if valid.dim() != 2 or ce.shape != valid.shape:
         raise BlockError(f"ce {tuple(ce.shape)} and valid {tuple(valid.shape)} must both be "
                          "[N, B]")
-    _check_alpha(alpha)
     supervised = _supervised(valid)
     confidence = torch.exp(-_at_least_fp32(ce.detach()))
     smoothed = torch.where(supervised, (1 - alpha) * confidence + alpha, 1.0)
@@ -149,55 +213,75 @@ def dpace_weights(
     return reach.flip(-1).cumsum(-1).flip(-1) * supervised  # sum_{m>=j} P_m valid_m
 
 
-def block_ce_loss(
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    logits: torch.Tensor | None = None,
-    hidden: torch.Tensor | None = None,
-    lm_head_weight: torch.Tensor | None = None,
-    position_weights: PositionWeights = "decay",
-    gamma: float = DEFAULT_GAMMA,
-    dpace_alpha: float = DEFAULT_DPACE_ALPHA,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    global_sum: GlobalSum | None = None,
-    weights_out: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Position-weighted hard CE, from logits [N, B, V] or hidden [N, B, H] + lm_head [V, H].
+def drafter_loss(head: Head, targets: SlotTargets, cfg: LossConfig, selector=None,
+                 global_sum: GlobalSum | None = None) -> BlockLoss:
+    """The loss a drafter trains on: the unary term (`unary_loss`), plus, for a DFlash 2
+    `selector` and a positive selector_weight, selector_weight x the selector term weighed
+    by the unary term's slot weights."""
+    unary = unary_loss(head, targets, cfg, global_sum)
+    if selector is None or cfg.selector_weight == 0:
+        return unary
+    term = selector_loss(head, targets, selector, unary.slot_weights, cfg, global_sum)
+    return BlockLoss(unary.loss + cfg.selector_weight * term, unary.slot_weights)
+
+
+def unary_loss(head: Head, targets: SlotTargets, cfg: LossConfig,
+               global_sum: GlobalSum | None = None) -> BlockLoss:
+    """sum_i w_i loss_i / sum_i w_i over the supervised slots: loss_i the hard CE of the
+    label (kind ce) or the truncated KL to the verifier's top-k (kl-topk), w_i its position
+    weight (decay, or D-PACE from the detached CE).
 
     `global_sum` sums the weight sum over ranks (under DDP, so every rank's slot counts the
     same); every rank must then call this, with or without valid slots. With no valid slot
-    the loss is an exact 0 still attached to the graph, so DDP sees every parameter.
-    weights_out: a list the slot weights used, [N, B] detached (0 where unsupervised), are
-    appended to, for a term that weighs its slots the same way (the DFlash 2 selector's).
-    """
-    _check_labels(labels, valid)
+    the loss is an exact 0 still attached to the graph, so DDP sees every parameter."""
+    valid = targets.valid
+    if head.hidden.shape[:-1] != valid.shape:
+        raise BlockError(f"hidden {tuple(head.hidden.shape)} must be [N, B, H] with [N, B] "
+                         f"= {tuple(valid.shape)}")
     rows = _supervised(valid).reshape(-1).nonzero().flatten()
-    targets = (labels.reshape(-1)[rows].long(),)
-    if position_weights == "dpace":
-        weigh = partial(_dpace_row_weights, valid=valid, rows=rows, alpha=dpace_alpha)
-    elif position_weights == "decay":
-        weigh = partial(_decay_row_weights, slot_weights(valid, gamma).reshape(-1)[rows])
-    else:
-        raise BlockError(f"position_weights must be 'decay' or 'dpace', got "
-                         f"{position_weights!r}")
-    if weights_out is not None:
-        weigh = partial(_kept_weights, weigh, rows=rows, shape=valid.shape, out=weights_out)
-    return _weighted_loss(
-        _ce_rows, targets, rows, weigh, logits, hidden, lm_head_weight, chunk_rows, global_sum,
-        head_rows=head_cross_entropy,
-    )
+    per_row = _row_losses(head, targets, rows, cfg)
+    w = _row_weights(per_row.detach(), valid, rows, cfg)
+    kept = w.new_zeros(valid.numel())
+    kept[rows.to(w.device)] = w.detach()
+    w = w.to(per_row.dtype)
+    denominator = w.sum()
+    if global_sum is not None:  # every rank calls it, even one without a valid slot
+        denominator = global_sum(denominator)
+    if rows.numel() == 0:
+        return BlockLoss(head.hidden.sum() * 0.0, kept.view(valid.shape))
+    loss = (per_row * w).sum() / denominator.clamp(min=torch.finfo(denominator.dtype).tiny)
+    return BlockLoss(loss, kept.view(valid.shape))
 
 
-def _kept_weights(weigh: Callable[[torch.Tensor], torch.Tensor], row_loss: torch.Tensor, *,
-                  rows: torch.Tensor, shape: torch.Size, out: list[torch.Tensor]
-                  ) -> torch.Tensor:
-    """weigh(row_loss), also scattered to a [N, B] tensor appended to `out`."""
-    w = weigh(row_loss)
-    full = w.new_zeros(shape.numel())
-    full[rows.to(w.device)] = w.detach()
-    out.append(full.view(shape))
-    return w
+def _row_losses(head: Head, targets: SlotTargets, rows: torch.Tensor,
+                cfg: LossConfig) -> torch.Tensor:
+    """The unary loss [M] of each selected slot (rows index the flattened [N * B])."""
+    device = head.hidden.device
+    flat = head.hidden.reshape(-1, head.hidden.shape[-1])[rows.to(device)]  # [M, H]
+    if cfg.kind == "kl-topk":
+        if targets.topk_ids is None:
+            raise BlockError("loss kind kl-topk needs the verifier's top-k of every slot "
+                             "(SlotTargets.topk_ids, topk_logits and lse)")
+        k = targets.topk_ids.shape[-1]
+        probs = topk_target_probs(targets.topk_logits, targets.lse).reshape(-1, k)[rows]
+        ids = targets.topk_ids.reshape(-1, k)[rows].long()
+        return _in_chunks(partial(_head_rows, _kl_topk_rows, head.weight), cfg.chunk_rows,
+                          flat, ids.to(device), probs.to(device))
+    labels = targets.labels.reshape(-1)[rows].long().to(device)
+    if head.weight.requires_grad:
+        return recomputed_cross_entropy(flat, head.weight, labels, cfg.chunk_rows)
+    return head_cross_entropy(flat, head.weight, labels, cfg.chunk_rows)
+
+
+def _row_weights(row_loss: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
+                 cfg: LossConfig) -> torch.Tensor:
+    """The position weights [M] of the selected slots; D-PACE's from their detached losses."""
+    if cfg.position_weights == "decay":
+        return slot_weights(valid, cfg.gamma).reshape(-1)[rows].to(row_loss.device)
+    ce = row_loss.new_zeros(valid.numel())
+    ce[rows.to(ce.device)] = row_loss
+    w = dpace_weights(ce.view(valid.shape), valid.to(ce.device), cfg.dpace_alpha)
+    return w.reshape(-1)[rows.to(ce.device)]
 
 
 def selector_predecessors(labels: torch.Tensor, valid: torch.Tensor,
@@ -213,67 +297,60 @@ def selector_predecessors(labels: torch.Tensor, valid: torch.Tensor,
     return pred.clamp(min=0).long(), known
 
 
-def selector_ce_loss(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    anchor_ids: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    selector,
-    weights: torch.Tensor,
-    *,
-    out_of_top_k: OutOfTopK = "strict",
-    embed: torch.Tensor | None = None,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    global_sum: GlobalSum | None = None,
-) -> torch.Tensor:
-    """DFlash 2's selector term over blocks: hidden [N, B, H], labels / valid [N, B], the
-    anchor tokens [N], the slots' position weights [N, B] (the unary term's, detached).
+def selector_loss(head: Head, targets: SlotTargets, selector, weights: torch.Tensor,
+                  cfg: LossConfig, global_sum: GlobalSum | None = None) -> torch.Tensor:
+    """DFlash 2's selector term over blocks, the slots weighed by `weights` [N, B] (the
+    unary term's, detached).
 
     For every supervised slot with a predecessor (selector_predecessors): its candidates are
     the top-K of its own unary logits (as the walk takes them at inference; the ids carry no
     gradient, their unary scores do), its scores unary + <A[pred] * P h, B[cand]>, and its
-    term the K-way CE of the label's candidate. out_of_top_k: LossConfig's rule for a label
-    outside them. Returns sum w * CE / sum w (over every rank with `global_sum`); an attached
-    0 when no slot counts.
+    term the K-way CE of the label's candidate. cfg.selector_out_of_top_k: the rule for a
+    label outside them. Returns sum w * CE / sum w (over every rank with `global_sum`); an
+    attached 0 when no slot counts.
     """
-    _check_labels(labels, valid)
-    pred, known = selector_predecessors(labels, valid, anchor_ids)
-    counted = _supervised(valid) & known
-    rows = counted.reshape(-1).nonzero().flatten().to(hidden.device)
+    if targets.anchor_ids is None:
+        raise BlockError("the selector term needs each block's anchor token "
+                         "(SlotTargets.anchor_ids)")
+    hidden, device = head.hidden, head.hidden.device
+    pred, known = selector_predecessors(targets.labels, targets.valid, targets.anchor_ids)
+    counted = _supervised(targets.valid) & known
+    rows = counted.reshape(-1).nonzero().flatten().to(device)
     h = hidden.reshape(-1, hidden.shape[-1])[rows]
-    y = labels.reshape(-1).to(hidden.device)[rows].long()
-    w = _at_least_fp32(weights.reshape(-1).to(hidden.device)[rows].detach())
-    with torch.no_grad():
-        candidates = torch.cat([
-            F.linear(h[s:s + chunk_rows], lm_head_weight).topk(selector.top_k, dim=-1).indices
-            for s in range(0, h.shape[0], chunk_rows)]) if h.shape[0] else \
-            y.new_zeros(0, selector.top_k)
-    in_top = (candidates == y[:, None]).any(-1)
-    if out_of_top_k == "inject":
-        injected = torch.cat([candidates[:, :-1], y[:, None]], dim=1)
-        candidates = torch.where(in_top[:, None], candidates, injected)
-        kept = torch.ones_like(in_top)
-    else:
-        kept = in_top
-    flat_pred = pred.reshape(-1).to(hidden.device)[rows]
+    y = targets.labels.reshape(-1).to(device)[rows].long()
+    w = _at_least_fp32(weights.reshape(-1).to(device)[rows].detach())
+    candidates, kept = _selector_candidates(h, y, head.weight, selector.top_k, cfg)
+    flat_pred = pred.reshape(-1).to(device)[rows]
     target = (candidates == y[:, None]).long().argmax(-1)
-    score_rows = partial(_selector_ce_rows, selector, lm_head_weight, embed)
     # Recompute each chunk in backward: its gathered lm_head rows (and, factorised, embedding
     # rows) are [m, K, H], K times the hidden states; kept for every slot they would dwarf
     # the step (61k slots x 16 x 5120 fp32 is 20 GB).
-    ce = torch.cat([
-        checkpoint(score_rows, h[s:s + chunk_rows], flat_pred[s:s + chunk_rows],
-                   candidates[s:s + chunk_rows], target[s:s + chunk_rows], use_reentrant=False)
-        for s in range(0, h.shape[0], chunk_rows)]) if h.shape[0] else h.new_zeros(0)
+    ce = _in_chunks(partial(_selector_ce_rows, selector, head.weight, head.embed),
+                    cfg.chunk_rows, h, flat_pred, candidates, target)
     numerator = (torch.where(kept, ce, 0.0) * w).sum()
-    denominator = (w * kept).sum() if out_of_top_k == "drop" else w.sum()
+    denominator = (w * kept).sum() if cfg.selector_out_of_top_k == "drop" else w.sum()
     if global_sum is not None:  # every rank calls it, even one without a counted slot
         denominator = global_sum(denominator)
     attached = hidden.sum() * 0.0 + sum(p.sum() for p in selector.parameters()) * 0.0
     if rows.numel() == 0:
         return attached
     return attached + numerator / denominator.clamp(min=torch.finfo(denominator.dtype).tiny)
+
+
+def _selector_candidates(h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, top_k: int,
+                         cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the candidates [m, K] each slot's selector scores, whether its label [m] counts in
+    the term): the top-K of its unary logits, the label put in as the K-th under `inject`."""
+    with torch.no_grad():
+        candidates = torch.cat([
+            F.linear(h[s:s + cfg.chunk_rows], weight).topk(top_k, dim=-1).indices
+            for s in range(0, h.shape[0], cfg.chunk_rows)]) if h.shape[0] else \
+            y.new_zeros(0, top_k)
+    in_top = (candidates == y[:, None]).any(-1)
+    if cfg.selector_out_of_top_k == "inject":
+        injected = torch.cat([candidates[:, :-1], y[:, None]], dim=1)
+        return torch.where(in_top[:, None], candidates, injected), torch.ones_like(in_top)
+    return candidates, in_top
 
 
 def _selector_ce_rows(selector, lm_head_weight: torch.Tensor, embed: torch.Tensor | None,
@@ -293,47 +370,6 @@ def topk_target_probs(topk_logits: torch.Tensor, lse: torch.Tensor) -> torch.Ten
     return torch.exp(topk_logits.float() - lse.float().unsqueeze(-1))
 
 
-def block_kl_topk_loss(
-    target_ids: torch.Tensor,
-    target_logits: torch.Tensor,
-    target_lse: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    logits: torch.Tensor | None = None,
-    hidden: torch.Tensor | None = None,
-    lm_head_weight: torch.Tensor | None = None,
-    gamma: float = DEFAULT_GAMMA,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    global_sum: GlobalSum | None = None,
-) -> torch.Tensor:
-    """Decay-weighted truncated KL(p || q) over the verifier's stored top-k (an option).
-
-    target_ids / target_logits: [N, B, k], target_lse: [N, B], already regrouped per slot
-    with dflash_train.blocks.verifier_rows. Per slot: sum_i p_i (log p_i - log q(id_i)), summed
-    over the stored top-k only; the verifier mass outside it (1 - sum_i p_i) is ignored, not
-    renormalised. It is 0 when the drafter reproduces the verifier's distribution.
-    """
-    if target_ids.shape != target_logits.shape or target_ids.shape[:2] != valid.shape:
-        raise BlockError(
-            f"target_ids {tuple(target_ids.shape)} / target_logits "
-            f"{tuple(target_logits.shape)} must both be [N, B, k] with [N, B] = "
-            f"{tuple(valid.shape)}"
-        )
-    if target_lse.shape != valid.shape:
-        raise BlockError(
-            f"target_lse must be [N, B] = {tuple(valid.shape)}, got {tuple(target_lse.shape)}"
-        )
-    rows = _supervised(valid).reshape(-1).nonzero().flatten()
-    k = target_ids.shape[-1]
-    probs = topk_target_probs(target_logits, target_lse).reshape(-1, k)[rows]
-    targets = (target_ids.reshape(-1, k)[rows].long(), probs)
-    weigh = partial(_decay_row_weights, slot_weights(valid, gamma).reshape(-1)[rows])
-    return _weighted_loss(
-        _kl_topk_rows, targets, rows, weigh, logits, hidden, lm_head_weight, chunk_rows,
-        global_sum
-    )
-
-
 def _ce_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-row hard CE [M] from logits [M, V], computed in fp32 or wider."""
     return F.cross_entropy(_at_least_fp32(logits), labels, reduction="none")
@@ -350,18 +386,6 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _check_labels(labels: torch.Tensor, valid: torch.Tensor) -> None:
-    if labels.shape != valid.shape or labels.dim() != 2:
-        raise BlockError(
-            f"labels {tuple(labels.shape)} and valid {tuple(valid.shape)} must both be [N, B]"
-        )
-
-
-def _check_alpha(alpha: float) -> None:
-    if not (math.isfinite(alpha) and 0 <= alpha <= 1):
-        raise BlockError(f"loss dpace_alpha must be a finite number in [0, 1], got {alpha}")
-
-
 def _supervised(valid: torch.Tensor) -> torch.Tensor:
     """The slots that carry a label [N, B]: valid ones past the anchor (slot 0 predicts
     nothing, whatever `valid` says)."""
@@ -370,20 +394,6 @@ def _supervised(valid: torch.Tensor) -> torch.Tensor:
     out = valid.bool().clone()
     out[:, 0] = False
     return out
-
-
-def _decay_row_weights(w: torch.Tensor, row_loss: torch.Tensor) -> torch.Tensor:
-    """The fixed decay weights of the selected rows; the rows' losses do not change them."""
-    return w.to(row_loss.device)
-
-
-def _dpace_row_weights(row_loss: torch.Tensor, *, valid: torch.Tensor, rows: torch.Tensor,
-                       alpha: float) -> torch.Tensor:
-    """D-PACE weights of the selected rows from their (detached) per-row CE [M]."""
-    ce = row_loss.new_zeros(valid.numel())
-    ce[rows.to(ce.device)] = row_loss.detach()
-    w = dpace_weights(ce.view(valid.shape), valid.to(ce.device), alpha)
-    return w.reshape(-1)[rows.to(ce.device)]
 
 
 def head_cross_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -427,56 +437,28 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.hidden_dtype), None, None, None
 
 
-def _chunk_rows_loss(
-    row_loss: Callable[..., torch.Tensor],
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    *targets: torch.Tensor,
-) -> torch.Tensor:
+def recomputed_cross_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                             labels: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS
+                             ) -> torch.Tensor:
+    """head_cross_entropy's per-row hard CE, each chunk's logits recomputed in backward
+    instead of its input gradient built in the forward: three lm_head matmuls per row, but
+    the lm_head may take a gradient."""
+    return _in_chunks(partial(_head_rows, _ce_rows, lm_head_weight), chunk_rows, hidden, labels)
+
+
+def _head_rows(row_loss: Callable[..., torch.Tensor], weight: torch.Tensor,
+               hidden: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
     """row_loss(hidden_i @ weight^T, targets_i) for one chunk of rows [m]."""
     return row_loss(F.linear(hidden, weight), *targets)
 
 
-def _weighted_loss(
-    row_loss: Callable[..., torch.Tensor],
-    targets: tuple[torch.Tensor, ...],
-    rows: torch.Tensor,
-    weigh: Callable[[torch.Tensor], torch.Tensor],
-    logits: torch.Tensor | None,
-    hidden: torch.Tensor | None,
-    lm_head_weight: torch.Tensor | None,
-    chunk_rows: int,
-    global_sum: GlobalSum | None,
-    head_rows: Callable[..., torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """sum_i w_i * loss_i over the selected rows / the (global) sum of w, with w = weigh(loss)
-    from the detached per-row losses. `head_rows(hidden, lm_head, *targets, chunk_rows)`, when
-    given, computes row_loss through a frozen lm_head in one pass (head_cross_entropy)."""
-    if (logits is None) == (hidden is None):
-        raise BlockError("pass exactly one of logits= or hidden= (with lm_head_weight=)")
-    if hidden is not None and lm_head_weight is None:
-        raise BlockError("hidden= needs lm_head_weight= (the target's frozen [V, H] lm_head)")
-    source = logits if logits is not None else hidden
-    rows = rows.to(source.device)
-    targets = tuple(t.to(source.device) for t in targets)
-    flat = source.reshape(-1, source.shape[-1])[rows]  # [M, V] or [M, H]
-    if logits is not None:
-        per_row = row_loss(flat, *targets)
-    elif head_rows is not None and not lm_head_weight.requires_grad:
-        per_row = head_rows(flat, lm_head_weight, *targets, chunk_rows)
-    else:
-        fn = partial(_chunk_rows_loss, row_loss)
-        # Recompute each chunk's logits in backward instead of keeping [M, V] alive: with
-        # V ~ 248K the saved logits of a batch would dwarf the drafter itself. Only the
-        # per-row losses [M] stay, which D-PACE needs whole before it can weigh any row.
-        parts = [checkpoint(fn, flat[s:s + chunk_rows], lm_head_weight,
-                            *(t[s:s + chunk_rows] for t in targets), use_reentrant=False)
-                 for s in range(0, flat.shape[0], chunk_rows)]
-        per_row = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
-    w = weigh(per_row.detach()).to(per_row.dtype)
-    denominator = w.sum()
-    if global_sum is not None:  # every rank calls it, even one without a valid slot
-        denominator = global_sum(denominator)
-    if rows.numel() == 0:
-        return source.sum() * 0.0
-    return (per_row * w).sum() / denominator.clamp(min=torch.finfo(denominator.dtype).tiny)
+def _in_chunks(rows_fn: Callable[..., torch.Tensor], chunk_rows: int,
+               *rows: torch.Tensor) -> torch.Tensor:
+    """rows_fn over `chunk_rows` rows of every tensor in `rows` at a time, concatenated [M].
+    Each chunk is recomputed in backward instead of keeping what it made alive: with V ~ 248K
+    a batch's saved logits would dwarf the drafter itself. Only the per-row losses stay,
+    which D-PACE needs whole before it can weigh any row."""
+    first = rows[0]
+    parts = [checkpoint(rows_fn, *(t[s:s + chunk_rows] for t in rows), use_reentrant=False)
+             for s in range(0, first.shape[0], chunk_rows)]
+    return torch.cat(parts) if parts else first.new_zeros(0, dtype=torch.float32)

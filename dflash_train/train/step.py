@@ -11,7 +11,6 @@ import torch
 
 from dflash_train.blocks import (
     IGNORE_LABEL,
-    BlockError,
     anchor_generator,
     block_input_ids,
     block_labels,
@@ -21,13 +20,7 @@ from dflash_train.blocks import (
 )
 from dflash_train.evaluate.metrics import AcceptanceStats
 from dflash_train.train.data import Batch, SampleRef
-from dflash_train.train.loss import (
-    GlobalSum,
-    LossConfig,
-    block_ce_loss,
-    block_kl_topk_loss,
-    selector_ce_loss,
-)
+from dflash_train.train.loss import GlobalSum, Head, LossConfig, SlotTargets, drafter_loss
 from dflash_train.train.noise import NoiseConfig, add_context_noise
 from dflash_train.train.record import BatchAccuracy
 
@@ -131,45 +124,23 @@ def noised_context(
     return out
 
 
-def block_loss(
-    hidden: torch.Tensor,
-    blocks: Blocks,
-    lm_head: torch.Tensor,
-    cfg: LossConfig,
-    global_sum: GlobalSum | None = None,
-    drafter=None,
-) -> torch.Tensor:
-    """The configured loss of drafter hidden states [N, K, B, H] against the blocks' targets,
-    normalised by the weight sum over every rank (`global_sum`, see loss.block_ce_loss).
-    For a DFlash 2 `drafter` (one with a candidate_selector) and a positive selector_weight,
-    plus selector_weight x its selector term, weighed by the unary term's slot weights."""
-    flat_hidden = hidden.flatten(0, 1)  # [N*K, B, H]
-    valid = blocks.valid.flatten(0, 1).to(hidden.device)
-    common = dict(hidden=flat_hidden, lm_head_weight=lm_head, gamma=cfg.gamma,
-                  chunk_rows=cfg.chunk_rows, global_sum=global_sum)
-    selector = getattr(drafter, "candidate_selector", None)
-    weights: list[torch.Tensor] = []
-    if cfg.kind == "kl-topk":
-        if selector is not None:
-            raise BlockError("loss kind kl-topk does not train a DFlash 2 selector; use ce")
-        return block_kl_topk_loss(
-            blocks.target_ids.flatten(0, 1).to(hidden.device),
-            blocks.target_logits.flatten(0, 1).to(hidden.device),
-            blocks.target_lse.flatten(0, 1).to(hidden.device), valid, **common)
-    labels = blocks.labels.flatten(0, 1).to(hidden.device)
+def block_loss(hidden: torch.Tensor, blocks: Blocks, drafter, cfg: LossConfig,
+               global_sum: GlobalSum | None = None) -> torch.Tensor:
+    """The configured loss (loss.drafter_loss) of drafter hidden states [N, K, B, H] against
+    the blocks' targets, over the drafter's head (and its selector, a DFlash 2 one's),
+    normalised by the weight sum over every rank (`global_sum`, see loss.unary_loss)."""
+    device = hidden.device
+    labels = blocks.labels.flatten(0, 1).to(device)
+    valid = blocks.valid.flatten(0, 1).to(device)
     if getattr(drafter, "draft_ids", None) is not None:
         # Over a draft vocabulary: labels as its ids; one outside it has no logit to raise.
         labels = drafter.to_draft_labels(labels)
         valid = valid & (labels != IGNORE_LABEL)
-    unary = block_ce_loss(labels, valid, position_weights=cfg.position_weights,
-                          dpace_alpha=cfg.dpace_alpha, weights_out=weights, **common)
-    if selector is None or cfg.selector_weight == 0:
-        return unary
-    term = selector_ce_loss(flat_hidden, labels, valid, blocks.block_ids[:, :, 0].flatten(),
-                            lm_head, selector, weights[0], out_of_top_k=cfg.selector_out_of_top_k,
-                            embed=drafter.target_embed_tokens, chunk_rows=cfg.chunk_rows,
-                            global_sum=global_sum)
-    return unary + cfg.selector_weight * term
+    soft = [t.flatten(0, 1).to(device) if t is not None else None
+            for t in (blocks.target_ids, blocks.target_logits, blocks.target_lse)]
+    targets = SlotTargets(labels, valid, blocks.block_ids[:, :, 0].flatten().to(device), *soft)
+    head = Head(hidden.flatten(0, 1), drafter.head_weight, drafter.target_embed_tokens)
+    return drafter_loss(head, targets, cfg, drafter.candidate_selector, global_sum).loss
 
 
 @torch.no_grad()

@@ -314,10 +314,10 @@ def test_a_factorised_codebook_materialises_in_row_chunks_as_one_product(monkeyp
 
 
 def _dflash2_step(model, batch, attention, labels=None):
-    """The DFlash 2 training loss (unary CE + selector term, as train.step.block_loss adds
-    them) of one batch, its gradients taken: (loss, {parameter name: gradient}, labels).
-    Labels default to picks inside each slot's top-K, so that the selector term counts."""
-    from dflash_train.train.loss import block_ce_loss, selector_ce_loss
+    """The DFlash 2 training loss (unary CE + selector term, train.loss.drafter_loss) of one
+    batch, its gradients taken: (loss, {parameter name: gradient}, labels). Labels default to
+    picks inside each slot's top-K, so that the selector term counts."""
+    from dflash_train.train.loss import Head, LossConfig, SlotTargets, drafter_loss
 
     features, lengths, ids, anchors = batch
     model.zero_grad(set_to_none=True)
@@ -329,13 +329,9 @@ def _dflash2_step(model, batch, attention, labels=None):
             labels = top.gather(-1, pick.view(hidden.shape[:2])[..., None]).squeeze(-1)
     valid = torch.ones_like(labels, dtype=torch.bool)
     valid[:, 0] = False
-    weights = []
-    unary = block_ce_loss(labels, valid, hidden=hidden, lm_head_weight=model.head_weight,
-                          weights_out=weights)
-    term = selector_ce_loss(hidden, labels, valid, ids[:, :, 0].flatten(), model.head_weight,
-                            model.candidate_selector, weights[0],
-                            embed=model.target_embed_tokens)
-    loss = unary + term
+    head = Head(hidden, model.head_weight, model.target_embed_tokens)
+    targets = SlotTargets(labels, valid, anchor_ids=ids[:, :, 0].flatten())
+    loss = drafter_loss(head, targets, LossConfig(), model.candidate_selector).loss
     if not torch.is_grad_enabled():
         return loss, {}, labels
     loss.backward()

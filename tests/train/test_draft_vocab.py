@@ -14,7 +14,7 @@ from dflash_train.train.data import LoaderConfig, StoreLoader
 from dflash_train.train.drafter_shape import most_frequent_labels
 from dflash_train.train.errors import TrainError
 from dflash_train.train.loop import train
-from dflash_train.train.loss import LossConfig, block_ce_loss
+from dflash_train.train.loss import LossConfig, slot_weights
 from dflash_train.train.step import block_loss, make_blocks
 from tests.train.conftest import MASK, VOCAB
 
@@ -70,7 +70,7 @@ def test_the_loss_is_the_ce_of_the_softmax_over_the_map(synthetic_store, tmp_pat
     blocks = make_blocks(batch, mask_token_id=MASK, block_size=16, anchors_per_seq=8,
                          seed=0, epoch=0)
     hidden = torch.randn(*blocks.block_ids.shape, rows["lm_head"].shape[1])
-    got = block_loss(hidden, blocks, model.head_weight, LossConfig(), drafter=model)
+    got = block_loss(hidden, blocks, model, LossConfig())
     # the whole vocabulary's logits with -inf off the map (vLLM's layout), target-id labels;
     # a label off the map has no finite loss and counts for nothing
     full = F.linear(hidden.flatten(0, 1), rows["lm_head"])
@@ -79,9 +79,10 @@ def test_the_loss_is_the_ce_of_the_softmax_over_the_map(synthetic_store, tmp_pat
     labels, valid = blocks.labels.flatten(0, 1), blocks.valid.flatten(0, 1)
     valid = valid & ~off[labels.clamp(min=0)]
     assert (~valid & blocks.valid.flatten(0, 1)).any(), "the store has labels off the map"
-    want = block_ce_loss(labels.masked_fill(~valid, -100), valid,
-                         logits=full.masked_fill(off, float("-inf")))
-    assert torch.allclose(got, want, rtol=1e-5)
+    ce = F.cross_entropy(full.masked_fill(off, float("-inf"))[valid], labels[valid],
+                         reduction="none")
+    w = slot_weights(valid)[valid]  # the decay weights of the slots that count
+    assert torch.allclose(got, (w * ce).sum() / w.sum(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("setting", [{"loss.kind": "kl-topk"}, {"model.kind": "dflash2"}])

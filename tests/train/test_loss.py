@@ -12,19 +12,51 @@ from dflash_train.blocks import BLOCK_SIZE, IGNORE_LABEL, BlockError
 from dflash_train.drafter.dflash2 import CandidateSelector
 from dflash_train.train.loss import (
     DEFAULT_GAMMA,
+    Head,
     LossConfig,
-    block_ce_loss,
-    block_kl_topk_loss,
+    SlotTargets,
     decay_weights,
     dpace_weights,
-    selector_ce_loss,
+    drafter_loss,
+    selector_loss,
     slot_weights,
     topk_target_probs,
+    unary_loss,
 )
 from dflash_train.train.step import Blocks, block_loss
 
 V = 23
 H = 6
+
+
+def _ce(labels, valid, hidden, weight, **settings) -> torch.Tensor:
+    """The unary loss of hidden [N, B, H] through lm_head rows `weight` [V, H]."""
+    return unary_loss(Head(hidden, weight), SlotTargets(labels, valid),
+                      LossConfig(**settings)).loss
+
+
+def _kl(ids, tlogits, lse, valid, hidden, weight, **settings) -> torch.Tensor:
+    labels = torch.full(valid.shape, IGNORE_LABEL)
+    targets = SlotTargets(labels, valid, topk_ids=ids, topk_logits=tlogits, lse=lse)
+    return unary_loss(Head(hidden, weight), targets, LossConfig(kind="kl-topk", **settings)).loss
+
+
+def _selector(hidden, weight, labels, valid, anchors, selector, w, embed=None, **settings):
+    targets = SlotTargets(labels, valid, anchor_ids=anchors)
+    return selector_loss(Head(hidden, weight, embed), targets, selector, w,
+                         LossConfig(**settings))
+
+
+def _through_logits(logits, labels, valid, position_weights="decay", gamma=DEFAULT_GAMMA,
+                    alpha=0.5):
+    """The loss by autograd through the whole logits [N, B, V]: each slot's CE in fp32 or
+    wider, weighed by the formulas' own weights (checked against the longhand below)."""
+    wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    ce = F.cross_entropy(wide.transpose(1, 2), labels.clamp(min=0), reduction="none")
+    w = slot_weights(valid, gamma) if position_weights == "decay" else \
+        dpace_weights(ce.detach(), valid, alpha)
+    w = w.to(ce.dtype)
+    return (w * torch.where(valid, ce, 0.0)).sum() / w.sum()
 
 
 def _batch(seed: int, n: int = 4, block: int = BLOCK_SIZE, p_valid: float = 0.7):
@@ -75,20 +107,18 @@ def test_slot_weights_zero_exactly_where_labels_are_invalid():
 @pytest.mark.parametrize("gamma", [7.0, 10.0, 2.5])
 def test_ce_loss_matches_a_naive_loop(gamma):
     hidden, weight, labels, valid = _batch(1)
-    logits = hidden @ weight.T
-    got = block_ce_loss(labels, valid, logits=logits, gamma=gamma)
-    assert got.item() == pytest.approx(_naive_ce(logits, labels, valid, gamma), rel=1e-6)
+    got = _ce(labels, valid, hidden, weight, gamma=gamma)
+    assert got.item() == pytest.approx(_naive_ce(hidden @ weight.T, labels, valid, gamma),
+                                       rel=1e-6)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 5, 10_000])
-def test_hidden_path_equals_logits_path_in_value_and_gradient(chunk_rows):
+def test_chunked_head_equals_autograd_through_the_logits_in_value_and_gradient(chunk_rows):
     hidden, weight, labels, valid = _batch(2)
     h1 = hidden.clone().requires_grad_()
     h2 = hidden.clone().requires_grad_()
-    from_logits = block_ce_loss(labels, valid, logits=h1 @ weight.T)
-    from_hidden = block_ce_loss(
-        labels, valid, hidden=h2, lm_head_weight=weight, chunk_rows=chunk_rows
-    )
+    from_logits = _through_logits(h1 @ weight.T, labels, valid)
+    from_hidden = _ce(labels, valid, h2, weight, chunk_rows=chunk_rows)
     torch.testing.assert_close(from_hidden, from_logits)
     from_logits.backward()
     from_hidden.backward()
@@ -109,14 +139,14 @@ def test_hidden_path_never_saves_full_logits_for_backward():
 
     h = hidden.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight, chunk_rows=16)
-    loss.backward()  # backward recomputes each chunk's logits
+        loss = _ce(labels, valid, h, weight, chunk_rows=16)
+    loss.backward()
     assert max(saved) < 16 * 2000 <= rows * 2000
     assert h.grad is not None and h.grad.abs().sum() > 0
 
     saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block_ce_loss(labels, valid, logits=h @ weight.T)
+        _through_logits(h @ weight.T, labels, valid)
     assert max(saved) >= rows * 2000  # the check above would catch an unchunked path
 
 
@@ -130,7 +160,7 @@ def _lm_head_flops(weight_requires_grad: bool) -> int:
     labels = torch.randint(0, 500, labels.shape)
     h = hidden.clone().requires_grad_()
     with FlopCounterMode(display=False) as counter:
-        block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight, chunk_rows=16).backward()
+        _ce(labels, valid, h, weight, chunk_rows=16).backward()
     return counter.get_total_flops(), int(valid.sum()) * 500 * H * 2
 
 
@@ -144,16 +174,16 @@ def test_frozen_lm_head_costs_two_matmuls_per_row_not_three():
 
 
 @pytest.mark.parametrize("position_weights", ["decay", "dpace"])
-def test_hidden_path_under_bf16_autocast_matches_autograd_through_the_logits(position_weights):
+def test_chunked_head_under_bf16_autocast_matches_autograd_through_the_logits(position_weights):
     hidden, weight, labels, valid = _batch(6, n=6)
     hidden, weight = hidden.float() * 3, weight.float()
     grads, losses = [], []
     for via_logits in (True, False):
         h = hidden.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            kw = dict(logits=F.linear(h, weight)) if via_logits else \
-                dict(hidden=h, lm_head_weight=weight, chunk_rows=7)
-            loss = block_ce_loss(labels, valid, position_weights=position_weights, **kw)
+            loss = _through_logits(F.linear(h, weight), labels, valid, position_weights) \
+                if via_logits else _ce(labels, valid, h, weight, chunk_rows=7,
+                                       position_weights=position_weights)
         loss.backward()
         losses.append(loss)
         grads.append(h.grad)
@@ -165,7 +195,7 @@ def test_hidden_path_under_bf16_autocast_matches_autograd_through_the_logits(pos
 def test_slots_without_labels_get_no_gradient():
     hidden, weight, labels, valid = _batch(4)
     h = hidden.clone().requires_grad_()
-    block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight, chunk_rows=3).backward()
+    _ce(labels, valid, h, weight, chunk_rows=3).backward()
     assert torch.all(h.grad[~valid] == 0)
     assert torch.all(h.grad[valid].abs().sum(-1) > 0)
 
@@ -174,7 +204,7 @@ def test_no_valid_slot_gives_an_attached_zero():
     hidden, weight, labels, valid = _batch(5)
     valid[:] = False
     h = hidden.clone().requires_grad_()
-    loss = block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight)
+    loss = _ce(labels, valid, h, weight)
     assert loss.item() == 0.0
     loss.backward()
     assert torch.all(h.grad == 0)
@@ -183,16 +213,16 @@ def test_no_valid_slot_gives_an_attached_zero():
 @pytest.mark.parametrize("position_weights", ["decay", "dpace"])
 def test_the_global_sum_replaces_the_local_weight_sum(position_weights):
     hidden, weight, labels, valid = _batch(6)
-    logits = hidden @ weight.T
-    local = block_ce_loss(labels, valid, logits=logits, position_weights=position_weights)
+    cfg = LossConfig(position_weights=position_weights)
+    head, targets = Head(hidden, weight), SlotTargets(labels, valid)
+    local = unary_loss(head, targets, cfg).loss
     seen = []
 
     def three_ranks(local_sum):  # as if two more ranks held the same weight sum
         seen.append(local_sum.item())
         return 3 * local_sum
 
-    scaled = block_ce_loss(labels, valid, logits=logits, position_weights=position_weights,
-                           global_sum=three_ranks)
+    scaled = unary_loss(head, targets, cfg, global_sum=three_ranks).loss
     assert scaled.item() == pytest.approx(local.item() / 3, rel=1e-9)
     if position_weights == "decay":
         assert seen == [pytest.approx(float(slot_weights(valid).sum()), rel=1e-6)]
@@ -203,31 +233,32 @@ def test_the_global_sum_is_called_by_a_rank_without_a_valid_slot():
     valid[:] = False
     calls = []
     for kind in ["decay", "dpace"]:
-        loss = block_ce_loss(labels, valid, logits=hidden @ weight.T, position_weights=kind,
-                             global_sum=lambda t: calls.append(t.item()) or t + 5.0)
+        loss = unary_loss(Head(hidden, weight), SlotTargets(labels, valid),
+                          LossConfig(position_weights=kind),
+                          global_sum=lambda t: calls.append(t.item()) or t + 5.0).loss
         assert loss.item() == 0.0
     assert calls == [0.0, 0.0]  # it joined the all-reduce with nothing of its own
 
 
-def test_bf16_autocast_hidden_path_stays_close_to_fp32():
+def test_bf16_autocast_stays_close_to_fp64():
     hidden, weight, labels, valid = _batch(7)
-    exact = block_ce_loss(labels, valid, logits=hidden @ weight.T).item()
+    exact = _ce(labels, valid, hidden, weight).item()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        approx = block_ce_loss(
-            labels, valid, hidden=hidden.float(), lm_head_weight=weight.float(), chunk_rows=8
-        )
+        approx = _ce(labels, valid, hidden.float(), weight.float(), chunk_rows=8)
     assert approx.dtype == torch.float32
     assert approx.item() == pytest.approx(exact, rel=0.05)
 
 
-def test_shape_mismatch_and_missing_lm_head_are_refused():
+def test_shape_mismatches_and_missing_targets_are_refused():
     hidden, weight, labels, valid = _batch(8)
-    with pytest.raises(BlockError):
-        block_ce_loss(labels[:, :-1], valid, logits=hidden @ weight.T)
-    with pytest.raises(BlockError, match="lm_head_weight"):
-        block_ce_loss(labels, valid, hidden=hidden)
-    with pytest.raises(BlockError, match="exactly one"):
-        block_ce_loss(labels, valid)
+    with pytest.raises(BlockError, match="labels"):
+        SlotTargets(labels[:, :-1], valid)
+    with pytest.raises(BlockError, match="hidden"):
+        _ce(labels, valid, hidden[:, :-1], weight)
+    with pytest.raises(BlockError, match="top-k"):
+        unary_loss(Head(hidden, weight), SlotTargets(labels, valid), LossConfig(kind="kl-topk"))
+    with pytest.raises(BlockError, match="anchor"):
+        _selector(hidden, weight, labels, valid, None, None, slot_weights(valid))
     with pytest.raises(BlockError):
         LossConfig(kind="dpace")
     with pytest.raises(BlockError):
@@ -280,13 +311,16 @@ def test_dpace_loss_and_weights_match_the_longhand(alpha):
     hidden, weight, labels, valid = _dpace_example()
     logits = hidden @ weight.T
     want_loss, want_w = _longhand_dpace(logits.tolist(), labels.tolist(), valid.tolist(), alpha)
-    got = block_ce_loss(labels, valid, logits=logits, position_weights="dpace", dpace_alpha=alpha)
-    assert got.item() == pytest.approx(want_loss, rel=1e-9)
+    got = unary_loss(Head(hidden, weight), SlotTargets(labels, valid),
+                     LossConfig(position_weights="dpace", dpace_alpha=alpha))
+    assert got.loss.item() == pytest.approx(want_loss, rel=1e-9)
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0),
                                            reduction="none")
     w = dpace_weights(ce, valid, alpha)
     torch.testing.assert_close(w.double(), torch.tensor(want_w, dtype=torch.float64),
                                rtol=1e-6, atol=0)
+    # handed back: the weights the loss used (from its own CE, equal to rounding)
+    torch.testing.assert_close(got.slot_weights, w, rtol=1e-12, atol=0)
     assert torch.all(w[1] == 0) and torch.all(w[:, 0] == 0) and w[0, 3] == 0
     # the gap multiplies by 1: slot 4 still sees slots 1 and 2's confidence
     assert w[0, 4] > 0 and w[0, 1] > w[0, 2] > w[0, 4] > w[0, 5] > 0
@@ -311,8 +345,7 @@ def test_dpace_gradient_treats_the_weights_as_constants(chunk_rows):
     ce = torch.nn.functional.cross_entropy((h1 @ weight.T).transpose(1, 2),
                                            labels.clamp(min=0), reduction="none")
     constant = (w * ce * valid).sum() / w.sum()  # q held fixed: no d w / d logits term
-    dpace = block_ce_loss(labels, valid, hidden=h2, lm_head_weight=weight,
-                          position_weights="dpace", chunk_rows=chunk_rows)
+    dpace = _ce(labels, valid, h2, weight, position_weights="dpace", chunk_rows=chunk_rows)
     torch.testing.assert_close(dpace, constant)
     constant.backward()
     dpace.backward()
@@ -324,8 +357,7 @@ def test_dpace_on_all_masked_slots_is_a_finite_attached_zero():
     hidden, weight, labels, valid = _dpace_example()
     valid[:] = False
     h = hidden.clone().requires_grad_()
-    loss = block_ce_loss(labels, valid, hidden=h, lm_head_weight=weight,
-                         position_weights="dpace")
+    loss = _ce(labels, valid, h, weight, position_weights="dpace")
     assert math.isfinite(loss.item()) and loss.item() == 0.0
     loss.backward()
     assert torch.all(h.grad == 0)
@@ -334,10 +366,9 @@ def test_dpace_on_all_masked_slots_is_a_finite_attached_zero():
 
 def test_dpace_stays_finite_when_every_confidence_underflows():
     hidden, weight, labels, valid = _dpace_example()
-    logits = (hidden @ weight.T) * 1e4  # CE in the thousands: q = exp(-CE) is exactly 0
+    hidden = hidden * 1e4  # CE in the thousands: q = exp(-CE) is exactly 0
     for alpha in [0.0, 0.5]:
-        loss = block_ce_loss(labels, valid, logits=logits, position_weights="dpace",
-                             dpace_alpha=alpha)
+        loss = _ce(labels, valid, hidden, weight, position_weights="dpace", dpace_alpha=alpha)
         assert math.isfinite(loss.item()), alpha
 
 
@@ -392,7 +423,7 @@ def test_kl_topk_matches_a_naive_loop_and_ignores_mass_outside_topk():
     hidden, weight, _, valid = _batch(10)
     logits = hidden @ weight.T
     ids, tlogits, lse = _soft_targets(11, hidden.shape[0], 4)
-    got = block_kl_topk_loss(ids, tlogits, lse, valid, logits=logits, gamma=7.0)
+    got = _kl(ids, tlogits, lse, valid, hidden, weight, gamma=7.0)
     assert got.item() == pytest.approx(_naive_kl(logits, ids, tlogits, lse, valid, 7.0), rel=1e-5)
 
 
@@ -400,17 +431,20 @@ def test_kl_topk_is_zero_when_the_drafter_reproduces_the_verifier():
     hidden, weight, _, valid = _batch(12)
     logits = hidden @ weight.T
     ids, tlogits, lse = _soft_targets(0, hidden.shape[0], V, verifier_logits=logits.clone())
-    loss = block_kl_topk_loss(ids, tlogits, lse, valid, logits=logits)
+    loss = _kl(ids, tlogits, lse, valid, hidden, weight)
     assert abs(loss.item()) < 1e-6
 
 
-def test_kl_topk_hidden_path_equals_logits_path():
+def test_kl_topk_in_chunks_equals_autograd_through_the_logits():
     hidden, weight, _, valid = _batch(13)
     ids, tlogits, lse = _soft_targets(14, hidden.shape[0], 5)
     h1 = hidden.clone().requires_grad_()
     h2 = hidden.clone().requires_grad_()
-    a = block_kl_topk_loss(ids, tlogits, lse, valid, logits=h1 @ weight.T)
-    b = block_kl_topk_loss(ids, tlogits, lse, valid, hidden=h2, lm_head_weight=weight, chunk_rows=3)
+    logq = torch.log_softmax(h1 @ weight.T, -1).gather(-1, ids)
+    p = topk_target_probs(tlogits, lse).double()
+    w = slot_weights(valid).double()
+    a = (w * (torch.xlogy(p, p) - p * logq).sum(-1)).sum() / w.sum()
+    b = _kl(ids, tlogits, lse, valid, h2, weight, chunk_rows=3)
     torch.testing.assert_close(b, a)
     a.backward()
     b.backward()
@@ -419,12 +453,11 @@ def test_kl_topk_hidden_path_equals_logits_path():
 
 def test_kl_topk_with_one_hot_target_equals_hard_ce():
     hidden, weight, labels, valid = _batch(15)
-    logits = hidden @ weight.T
     ids = labels.clamp(min=0).unsqueeze(-1)  # top-1 only, all mass on the label
     tlogits = torch.zeros(ids.shape, dtype=torch.float64)
     lse = torch.zeros(labels.shape, dtype=torch.float64)
-    soft = block_kl_topk_loss(ids, tlogits, lse, valid, logits=logits)
-    hard = block_ce_loss(labels, valid, logits=logits)
+    soft = _kl(ids, tlogits, lse, valid, hidden, weight)
+    hard = _ce(labels, valid, hidden, weight)
     torch.testing.assert_close(soft, hard)
 
 
@@ -500,8 +533,8 @@ def test_selector_term_matches_the_longhand_under_each_out_of_top_k_rule(rule):
     inside = (logits.topk(SELECTOR_TOP, -1).indices == labels[..., None]).any(-1) & valid
     assert inside.any() and (valid & ~inside).any()  # both cases occur
     w = slot_weights(valid, 3.0).double()
-    got = selector_ce_loss(hidden, labels, valid, anchors, weight, selector, w,
-                           out_of_top_k=rule, chunk_rows=5)
+    got = _selector(hidden, weight, labels, valid, anchors, selector, w,
+                    selector_out_of_top_k=rule, chunk_rows=5)
     want = _longhand_selector(hidden, weight, labels, valid, anchors, selector, w, rule)
     assert got.item() == pytest.approx(want, rel=1e-9)
 
@@ -512,8 +545,8 @@ def test_selector_term_is_the_same_in_value_and_gradient_however_it_is_chunked()
     for chunk_rows in (1, 5, 10_000):
         hidden, weight, labels, valid, anchors, selector = _selector_example()
         hidden.requires_grad_(True)
-        loss = selector_ce_loss(hidden, labels, valid, anchors, weight, selector,
-                                slot_weights(valid, 3.0).double(), chunk_rows=chunk_rows)
+        loss = _selector(hidden, weight, labels, valid, anchors, selector,
+                         slot_weights(valid, 3.0).double(), chunk_rows=chunk_rows)
         loss.backward()
         results.append((loss.detach(), hidden.grad,
                         [p.grad.clone() for p in selector.parameters()]))
@@ -529,8 +562,8 @@ def test_selector_term_is_the_same_in_value_and_gradient_however_it_is_chunked()
 def test_the_three_rules_differ_and_strict_is_drop_scaled_by_the_coverage():
     hidden, weight, labels, valid, anchors, selector = _selector_example()
     w = slot_weights(valid, 3.0).double()
-    got = {rule: selector_ce_loss(hidden, labels, valid, anchors, weight, selector, w,
-                                  out_of_top_k=rule).item()
+    got = {rule: _selector(hidden, weight, labels, valid, anchors, selector, w,
+                           selector_out_of_top_k=rule).item()
            for rule in ("strict", "drop", "inject")}
     assert len({round(v, 9) for v in got.values()}) == 3
     pred_known = valid.clone()
@@ -549,8 +582,8 @@ def test_a_slot_outside_the_top_k_trains_the_selector_only_when_injected(rule, s
     outside = (1, 0)  # (row, slot) positions: labels[i, k] with (i * 6 + k) % 3 == 0
     i, k = 0, 3
     assert (i * 6 + k) % 3 == 0 and valid[i, k] and valid[i, k - 1] and outside
-    selector_ce_loss(hidden, labels, valid, anchors, weight, selector,
-                     slot_weights(valid, 3.0).double(), out_of_top_k=rule).backward()
+    _selector(hidden, weight, labels, valid, anchors, selector,
+              slot_weights(valid, 3.0).double(), selector_out_of_top_k=rule).backward()
     assert bool(hidden.grad[i, k].abs().sum() > 0) == selector_grad
     assert hidden.grad[0, 2].abs().sum() > 0  # a slot inside its top-K always trains
 
@@ -559,8 +592,8 @@ def test_a_fresh_selector_gets_a_gradient_for_its_zero_successor_codebook():
     hidden, weight, labels, valid, anchors, _ = _selector_example()
     fresh = CandidateSelector(H, V, SELECTOR_RANK, SELECTOR_TOP).double()
     assert torch.all(fresh.successor_codebook == 0)
-    selector_ce_loss(hidden, labels, valid, anchors, weight, fresh,
-                     slot_weights(valid, 3.0).double()).backward()
+    _selector(hidden, weight, labels, valid, anchors, fresh,
+              slot_weights(valid, 3.0).double()).backward()
     assert fresh.successor_codebook.grad.abs().sum() > 0
 
 
@@ -578,11 +611,11 @@ def test_factorised_codebooks_give_the_loss_of_the_free_ones_they_materialise():
         for name, table in factorised.materialised(embed).items():
             getattr(free, name).copy_(table)
     w = slot_weights(valid, 3.0).double()
-    got = selector_ce_loss(hidden, labels, valid, anchors, weight, factorised, w, embed=embed)
-    want = selector_ce_loss(hidden, labels, valid, anchors, weight, free, w)
+    got = _selector(hidden, weight, labels, valid, anchors, factorised, w, embed=embed)
+    want = _selector(hidden, weight, labels, valid, anchors, free, w)
     assert got.item() == pytest.approx(want.item(), rel=1e-9)
     with pytest.raises(ValueError, match="token embedding"):
-        selector_ce_loss(hidden, labels, valid, anchors, weight, factorised, w)
+        _selector(hidden, weight, labels, valid, anchors, factorised, w)
 
 
 @pytest.mark.parametrize("position_weights", ["decay", "dpace"])
@@ -595,11 +628,11 @@ def test_block_loss_adds_the_selector_term_weighed_as_the_unary_one(position_wei
                     .view(2, n // 2, block),
                     labels=labels.view(2, n // 2, block), valid=valid.view(2, n // 2, block))
     cfg = LossConfig(position_weights=position_weights, gamma=3.0, selector_weight=0.7)
-    drafter = SimpleNamespace(candidate_selector=selector, target_embed_tokens=None)
-    got = block_loss(hidden.view(2, n // 2, block, H), blocks, weight, cfg, drafter=drafter)
+    drafter = SimpleNamespace(candidate_selector=selector, target_embed_tokens=None,
+                              head_weight=weight)
+    got = block_loss(hidden.view(2, n // 2, block, H), blocks, drafter, cfg)
     logits = hidden @ weight.T
-    unary = block_ce_loss(labels, valid, logits=logits, position_weights=position_weights,
-                          gamma=3.0)
+    unary = _through_logits(logits, labels, valid, position_weights, gamma=3.0)
     if position_weights == "dpace":
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0),
                                                reduction="none")
@@ -609,7 +642,9 @@ def test_block_loss_adds_the_selector_term_weighed_as_the_unary_one(position_wei
     term = _longhand_selector(hidden, weight, labels, valid, anchors, selector, w.double(),
                               "strict")
     assert got.item() == pytest.approx(unary.item() + 0.7 * term, rel=1e-6)
-    plain = block_loss(hidden.view(2, n // 2, block, H), blocks, weight, cfg)
+    dflash = SimpleNamespace(candidate_selector=None, target_embed_tokens=None,
+                             head_weight=weight)
+    plain = block_loss(hidden.view(2, n // 2, block, H), blocks, dflash, cfg)
     assert plain.item() == pytest.approx(unary.item(), rel=1e-9)  # DFlash: no selector
 
 
@@ -619,3 +654,15 @@ def test_selector_settings_are_checked():
             LossConfig(selector_weight=bad)
     with pytest.raises(BlockError, match="selector_out_of_top_k"):
         LossConfig(selector_out_of_top_k="keep")
+
+
+def test_the_loss_hands_back_the_decay_weights_it_weighed_both_terms_by():
+    hidden, weight, labels, valid, anchors, selector = _selector_example()
+    cfg = LossConfig(gamma=3.0, selector_weight=0.7)
+    targets = SlotTargets(labels, valid, anchor_ids=anchors)
+    got = drafter_loss(Head(hidden, weight), targets, cfg, selector)
+    assert torch.equal(got.slot_weights, slot_weights(valid, 3.0))
+    term = _longhand_selector(hidden, weight, labels, valid, anchors, selector,
+                              slot_weights(valid, 3.0).double(), "strict")
+    unary = _naive_ce(hidden @ weight.T, labels, valid, 3.0)
+    assert got.loss.item() == pytest.approx(unary + 0.7 * term, rel=1e-6)
