@@ -1,0 +1,105 @@
+"""The cached target verifies trees (and chains) as a full recompute of each root path would,
+and keeps exactly the accepted path: attention-only (tiny Qwen3) and hybrid (tiny Qwen3.5)."""
+
+import random
+
+import pytest
+import torch
+
+from dflash_train.assets.tiny import save_qwen3, save_qwen3_5
+from dflash_train.target_model import cached as cached_module
+from dflash_train.target_model.cached import CachedTarget, ancestor_mask
+from dflash_train.target_model.capture import forward_states
+from dflash_train.target_model.errors import TargetError
+from dflash_train.target_model.loading import load_target
+from dflash_train.target_model.verifier import verifier_topk
+
+LAYERS = [0, 1, 2]
+
+
+@pytest.fixture(scope="module", params=["attention", "hybrid"])
+def target(request, tmp_path_factory):
+    save = save_qwen3 if request.param == "attention" else save_qwen3_5
+    path = save(tmp_path_factory.mktemp(request.param))
+    return load_target(path, device="cpu", dtype=torch.float32, load_as="causal-lm",
+                       progress=False)
+
+
+def recomputed(target, tokens: list[int]) -> tuple[torch.Tensor, int]:
+    """Features and argmax at the last of `tokens`, from a forward over all of them."""
+    ids = torch.tensor([tokens])
+    context, final = forward_states(target.decoder, LAYERS, ids, torch.ones_like(ids))
+    top, _, _ = verifier_topk(final[0], target.lm_head, 1)
+    return context[0, -1], int(top[-1, 0])
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to float32 rounding of a different order of operations (a cache, a tree
+    mask, the delta rule stepped per node instead of chunked): 1e-4 of the largest value."""
+    return float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_ancestor_mask_sees_ancestors_and_self_only():
+    sees = ancestor_mask([-1, 0, 0, 1, 3, 2])
+    assert [torch.nonzero(row).flatten().tolist() for row in sees] == \
+        [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4], [0, 2, 5]]
+
+
+def test_every_node_sees_what_a_recompute_of_its_root_path_sees(target):
+    rng = random.Random(0)
+    committed = [rng.randrange(5, 300) for _ in range(11)]
+    cached = CachedTarget(target, LAYERS)
+    prefill = cached.prefill(committed)
+    for t in range(len(committed)):
+        features, top1 = recomputed(target, committed[: t + 1])
+        assert close(prefill.features[0, t], features)
+        assert int(prefill.top1[t]) == top1
+    for round_ in range(6):
+        n = 10
+        chain = round_ % 3 == 0
+        parents = list(range(-1, n - 1)) if chain else \
+            [-1] + [rng.randrange(0, m) for m in range(1, n)]
+        tokens = [rng.randrange(5, 300) for _ in range(n)]
+        out = cached.verify(tokens, parents)
+        for node in range(n):
+            path = committed + [tokens[m] for m in root_path(parents, node)]
+            features, top1 = recomputed(target, path)
+            assert close(out.features[0, node], features), (round_, node)
+            assert int(out.top1[node]) == top1, (round_, node)
+        # keep a whole chain, a prefix, or a random branch
+        last = n - 1 if round_ == 0 else rng.randrange(0, n)
+        kept = root_path(parents, last)
+        cached.keep(kept)
+        committed += [tokens[m] for m in kept]
+        assert cached.length == len(committed)
+
+
+def test_keep_refuses_what_is_not_a_root_path(target):
+    cached = CachedTarget(target, LAYERS)
+    cached.prefill([5, 6, 7])
+    cached.verify([8, 9, 10, 11], [-1, 0, 0, 1])
+    with pytest.raises(TargetError, match="not a path from the root"):
+        cached.keep([0, 2, 3])  # 3 is 1's child, not 2's
+    with pytest.raises(TargetError, match="parents"):
+        cached.verify([8, 9], [0, 0])
+
+
+def test_a_tree_on_an_unknown_linear_layer_is_refused_by_name(target, monkeypatch):
+    cached = CachedTarget(target, LAYERS)
+    cached.prefill([5, 6, 7])
+    monkeypatch.setattr(cached_module, "is_gated_delta_layer", lambda _layer: False)
+    if not any(hasattr(layer, "linear_attn") for layer in target.decoder.layers):
+        cached.verify([8, 9, 10], [-1, 0, 0])  # attention only: nothing to step per node
+        return
+    with pytest.raises(TargetError, match=r"target layer 0 \(Qwen3_5GatedDeltaNet\).*"
+                                          r"Qwen3.5's Gated DeltaNet only"):
+        cached.verify([8, 9, 10], [-1, 0, 0])
+    cached.verify([8, 9, 10], [-1, 0, 1])  # a chain is the layer's own sequence: fine
