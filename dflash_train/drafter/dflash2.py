@@ -188,6 +188,22 @@ class CandidateSelector(nn.Module):
         keys = self.rows(1, candidates, embed)
         return unary + (keys @ query.unsqueeze(-1)).squeeze(-1)
 
+    def transitions(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
+                    embed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's candidates [..., S, K] and their fp32 log-probs given each possible
+        predecessor [..., S, K, K]: row p of slot s is conditioned on candidate p of slot s-1
+        (every row of slot 0 on the anchor token), the log-softmax of `scores` over the K
+        candidates. The greedy `walk` takes, at each slot, the argmax of the row its previous
+        choice selects (a draft tree's best path: evaluate/tree.py)."""
+        unary, candidates = self.candidates(logits)
+        projected = self.hidden_projection(hidden)
+        k = candidates.shape[-1]
+        anchors = anchor_ids[..., None, None].expand(*anchor_ids.shape, 1, k)
+        predecessors = torch.cat([anchors, candidates[..., :-1, :]], dim=-2)  # [..., S, K]
+        scores = self.scores(projected[..., None, :], predecessors, unary[..., None, :],
+                             candidates[..., None, :], embed)
+        return torch.log_softmax(scores.float(), dim=-1), candidates
+
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor,
              anchor_ids: torch.Tensor, embed: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy tokens [..., S] of S consecutive slots (hidden [..., S, H], their logits

@@ -21,6 +21,8 @@ class Decoded:
     """Its rounds; a prompt without any (first token an end of turn) may be absent."""
     prompt_lengths: dict[Key, int] = field(default_factory=dict)
     """Tokens before the first generated one (a run's own; a reference needs none)."""
+    tree_rounds: dict[int, dict[Key, Rounds]] = field(default_factory=dict)
+    """Per DDTree node budget: the rounds of its tree walk (none for a serving engine)."""
 
 
 @dataclass
@@ -34,6 +36,8 @@ class RunCheck:
     taus_differ: dict[str, list[Key]]
     """Per earlier run ("offline", "online") it is compared with: prompts whose rounds
     differ from that run's."""
+    tree_taus_differ: dict[str, dict[int, list[Key]]]
+    """Per earlier run, per tree budget both have: prompts whose tree rounds differ."""
     against: str | None
     """The earlier run `first_difference` is taken against (the first compared), if any."""
     first_difference: dict | None
@@ -48,10 +52,14 @@ def check_run(run: Decoded, stored: dict[Key, list[int]], earlier: dict[str, Dec
     taus_differ = {label: [k for k in keys
                            if run.rounds.get(k, []) != ref.rounds.get(k, [])]
                    for label, ref in earlier.items()}
+    tree_taus_differ = {
+        label: {b: [k for k in keys if rounds.get(k, []) != ref.tree_rounds[b].get(k, [])]
+                for b, rounds in run.tree_rounds.items() if b in ref.tree_rounds}
+        for label, ref in earlier.items()}
     against = next(iter(earlier), None)
     diff = None if against is None else first_difference(run, earlier[against])
     return RunCheck(len(keys), [k for k in keys if run.text[k] != stored.get(k)],
-                    taus_differ, against, diff)
+                    taus_differ, tree_taus_differ, against, diff)
 
 
 def _first_mismatch(a: list, b: list) -> int:

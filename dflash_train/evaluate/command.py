@@ -34,7 +34,9 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="replay: the anchors live decoding visits (first response token, then "
                    "a + tau); all: every eligible anchor.")
 @click.option("--tree-budget", "tree_budgets", default="16,32,64", show_default=True,
-              callback=_int_list, help="DDTree node budgets for tree acceptance (comma list).")
+              callback=_int_list,
+              help="DDTree node budgets (comma list; '' for none): offline, and live with "
+                   "--online, a tree of each budget is decoded as its own walk.")
 @click.option("--recall-at", default="1,2,4,8", show_default=True, callback=_int_list,
               help="k of the per-slot top-k recall (comma list).")
 @click.option("--limit", type=click.IntRange(1), default=None,
@@ -60,7 +62,11 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="Print N decoded blocks (context tail, target, each draft).")
 @click.option("--online", is_flag=True,
               help="Also run live greedy speculative decoding with the target (--model) on "
-                   "the same prompts: the ground truth offline replay must match.")
+                   "the same prompts, with chains and with a DDTree of each --tree-budget: "
+                   "the ground truth offline replay must match, round by round.")
+@click.option("--no-cache", is_flag=True,
+              help="--online without the target's cache: recompute the whole sequence every "
+                   "round (O(L^2); the reference the cached loop is checked against).")
 @click.option("--served", is_flag=True,
               help="Also serve the target (--model) with each checkpoint through a serving "
                    "engine (--engine), greedy on the same prompts, and report the engine's "

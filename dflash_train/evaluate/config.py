@@ -37,6 +37,9 @@ class EvalConfig:
     """Also run live greedy speculative decoding with the target (--model)."""
     model: str | None = None
     """The target checkpoint for --online."""
+    no_cache: bool = False
+    """--online without the target's cache: the whole sequence is recomputed every round
+    (O(L^2)); the reference the cached loop is checked against."""
     max_new_tokens: int | None = None
     """--online generation length; None = the store's regeneration setting (or 1024)."""
     progress: bool = True

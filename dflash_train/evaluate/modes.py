@@ -35,8 +35,8 @@ class RunResults(Protocol):
     def summary(self) -> dict:
         """Its report column: a summary.Summary as JSON."""
 
-    def table(self, tree_budgets: tuple[int, ...] | None = None) -> dict[str, list]:
-        """Its per-block rows, ordered by (part, sample, anchor)."""
+    def table(self) -> dict[str, list]:
+        """Its per-block rows (replay.ROW_NAMES), ordered by (walk, part, sample, anchor)."""
 
 
 @dataclass
@@ -120,18 +120,25 @@ class OnlineMode(DecodeMode):
 
     def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
         self.target = load_online_target(cfg.model, store.meta, device=str(device))
+        self.cached = not cfg.no_cache
 
     def generation_source(self):
         return self.target.target.model
 
     def run(self, inputs, samples, stop, earlier):
+        budgets = inputs.settings.tree_budgets
+        walks = "chains" + (f" and DDTrees of {', '.join(map(str, budgets))} nodes"
+                            if budgets else "")
+        how = ("with the target's cache" if self.cached else
+               "recomputing the target over the whole sequence every round (--no-cache)")
         inputs.echo(f"online: decoding {len(samples)} prompts live with "
-                    f"{len(inputs.drafters)} checkpoint(s), max {stop.max_new_tokens} new "
-                    "tokens (the target is recomputed over the whole sequence every round)")
+                    f"{len(inputs.drafters)} checkpoint(s) as {walks}, max "
+                    f"{stop.max_new_tokens} new tokens, {how}")
         results, generated = evaluate_online(self.target, inputs.drafters, samples,
-                                             inputs.settings, stop)
+                                             inputs.settings, stop, cached=self.cached)
         lengths = {s.key: len(p) for s in samples if (p := prompt_of(s)) is not None}
-        decoded = {n: Decoded(generated, r.sequences, lengths) for n, r in results.items()}
+        decoded = {n: Decoded(generated, r.sequences, lengths, r.tree_sequences)
+                   for n, r in results.items()}
         checks = check_runs(decoded, samples, earlier)
         return ModeRun(self.label, results, decoded, check=self.check_json(checks))
 
@@ -141,10 +148,17 @@ class OnlineMode(DecodeMode):
         first = next(iter(checks.values()))
         replayed = {n: c.taus_differ["offline"] for n, c in checks.items()
                     if "offline" in c.taus_differ}  # offline rounds are live ones in replay
+        trees = {n: c.tree_taus_differ["offline"] for n, c in checks.items()
+                 if "offline" in c.tree_taus_differ}
         return {"prompts": first.prompts, "same_text": first.prompts - len(first.text_differs),
                 "text_differs": _named(first.text_differs),
                 "same_taus": {n: first.prompts - len(keys) for n, keys in replayed.items()},
-                "taus_differ": {n: _named(keys) for n, keys in replayed.items()}}
+                "taus_differ": {n: _named(keys) for n, keys in replayed.items()},
+                "same_tree_taus": {n: {str(b): first.prompts - len(keys)
+                                       for b, keys in by_budget.items()}
+                                   for n, by_budget in trees.items()},
+                "tree_taus_differ": {n: {str(b): _named(keys) for b, keys in by_budget.items()}
+                                     for n, by_budget in trees.items()}}
 
 
 class ServedMode(DecodeMode):
@@ -313,6 +327,7 @@ def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:
 def offline_run(results: dict, samples: list[EvalSample], settings: EvalSettings) -> ModeRun:
     """Offline replay as a run the decode modes are checked against (its text: the store's)."""
     stored = {s.key: s.input_ids.tolist() for s in samples}
-    decoded = {n: Decoded(stored, r.sequences) for n, r in results.items()}
+    decoded = {n: Decoded(stored, r.sequences, tree_rounds=r.tree_sequences)
+               for n, r in results.items()}
     return ModeRun("offline", results, decoded, live_rounds=settings.mode == "replay")
 

@@ -1,14 +1,22 @@
 """`eval --online`: real greedy speculative decoding with the target and each drafter.
 
 The loop (docs/reference.md §8): prefill the prompt, the target's argmax is the first token;
-then per round the drafter drafts a block at the last committed token, the target verifies
-it, the matching prefix plus the target's next token (the bonus) are committed, and the
-target's states at the verified positions extend the drafter's context.
+then per round the drafter drafts a block at the last committed token, a proposal is made of
+that one pass (the chain of its drafts, or for a `--tree-budget` the DDTree grown from it by
+evaluate/tree.py, the code offline replay grows it with), the target verifies the proposal,
+the deepest path that matches the target's greedy choices is committed with the target's next
+token (the bonus), and the target's states at the committed positions before the bonus
+extend the drafter's context.
 
-For correctness on any target, hybrid ones included (a recurrent linear-attention state
-cannot be cropped after a partly rejected block), the target is recomputed over the whole
-committed sequence plus the block every round, with no cache: O(L^2) per prompt, meant for
-the tiny targets of the tests and for spot checks. A cached loop is a later optimisation.
+Two verifiers run that loop:
+- `CachedVerifier` (the default): the target keeps its cache across rounds and verifies a
+  whole proposal in one forward (target_model/cached.py: a tree attention mask over the
+  cache; hybrid layers' recurrent states snapshotted, stepped node by node on a tree and
+  brought to the committed path).
+- `RecomputeVerifier` (`--no-cache`, and the reference the cached loop is tested against):
+  no cache at all; the target is recomputed over the committed sequence plus the proposal's
+  path it walks, every round (one forward for a chain, one per branch the walk leaves for a
+  tree): O(L^2) per prompt, exact on any target.
 
 Generation ends as extract's regeneration ends it: at the first end-of-turn token, after
 max_new_tokens new tokens, or when the sequence reaches the store's max_length. A round's tau
@@ -20,18 +28,27 @@ tokens are left near max_new_tokens (their last blocks can differ from ours ther
 
 Prompts are the stored samples' tokens before their first response token, so on a store
 made with `extract --regenerate` the generated text equals the stored text and offline
-`--mode replay` must give the same tau, prompt by prompt. Never writes the store.
+`--mode replay` must give the same tau, prompt by prompt, for the chain and for each tree
+budget. Never writes the store.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from dflash_train.blocks import first_anchor
 from dflash_train.dtypes import torch_dtype
-from dflash_train.evaluate.drafting import BlockDrafter
+from dflash_train.evaluate.drafting import BlockDrafter, Draft
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import CheckpointResults, EvalSample, EvalSettings, labels_for
+from dflash_train.evaluate.tree import (
+    DraftTree,
+    best_branch,
+    chain_tree,
+    grow_tree,
+    path_tokens,
+)
 from dflash_train.store_schema import StoreMeta, TargetInfo, target_differences
 
 
@@ -62,6 +79,8 @@ class Round:
     """[B, k] the drafter's per-slot top-k log-probs."""
     ids: torch.Tensor
     """[B, k] and their ids."""
+    tree: DraftTree
+    """What was verified: the chain of drafts, or the DDTree of the run's budget."""
 
 
 @dataclass
@@ -71,6 +90,8 @@ class OnlineRun:
     prompt_length: int
     tokens: list[int]
     """Prompt + generated tokens."""
+    tree_budget: int | None = None
+    """The DDTree node budget of every round; None: chains."""
     rounds: list[Round] = field(default_factory=list)
 
 
@@ -130,39 +151,120 @@ def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
                         f"({want.name_or_path}):\n  " + "\n  ".join(wrong))
 
 
+@dataclass
+class Walked:
+    """A verified proposal: what the target accepted of it."""
+
+    path: list[int]
+    """Accepted nodes, root excluded, in depth order."""
+    bonus: int
+    """The target's next token after the last accepted node."""
+    features: torch.Tensor
+    """[1, 1 + len(path), n, H]: the target's states at the root and the accepted nodes."""
+
+
+def accepted_walk(tree: DraftTree, next_token: Callable[[int, list[int]], int]
+                  ) -> tuple[list[int], int]:
+    """(accepted nodes, bonus): from the root, follow the child whose token the target chose
+    (`next_token(node, path)`: its greedy token after `node`, reached by `path`)."""
+    path: list[int] = []
+    node = 0
+    while True:
+        want = next_token(node, path)
+        child = tree.children[node].get(want)
+        if child is None:
+            return path, want
+        path.append(child)
+        node = child
+
+
+class CachedVerifier:
+    """The target with its cache: a whole proposal verified in one forward."""
+
+    def __init__(self, target: TargetStates):
+        from dflash_train.target_model.cached import CachedTarget
+
+        self.dtype = target.dtype
+        self.target = CachedTarget(target.target, target.layer_ids)
+
+    def start(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        out = self.target.prefill(prompt)
+        return out.features.to(self.dtype).cpu(), int(out.top1[-1])
+
+    def verify(self, tokens: list[int], tree: DraftTree) -> Walked:
+        out = self.target.verify([tokens[-1], *tree.tokens[1:]], tree.parents)
+        top1 = out.top1.tolist()
+        path, bonus = accepted_walk(tree, lambda node, _path: top1[node])
+        kept = [0, *path]
+        self.target.keep(kept)
+        return Walked(path, bonus, out.features[:, kept].to(self.dtype).cpu())
+
+
+class RecomputeVerifier:
+    """No cache: the committed sequence plus the path being walked is recomputed each time
+    the walk leaves what was last forwarded (a chain: once a round)."""
+
+    def __init__(self, target: TargetStates):
+        self.target = target
+
+    def start(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        features, top1 = self.target(prompt)
+        return features, int(top1[-1])
+
+    def verify(self, tokens: list[int], tree: DraftTree) -> Walked:
+        root = len(tokens) - 1
+        branch: list[int] | None = None
+        states: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def next_token(_node: int, path: list[int]) -> int:
+            nonlocal branch, states
+            if branch is None or path != branch[: len(path)]:
+                branch = best_branch(tree, path)
+                states = self.target(tokens + path_tokens(tree, branch))
+            return int(states[1][root + len(path)])
+
+        path, bonus = accepted_walk(tree, next_token)
+        return Walked(path, bonus, states[0][:, root : root + len(path) + 1])
+
+
+def propose(drafted: Draft, budget: int | None) -> DraftTree:
+    """The one block's proposal: its chain of drafts, or the DDTree of `budget` nodes."""
+    if budget is None:
+        return chain_tree(drafted.ids[0, 0, 1:, 0].tolist())
+    return grow_tree(drafted.tree_candidates(0, 0), budget)
+
+
 @torch.no_grad()
-def speculative_decode(target: TargetStates, drafter: BlockDrafter, prompt: list[int],
-                       stop: StopRule, top_k: int) -> OnlineRun:
-    """Greedy speculative decoding of one prompt; recomputes the target each round."""
-    b = drafter.block_size
+def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop: StopRule,
+                       top_k: int, tree_budget: int | None = None) -> OnlineRun:
+    """Greedy speculative decoding of one prompt with chains, or DDTrees of `tree_budget`
+    nodes; `verifier` is a CachedVerifier or a RecomputeVerifier."""
     tokens = list(prompt)
-    features, top1 = target(tokens)
+    features, first = verifier.start(tokens)
     cache = drafter.context_cache(features)  # positions 0 .. P-1
-    tokens.append(int(top1[-1]))
-    run = OnlineRun(len(prompt), tokens)
+    tokens.append(first)
+    run = OnlineRun(len(prompt), tokens, tree_budget)
     new = 1
     done = stop.done(tokens[-1], new, len(tokens))
     while not done:
         anchor = len(tokens) - 1
-        logp, ids = drafter.draft(cache, torch.tensor([[anchor]]),
-                                  torch.tensor([[tokens[anchor]]]), top_k)
-        draft = ids[0, 0, 1:, 0].tolist()
-        features, top1 = target(tokens + draft)
-        verify = top1[anchor : anchor + b].tolist()  # target's tokens for a+1 .. a+B
-        accepted = 0
-        while accepted < b - 1 and draft[accepted] == verify[accepted]:
-            accepted += 1
-        for token in draft[:accepted] + [verify[accepted]]:
+        drafted = drafter.draft(cache, torch.tensor([[anchor]]),
+                                torch.tensor([[tokens[anchor]]]), top_k,
+                                transitions=tree_budget is not None)
+        tree = propose(drafted, tree_budget)
+        walked = verifier.verify(tokens, tree)
+        for token in [*path_tokens(tree, walked.path), walked.bonus]:
             tokens.append(token)
             new += 1
             if stop.done(token, new, len(tokens)):
                 done = True
                 break
-        run.rounds.append(Round(anchor, len(tokens) - 1 - anchor, logp[0, 0], ids[0, 0]))
+        run.rounds.append(Round(anchor, len(tokens) - 1 - anchor, drafted.logp[0, 0],
+                                drafted.ids[0, 0], tree))
         if not done:
             # The verified positions a .. a+accepted now have target states; the bonus
             # token (the next anchor) does not until the next round verifies it.
-            drafter.extend(cache, features[:, anchor : anchor + accepted + 1])
+            drafter.extend(cache, walked.features)
     return run
 
 
@@ -183,30 +285,48 @@ def prompt_of(s: EvalSample) -> list[int] | None:
 
 
 def evaluate_online(target: TargetStates, drafters: dict[str, BlockDrafter],
-                    samples: list[EvalSample], settings: EvalSettings, stop: StopRule
+                    samples: list[EvalSample], settings: EvalSettings, stop: StopRule,
+                    cached: bool = True
                     ) -> tuple[dict[str, CheckpointResults], dict[tuple[int, int], list[int]]]:
-    """Decode every sample's prompt live with each drafter; metrics as offline, and the
-    generated tokens per sample key (they do not depend on the drafter)."""
-    results = {n: CheckpointResults(n, d.block_size, settings, not d.walks)
-               for n, d in drafters.items()}
+    """Decode every sample's prompt live with each drafter, with chains and with a DDTree of
+    each budget; metrics as offline, and the generated tokens per sample key (they do not
+    depend on the drafter)."""
+    verifier = CachedVerifier(target) if cached else RecomputeVerifier(target)
+    results = {n: CheckpointResults(n, d.block_size, settings) for n, d in drafters.items()}
     generated: dict[tuple[int, int], list[int]] = {}
     for s in samples:
         prompt = prompt_of(s)
         if prompt is None:
             continue
         for name, drafter in drafters.items():
-            run = speculative_decode(target, drafter, prompt, stop,
-                                     settings.top_k(drafter.config.vocab_size))
-            generated.setdefault(s.key, run.tokens)
-            if not run.rounds:
-                continue
-            live = online_sample(s, run)
-            blocks = [(live, r.anchor) for r in run.rounds]
-            labels, valid = labels_for(blocks, drafter.block_size)
-            taus = results[name].add(blocks, torch.stack([r.logp for r in run.rounds]),
-                                     torch.stack([r.ids for r in run.rounds]), labels, valid)
-            verified = [r.tau for r in run.rounds]
-            if taus != verified:
-                raise EvalError(f"online {name}, sample {s.key}: verified taus {verified} "
-                                f"disagree with the generated labels {taus} (internal error)")
+            top_k = settings.top_k(drafter.config.vocab_size)
+            for budget in (None, *settings.tree_budgets):
+                run = speculative_decode(verifier, drafter, prompt, stop, top_k, budget)
+                generated.setdefault(s.key, run.tokens)
+                if run.tokens != generated[s.key]:
+                    raise EvalError(f"online {name}, sample {s.key}: the tree of budget "
+                                    f"{budget} generated another text than the chain "
+                                    "(internal error: a verified token is the target's own)")
+                _score(results[name], s, run, drafter.block_size)
     return results, generated
+
+
+def _score(results: CheckpointResults, s: EvalSample, run: OnlineRun, block_size: int) -> None:
+    """Add a run's rounds to `results`, scored on the generated text's labels as offline
+    scores them; an internal error when that disagrees with what the target verified."""
+    if not run.rounds:
+        return
+    live = online_sample(s, run)
+    blocks = [(live, r.anchor) for r in run.rounds]
+    labels, valid = labels_for(blocks, block_size)
+    if run.tree_budget is None:
+        taus = results.add(blocks, torch.stack([r.logp for r in run.rounds]),
+                           torch.stack([r.ids for r in run.rounds]), labels, valid)
+    else:
+        taus = results.add_trees(run.tree_budget, blocks, [r.tree for r in run.rounds],
+                                 labels, valid)
+    verified = [r.tau for r in run.rounds]
+    if taus != verified:
+        what = "chain" if run.tree_budget is None else f"tree @{run.tree_budget}"
+        raise EvalError(f"online {results.name} ({what}), sample {s.key}: verified taus "
+                        f"{verified} disagree with the generated labels {taus} (internal error)")

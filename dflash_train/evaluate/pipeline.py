@@ -162,7 +162,7 @@ def shown_blocks(drafters: dict[str, BlockDrafter], samples: list[EvalSample],
     for name, d in drafters.items():
         out = draft_at(d, picked, [torch.tensor([a]) for _, a in chosen],
                        settings.top_k(d.config.vocab_size), settings.blocks_per_forward)
-        drafts[name] = [ids[0, 1:, 0].tolist() for _, ids in out]
+        drafts[name] = [d.ids[0, 1:, 0].tolist() for d in out]
     longest = max(d.block_size for d in drafters.values())
     for i, (s, a) in enumerate(chosen):
         labels, valid = labels_for([(s, a)], longest)
@@ -296,6 +296,8 @@ def check_options(cfg: EvalConfig) -> list[DecodeMode]:
                    if given]
     if served_only and not cfg.served:
         raise EvalError(f"{served_only[0]} only applies to --served; add --served or drop it")
+    if cfg.no_cache and not cfg.online:
+        raise EvalError("--no-cache only applies to --online; add --online or drop it")
     if not modes:
         # Offline replay never loads the target: a --model given without --online would be
         # silently ignored, and the user would read offline numbers as live ones.
@@ -409,7 +411,7 @@ def _write_outputs(cfg: EvalConfig, report: dict, runs: list[ModeRun]
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         write_json(report, out / "report.json")
-        write_parquet(block_rows({r.label: r.results for r in runs}, report["tree_budgets"]),
+        write_parquet(block_rows({r.label: r.results for r in runs}),
                       out / "blocks.parquet")
         written += [str(out / "report.json"), str(out / "blocks.parquet")]
         if plot is None:

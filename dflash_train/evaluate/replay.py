@@ -29,7 +29,7 @@ import torch
 from dflash_train.batching import padded_batches
 from dflash_train.blocks import block_label_mask, block_labels, eligible_anchors, replay_anchors
 from dflash_train.evaluate.damage import DamagePolicy
-from dflash_train.evaluate.drafting import BlockDrafter, select_rows
+from dflash_train.evaluate.drafting import BlockDrafter, Draft, cat_drafts, select_rows
 from dflash_train.evaluate.metrics import (
     AcceptanceStats,
     TauHistogram,
@@ -37,7 +37,7 @@ from dflash_train.evaluate.metrics import (
     committed_lengths,
 )
 from dflash_train.evaluate.summary import Summary
-from dflash_train.evaluate.tree import tree_acceptance_lengths
+from dflash_train.evaluate.tree import DraftTree, accepted_path, grow_tree
 from dflash_train.store_schema import Damage, Part, Sample, Store, read_guarded
 from dflash_train.store_schema.integrity import read_by_span
 from dflash_train.store_schema.part import sample_spans
@@ -170,72 +170,79 @@ def padded_context(samples: list[EvalSample]) -> torch.Tensor:
     return out
 
 
+ROW_NAMES = ("part", "sample", "source_row", "anchor", "tree_budget", "tau")
+"""Per-block row columns: tree_budget is None for a chain's block, the node budget for a
+DDTree's; tau is what that block committed."""
+
+
 @dataclass
 class CheckpointResults:
-    """Everything measured for one checkpoint: metrics, per-block rows, replay sequences."""
+    """Everything measured for one checkpoint: metrics, per-block rows, and the rounds of
+    each walk (the chain, and the DDTree of each budget)."""
 
     name: str
     block_size: int
     settings: EvalSettings
-    drafts_trees: bool = True
-    """DDTree acceptance is measured (DFlash). False for a DFlash 2 drafter: a tree over its
-    unary marginals is not what it proposes (tree.py), so its tree figures stay None."""
     stats: AcceptanceStats = field(init=False)
+    """The chain's metrics."""
     tree: dict[int, TauHistogram] = field(init=False)
+    """Per budget: the DDTree rounds' tau."""
     rows: dict[str, list] = field(init=False)
-    """Per block, in the order drafted: part, sample, source_row, anchor, tau,
-    tree_tau_<budget>. `table()` orders them canonically."""
+    """Per block, in the order drafted (ROW_NAMES); `table()` orders them canonically."""
     sequences: dict[tuple[int, int], list[tuple[int, int]]] = field(init=False)
-    """Per sample key: the (anchor, tau) of its blocks in the order they were drafted."""
+    """Per sample key: the (anchor, tau) of the chain's blocks in the order drafted."""
+    tree_sequences: dict[int, dict[tuple[int, int], list[tuple[int, int]]]] = field(init=False)
+    """Per budget, per sample key: the (anchor, tau) of the DDTree's blocks."""
 
     def __post_init__(self) -> None:
         self.stats = AcceptanceStats(self.block_size, self.settings.recall_at)
         self.tree = {b: TauHistogram(self.block_size) for b in self.settings.tree_budgets}
-        names = ["part", "sample", "source_row", "anchor", "tau"]
-        names += [f"tree_tau_{b}" for b in self.settings.tree_budgets]
-        self.rows = {n: [] for n in names}
+        self.rows = {n: [] for n in ROW_NAMES}
         self.sequences = {}
+        self.tree_sequences = {b: {} for b in self.settings.tree_budgets}
 
     def add(self, blocks: list[tuple[EvalSample, int]], logp: torch.Tensor,
             ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> list[int]:
-        """Score blocks (sample, anchor) with draft top-k [M, B, k] and labels [M, B]."""
-        left = tokens_left(blocks, self.block_size)
-        taus = self.stats.update(ids, labels, valid, left).tolist()
-        tree = {}
-        if self.drafts_trees:
-            tree = tree_acceptance_lengths(logp, ids, labels, valid, self.settings.tree_budgets)
-        for b, hist in self.tree.items():
-            if self.drafts_trees:
-                tree[b] = committed_lengths(tree[b] - 1, left)
-                hist.update(tree[b])
-        for m, (s, anchor) in enumerate(blocks):
-            for name, value in (("part", s.part), ("sample", s.index),
-                                ("source_row", s.source_row), ("anchor", anchor),
-                                ("tau", taus[m])):
+        """Score chain blocks (sample, anchor) with draft top-k [M, B, k] and labels [M, B]."""
+        taus = self.stats.update(ids, labels, valid, tokens_left(blocks, self.block_size))
+        return self._record(blocks, taus.tolist(), None, self.sequences)
+
+    def add_trees(self, budget: int, blocks: list[tuple[EvalSample, int]],
+                  trees: list[DraftTree], labels: torch.Tensor, valid: torch.Tensor
+                  ) -> list[int]:
+        """Score DDTree blocks of `budget` nodes, one tree per block, with labels [M, B]."""
+        label_rows, valid_rows = labels[:, 1:].tolist(), valid[:, 1:].tolist()
+        depth = torch.tensor([len(accepted_path(t, lab, ok)) for t, lab, ok in
+                              zip(trees, label_rows, valid_rows, strict=True)], dtype=torch.long)
+        taus = committed_lengths(depth, tokens_left(blocks, self.block_size))
+        self.tree[budget].update(taus)
+        return self._record(blocks, taus.tolist(), budget, self.tree_sequences[budget])
+
+    def _record(self, blocks: list[tuple[EvalSample, int]], taus: list[int],
+                budget: int | None, sequences: dict) -> list[int]:
+        for (s, anchor), tau in zip(blocks, taus, strict=True):
+            for name, value in zip(ROW_NAMES, (s.part, s.index, s.source_row, anchor, budget,
+                                               tau), strict=True):
                 self.rows[name].append(value)
-            for b in self.settings.tree_budgets:
-                self.rows[f"tree_tau_{b}"].append(int(tree[b][m]) if tree else None)
-            self.sequences.setdefault(s.key, []).append((anchor, taus[m]))
+            sequences.setdefault(s.key, []).append((anchor, tau))
         return taus
 
-    def table(self, tree_budgets: tuple[int, ...] | None = None) -> dict[str, list]:
-        """The per-block rows ordered by (part, sample, anchor), whatever the batching, with
-        the tree columns of `tree_budgets` (None: every budget measured)."""
-        keys = list(zip(self.rows["part"], self.rows["sample"], self.rows["anchor"],
+    def table(self) -> dict[str, list]:
+        """The per-block rows ordered by (walk, part, sample, anchor), whatever the batching;
+        the chain's blocks first, then each budget's."""
+        keys = list(zip((-1 if b is None else b for b in self.rows["tree_budget"]),
+                        self.rows["part"], self.rows["sample"], self.rows["anchor"],
                         strict=True))
         order = sorted(range(len(keys)), key=keys.__getitem__)
-        budgets = self.settings.tree_budgets if tree_budgets is None else tree_budgets
-        names = ["part", "sample", "source_row", "anchor", "tau",
-                 *(f"tree_tau_{b}" for b in budgets)]
-        return {name: [self.rows[name][i] for i in order] for name in names}
+        return {name: [self.rows[name][i] for i in order] for name in ROW_NAMES}
 
     def summary(self) -> dict:
-        """Its column of the report: the acceptance metrics plus tree acceptance per budget."""
+        """Its column of the report: the chain's metrics plus each budget's DDTree rounds."""
         tree = {}
         for b, hist in self.tree.items():
             s = hist.summary()
             tree[str(b)] = {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"],
-                            "tau_hist": s["tau_hist"] if self.drafts_trees else None}
+                            "rounds": s["n"], "tau_hist": s["tau_hist"]}
         return Summary(self.stats, tree).to_json()
 
 
@@ -294,10 +301,10 @@ def tokens_left(blocks: list[tuple[EvalSample, int]], block_size: int) -> torch.
 
 
 def draft_at(drafter: BlockDrafter, samples: list[EvalSample], anchors: list[torch.Tensor],
-             top_k: int, blocks_per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sample, the draft top-k (logprobs, ids) [K_i, B, k] at its anchors [K_i]."""
+             top_k: int, blocks_per_forward: int, transitions: bool = False) -> list[Draft]:
+    """Per sample, the draft [K_i, B, k] at its anchors [K_i]."""
     cache = drafter.context_cache(padded_context(samples))
-    outs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in samples]
+    outs: list[list[Draft]] = [[] for _ in samples]
     longest = max((a.numel() for a in anchors), default=0)
     for start in range(0, longest, blocks_per_forward):
         rows = [r for r, a in enumerate(anchors) if a.numel() > start]
@@ -306,33 +313,40 @@ def draft_at(drafter: BlockDrafter, samples: list[EvalSample], anchors: list[tor
         # Short rows repeat their last anchor; those blocks are computed and dropped.
         pos = torch.stack([torch.cat([c, c[-1:].expand(width - c.numel())]) for c in chunk])
         tokens = torch.stack([samples[r].input_ids[p] for r, p in zip(rows, pos, strict=True)])
-        logp, ids = drafter.draft(select_rows(cache, torch.tensor(rows)), pos, tokens, top_k)
+        drafted = drafter.draft(select_rows(cache, torch.tensor(rows)), pos, tokens, top_k,
+                                transitions)
         for j, (r, c) in enumerate(zip(rows, chunk, strict=True)):
-            outs[r].append((logp[j, : c.numel()], ids[j, : c.numel()]))
-    empty = (torch.zeros(0, drafter.block_size, top_k), torch.zeros(0, drafter.block_size,
-                                                                     top_k, dtype=torch.long))
-    return [(torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])) if out else empty
-            for out in outs]
+            outs[r].append(drafted[j, : c.numel()])
+    return [cat_drafts(out, drafter.block_size, top_k) for out in outs]
 
 
 def evaluate_all(drafter: BlockDrafter, samples: list[EvalSample], results: CheckpointResults,
                  settings: EvalSettings, top_k: int) -> None:
-    """--mode all: one block at every eligible anchor of every sample."""
+    """--mode all: one block at every eligible anchor of every sample, the chain and a DDTree
+    of each budget drafted from the same pass."""
     anchors = [eligible_anchors(s.loss_mask) for s in samples]
-    drafts = draft_at(drafter, samples, anchors, top_k, settings.blocks_per_forward)
+    trees = bool(settings.tree_budgets)
+    drafted = cat_drafts(draft_at(drafter, samples, anchors, top_k, settings.blocks_per_forward,
+                                  trees), drafter.block_size, top_k)
     blocks = [(s, int(a)) for s, an in zip(samples, anchors, strict=True) for a in an.tolist()]
     if not blocks:
         return
     labels, valid = labels_for(blocks, drafter.block_size)
-    logp = torch.cat([d[0] for d in drafts])
-    ids = torch.cat([d[1] for d in drafts])
-    results.add(blocks, logp, ids, labels, valid)
+    results.add(blocks, drafted.logp, drafted.ids, labels, valid)
+    for budget in settings.tree_budgets:
+        grown = [grow_tree(drafted.tree_candidates(m), budget) for m in range(len(blocks))]
+        results.add_trees(budget, blocks, grown, labels, valid)
 
 
-def evaluate_replay(drafter: BlockDrafter, samples: list[EvalSample],
-                    results: CheckpointResults, top_k: int) -> None:
-    """--mode replay: the anchors live decoding visits, one step of every sequence at a time."""
-    cache = drafter.context_cache(padded_context(samples))
+Scorer = Callable[[list[tuple[EvalSample, int]], Draft, torch.Tensor, torch.Tensor], list[int]]
+"""Scores one step's blocks (sample, anchor) from their draft [M, B, k] and labels [M, B]
+into the results; returns each block's tau (the walk's next anchor is a + tau)."""
+
+
+def walk_replay(drafter: BlockDrafter, samples: list[EvalSample], cache, top_k: int,
+                score: Scorer, transitions: bool = False) -> None:
+    """One replay walk of every sample: the anchors live decoding visits (first response
+    token, then a + tau), one step of every sequence at a time."""
     taus = [1] * len(samples)
     walks = [replay_anchors(s.loss_mask, lambda _a, r=r: taus[r]) for r, s in
              enumerate(samples)]
@@ -349,12 +363,28 @@ def evaluate_replay(drafter: BlockDrafter, samples: list[EvalSample],
         rows = torch.tensor(active)
         pos = torch.tensor([[a] for _, a in step])
         tokens = torch.stack([samples[r].input_ids[a : a + 1] for r, a in step])
-        logp, ids = drafter.draft(select_rows(cache, rows), pos, tokens, top_k)
+        drafted = drafter.draft(select_rows(cache, rows), pos, tokens, top_k, transitions)
         blocks = [(samples[r], a) for r, a in step]
         labels, valid = labels_for(blocks, drafter.block_size)
-        step_taus = results.add(blocks, logp[:, 0], ids[:, 0], labels, valid)
+        step_taus = score(blocks, drafted[:, 0], labels, valid)
         for (r, _), tau in zip(step, step_taus, strict=True):
             taus[r] = tau
+
+
+def evaluate_replay(drafter: BlockDrafter, samples: list[EvalSample],
+                    results: CheckpointResults, top_k: int) -> None:
+    """--mode replay: the chain's walk, then each budget's DDTree walk (its next anchor is
+    a + its own tau, as a tree decoder moves on), all over one context cache."""
+    cache = drafter.context_cache(padded_context(samples))
+    walk_replay(drafter, samples, cache, top_k,
+                lambda blocks, d, labels, valid: results.add(blocks, d.logp, d.ids, labels,
+                                                             valid))
+    for budget in results.settings.tree_budgets:
+        def score(blocks, d, labels, valid, budget=budget):
+            grown = [grow_tree(d.tree_candidates(m), budget) for m in range(len(blocks))]
+            return results.add_trees(budget, blocks, grown, labels, valid)
+
+        walk_replay(drafter, samples, cache, top_k, score, transitions=True)
 
 
 def evaluate_offline(
@@ -364,7 +394,7 @@ def evaluate_offline(
     on_batch: Callable[[list[EvalSample]], None] | None = None,
 ) -> tuple[dict[str, CheckpointResults], Agreement]:
     """Replay every checkpoint on the same samples; results per checkpoint name."""
-    results = {name: CheckpointResults(name, d.block_size, settings, not d.walks)
+    results = {name: CheckpointResults(name, d.block_size, settings)
                for name, d in drafters.items()}
     agreement = Agreement()
     for batch in padded_batches(samples, lambda s: len(s.input_ids), settings.batch_tokens):

@@ -101,13 +101,13 @@ def write_json(report: dict, path: str | Path) -> None:
     Path(path).write_text(dumps(report) + "\n")
 
 
-def block_rows(runs: dict[RunLabel, dict], tree_budgets: list[int]) -> dict[str, list]:
+def block_rows(runs: dict[RunLabel, dict]) -> dict[str, list]:
     """All per-block rows of every run ({label: results per checkpoint}) in one column
-    dict, with `checkpoint` and `run` columns (a served run's tree columns are null)."""
+    dict, with `checkpoint` and `run` columns (a served run has chain rows only)."""
     columns: dict[str, list] = {"checkpoint": [], "run": []}
     for run, results in runs.items():
         for name, r in results.items():
-            table = r.table(tuple(tree_budgets))
+            table = r.table()
             n = len(table["tau"])
             columns["checkpoint"] += [name] * n
             columns["run"] += [run] * n
@@ -183,7 +183,10 @@ def format_table(report: dict) -> str:
         out += ["", f"online check over {check['prompts']} prompts: generated text equals the "
                 f"stored text for {check['same_text']}"]
         for name, same in check["same_taus"].items():
-            out.append(f"  {name}: offline replay taus equal online taus for {same} prompts")
+            trees = "".join(f", tree @{b} {n}" for b, n in
+                            check.get("same_tree_taus", {}).get(name, {}).items())
+            out.append(f"  {name}: prompts whose offline replay taus equal the online ones: "
+                       f"chain {same}{trees}")
     if report.get("served_check"):
         out += ["", *format_served(report)]
     return "\n".join(out)
@@ -223,8 +226,9 @@ def _summary_rows(metrics: list[dict], tree_budgets: list[int]) -> list[list[str
                              for m in metrics]],
             ["mean streak", *[_fmt(m["mean_streak"]) for m in metrics]]]
     for b in tree_budgets:  # a served run has no trees: "-"
-        rows.append([f"tree tau @{b}", *[_fmt(m["tree"].get(str(b), {}).get("mean_tau"))
-                                         for m in metrics]])
+        trees = [m["tree"].get(str(b), {}) for m in metrics]
+        rows.append([f"tree tau @{b}", *[_fmt(t.get("mean_tau")) for t in trees]])
+        rows.append(["  its rounds", *[str(t.get("rounds", "-")) for t in trees]])
     return rows
 
 

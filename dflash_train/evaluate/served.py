@@ -41,7 +41,7 @@ from dflash_train.evaluate.agreement import Decoded
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.metrics import AcceptanceStats
 from dflash_train.evaluate.online import StopRule, prompt_of
-from dflash_train.evaluate.replay import EvalSample
+from dflash_train.evaluate.replay import ROW_NAMES, EvalSample
 from dflash_train.evaluate.summary import Summary
 
 VENV_VARIABLE = "DFLASH_VLLM_VENV"
@@ -303,19 +303,16 @@ class ServedResults:
         return Decoded({r.prompt.sample.key: r.tokens for r in self.runs}, self.sequences,
                        {r.prompt.sample.key: len(r.prompt.ids) for r in self.runs})
 
-    def table(self, tree_budgets: tuple[int, ...] | None = None) -> dict[str, list]:
-        """Per-block rows in block_rows' columns, ordered by (part, sample, anchor); the
-        tree columns of `tree_budgets` are null (no trees from outside the engine)."""
-        rows: dict[str, list] = {n: [] for n in ("part", "sample", "source_row", "anchor", "tau")}
+    def table(self) -> dict[str, list]:
+        """Per-block rows in replay.ROW_NAMES' columns, ordered by (part, sample, anchor):
+        chains only (no trees from outside the engine)."""
+        rows: dict[str, list] = {n: [] for n in ROW_NAMES}
         for r in sorted(self.runs, key=lambda r: r.prompt.sample.key):
             s = r.prompt.sample
             for anchor, tau in zip(r.anchors, r.committed, strict=True):
-                for name, value in (("part", s.part), ("sample", s.index),
-                                    ("source_row", s.source_row), ("anchor", anchor),
-                                    ("tau", tau)):
+                for name, value in zip(ROW_NAMES, (s.part, s.index, s.source_row, anchor, None,
+                                                   tau), strict=True):
                     rows[name].append(value)
-        for b in tree_budgets or ():
-            rows[f"tree_tau_{b}"] = [None] * len(rows["tau"])
         return rows
 
 

@@ -1,18 +1,24 @@
-"""DDTree draft trees from one drafter pass, and their offline acceptance (docs/reference.md §7).
+"""DDTree draft trees from one drafter pass, and their acceptance (docs/reference.md §7).
 
-Slots 1..B-1 are treated as independent marginals: depth d of the tree draws from slot d's
-top-k of the fp32 log-softmax (dflash_train.blocks.draft_topk). The tree grows best-first by the
-path's summed log-prob; each pop adds one node and pushes its next sibling (same parent,
-next rank) and its first child (next depth, rank 0). The budget counts non-root nodes; the
-top-1 chain is not forced in. Facts from DDTree (arXiv 2604.12989, liranringel/ddtree).
+A tree grows best-first by the path's summed log-prob: each pop adds one node and pushes its
+next sibling (same parent, next rank) and its first child (next depth, rank 0). The budget
+counts non-root nodes; the top-1 chain is not forced in. Facts from DDTree (arXiv 2604.12989,
+liranringel/ddtree).
 
-Offline acceptance walks from the root following, at depth d, the child whose token is the
-label l_d. A label present in depth d's top-k but under another parent does not count.
+What a node's children may be is a `Candidates` table: per depth, per "row", the tokens best
+first with their log-probs and the row of the next depth a child leads to.
+- DFlash (`unary_candidates`): slots are independent marginals, one row per depth: depth d
+  draws from slot d's top-k of the fp32 log-softmax (dflash_train.blocks.draft_topk).
+- DFlash 2 (`drafter.CandidateSelector.transitions`): the selector scores slot d's candidates
+  given the token before them, so a child's log-prob depends on its parent's token: one row
+  per candidate of the depth before (the root's children: the anchor token's row), each the
+  log-softmax of the selector's scores over the slot's candidates. The tree's first path is
+  then the selector's greedy walk, the draft it proposes as a chain.
 
-Not for DFlash 2 drafters (eval leaves their tree figures empty): their selector scores a
-candidate given the token before it, so a tree over the unary marginals would measure them
-with the selector off; a selector-aware tree (children scored with the parent's token as
-predecessor) is not built yet.
+Acceptance walks from the root following, at depth d, the child whose token is the target's
+token (offline: the label l_d). A label present at depth d under another parent does not
+count. A chain is the tree whose node d is slot d's draft (`chain_tree`), so chain and tree
+rounds are verified and walked by the same code, live and offline.
 
 This module owns the tree and the walk; it never runs a model and never reads the store.
 """
@@ -47,31 +53,66 @@ class DraftTree:
         return len(self.tokens) - 1
 
 
-def build_tree(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int) -> DraftTree:
-    """Best-first DDTree over depths 1..D from per-depth top-k log-probs / ids [D, K].
+@dataclass
+class Candidates:
+    """What a node at depth d-1 may have as children (depth d, row d-1 of each tensor), in
+    the row its own token selects; every row best first."""
 
-    Row d-1 holds slot d. Ranks >= min(budget, K) are never used; pass K >= min(budget, V)
-    to match DDTree exactly. Ties in score break by the rank path, lexicographically.
-    """
+    logp: torch.Tensor
+    """float [D, R, K]: log-prob of each candidate, descending along K."""
+    ids: torch.Tensor
+    """long [D, R, K]: its token id."""
+    rows: torch.Tensor
+    """long [D, R, K]: the row (of depth d+1) a child taking this candidate leads to."""
+
+
+def unary_candidates(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor) -> Candidates:
+    """DFlash: depth d's candidates are slot d's top-k whatever the parent (one row)."""
     if topk_logprobs.shape != topk_ids.shape or topk_logprobs.dim() != 2:
         raise BlockError(
             f"topk_logprobs {tuple(topk_logprobs.shape)} and topk_ids "
             f"{tuple(topk_ids.shape)} must both be [D, K]"
         )
+    return Candidates(topk_logprobs[:, None], topk_ids[:, None].long(),
+                      torch.zeros_like(topk_ids[:, None], dtype=torch.long))
+
+
+def selector_candidates(logp: torch.Tensor, candidates: torch.Tensor) -> Candidates:
+    """DFlash 2: slot d's candidates [D, C] with their log-probs given each candidate of the
+    slot before [D, C, C] (drafter.CandidateSelector.transitions): row p of depth d serves a
+    parent that took candidate p of depth d-1; the root's children read row 0."""
+    order = logp.argsort(dim=-1, descending=True, stable=True)
+    ids = candidates[:, None, :].expand_as(logp).gather(-1, order)
+    return Candidates(logp.gather(-1, order), ids.long(), order)
+
+
+def build_tree(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int) -> DraftTree:
+    """Best-first DDTree over depths 1..D from per-depth top-k log-probs / ids [D, K] (row d-1
+    holds slot d); see grow_tree."""
+    return grow_tree(unary_candidates(topk_logprobs, topk_ids), budget)
+
+
+def grow_tree(candidates: Candidates, budget: int) -> DraftTree:
+    """Best-first DDTree of `budget` non-root nodes over depths 1..D.
+
+    Ranks >= min(budget, K) are never used; pass K >= min(budget, V) to match DDTree exactly.
+    Ties in score break by the rank path, lexicographically.
+    """
     tree = DraftTree()
-    depth_limit, k = topk_logprobs.shape
+    depth_limit, _, k = candidates.logp.shape
     k = min(budget, k)
     if budget <= 0 or depth_limit == 0 or k == 0:
         return tree
-    logp = topk_logprobs[:, :k].detach().double().cpu().tolist()
-    ids = topk_ids[:, :k].detach().long().cpu().tolist()
-    # Heap entry: (-score, rank path, parent node, depth, rank, parent score). The rank path
-    # is unique per candidate, so ties resolve deterministically.
-    heap = [(-logp[0][0], (0,), 0, 1, 0, 0.0)]
+    logp = candidates.logp[..., :k].detach().double().cpu().tolist()
+    ids = candidates.ids[..., :k].detach().long().cpu().tolist()
+    rows = candidates.rows[..., :k].detach().long().cpu().tolist()
+    # Heap entry: (-score, rank path, parent node, depth, row, rank, parent score). The rank
+    # path is unique per candidate, so ties resolve deterministically.
+    heap = [(-logp[0][0][0], (0,), 0, 1, 0, 0, 0.0)]
     while heap and tree.size < budget:
-        neg_score, ranks, parent, depth, rank, parent_score = heapq.heappop(heap)
+        neg_score, ranks, parent, depth, row, rank, parent_score = heapq.heappop(heap)
         node = len(tree.tokens)
-        token = ids[depth - 1][rank]
+        token = ids[depth - 1][row][rank]
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.depths.append(depth)
@@ -81,14 +122,42 @@ def build_tree(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int)
         # better-scored) so the walk is unambiguous.
         tree.children[parent].setdefault(token, node)
         if rank + 1 < k:
-            score = parent_score + logp[depth - 1][rank + 1]
-            heapq.heappush(
-                heap, (-score, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, parent_score)
-            )
+            score = parent_score + logp[depth - 1][row][rank + 1]
+            heapq.heappush(heap, (-score, ranks[:-1] + (rank + 1,), parent, depth, row,
+                                  rank + 1, parent_score))
         if depth < depth_limit:
-            score = -neg_score + logp[depth][0]
-            heapq.heappush(heap, (-score, ranks + (0,), node, depth + 1, 0, -neg_score))
+            child_row = rows[depth - 1][row][rank]
+            score = -neg_score + logp[depth][child_row][0]
+            heapq.heappush(heap, (-score, ranks + (0,), node, depth + 1, child_row, 0,
+                                  -neg_score))
     return tree
+
+
+def chain_tree(tokens: Sequence[int]) -> DraftTree:
+    """The chain of drafts d_1..d_D as a tree: node d is slot d's draft, child of node d-1."""
+    tree = DraftTree()
+    for d, token in enumerate(tokens, start=1):
+        tree.tokens.append(int(token))
+        tree.parents.append(d - 1)
+        tree.depths.append(d)
+        tree.scores.append(0.0)
+        tree.children.append({})
+        tree.children[d - 1][int(token)] = d
+    return tree
+
+
+def path_tokens(tree: DraftTree, path: Sequence[int]) -> list[int]:
+    """The tokens of nodes `path` (a root path without the root)."""
+    return [tree.tokens[n] for n in path]
+
+
+def best_branch(tree: DraftTree, path: Sequence[int]) -> list[int]:
+    """`path` (a root path without the root) continued by each node's first (best-scored)
+    child down to a leaf: the nodes one forward can check after the path."""
+    branch = list(path)
+    while tree.children[branch[-1] if branch else 0]:
+        branch.append(next(iter(tree.children[branch[-1] if branch else 0].values())))
+    return branch
 
 
 def accepted_path(
@@ -110,57 +179,3 @@ def accepted_path(
         path.append(child)
         node = child
     return path
-
-
-def tree_accept(
-    tree: DraftTree,
-    labels: Sequence[int],
-    valid: Sequence[bool] | None = None,
-    budget: int | None = None,
-) -> int:
-    """Acceptance length tau = accepted depth + 1, optionally for the tree cut at `budget`.
-
-    Nodes are numbered in pop order, so the first `budget` nodes of a tree built with a
-    larger budget are exactly the tree built with `budget` (a rank-r node needs r earlier
-    sibling pops); the cut tree's path is the prefix of nodes with index <= budget.
-    """
-    path = accepted_path(tree, labels, valid)
-    if budget is None:
-        return len(path) + 1
-    return sum(1 for node in path if node <= budget) + 1
-
-
-def tree_acceptance_lengths(
-    draft_logprobs: torch.Tensor,
-    draft_ids: torch.Tensor,
-    labels: torch.Tensor,
-    valid: torch.Tensor,
-    budgets: Sequence[int],
-) -> dict[int, torch.Tensor]:
-    """tau per block [N] for each node budget, from per-slot top-k [N, B, K] and labels [N, B].
-
-    Slot 0 (the anchor) is dropped here; depth d uses slot d. One tree with the largest
-    budget serves every smaller budget (see tree_accept). K should be >= max(budgets) (or V).
-    """
-    if draft_logprobs.shape != draft_ids.shape or draft_logprobs.dim() != 3:
-        raise BlockError(
-            f"draft_logprobs {tuple(draft_logprobs.shape)} and draft_ids "
-            f"{tuple(draft_ids.shape)} must both be [N, B, K]"
-        )
-    if labels.shape != draft_ids.shape[:2] or valid.shape != labels.shape:
-        raise BlockError(
-            f"labels {tuple(labels.shape)} and valid {tuple(valid.shape)} must be [N, B] = "
-            f"{tuple(draft_ids.shape[:2])}"
-        )
-    if not budgets:
-        return {}
-    largest = max(budgets)
-    label_rows = labels[:, 1:].long().cpu().tolist()
-    valid_rows = valid[:, 1:].bool().cpu().tolist()
-    out = {b: torch.empty(labels.shape[0], dtype=torch.long) for b in budgets}
-    for n in range(labels.shape[0]):
-        tree = build_tree(draft_logprobs[n, 1:], draft_ids[n, 1:], largest)
-        path = accepted_path(tree, label_rows[n], valid_rows[n])
-        for b in budgets:
-            out[b][n] = sum(1 for node in path if node <= b) + 1
-    return out

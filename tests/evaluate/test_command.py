@@ -33,11 +33,14 @@ def test_two_checkpoints_side_by_side_on_the_same_blocks(tmp_path, regen_store,
     assert trained["mean_tau"] > rand["mean_tau"] >= 1.0
     assert set(trained["tree"]) == {"4", "16"}
     rows = pq.read_table(out / "blocks.parquet").to_pydict()
-    blocks = {name: [(p, s, a) for c, p, s, a in zip(rows["checkpoint"], rows["part"],
-                                                     rows["sample"], rows["anchor"],
-                                                     strict=True) if c == name]
-              for name in ("trained", "rand")}
-    assert blocks["trained"] == blocks["rand"] and len(blocks["trained"]) == trained["n_blocks"]
+    walks = {(name, b): [(p, s, a) for c, p, s, a, tb in
+                         zip(rows["checkpoint"], rows["part"], rows["sample"], rows["anchor"],
+                             rows["tree_budget"], strict=True) if c == name and tb == b]
+             for name in ("trained", "rand") for b in (None, 4, 16)}
+    chain = walks[("trained", None)]
+    assert len(chain) == trained["n_blocks"]
+    # --mode all: every walk of either checkpoint drafts the same blocks
+    assert all(blocks == chain for blocks in walks.values())
     # --show: two decoded blocks, each with the target line and one line per checkpoint.
     assert result.output.count("--- part") == 2
     assert result.output.count("  target  : ") == 2

@@ -8,8 +8,10 @@ import torch
 from dflash_train.assets.tiny import VOCAB_SIZE
 from dflash_train.drafter import ContextCache, load_drafter, save_drafter
 from dflash_train.drafter.model import dflash2_from
+from dflash_train.evaluate.drafting import Draft
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import (
+    RecomputeVerifier,
     StopRule,
     evaluate_online,
     load_online_target,
@@ -50,13 +52,20 @@ def test_offline_replay_equals_live_speculative_decoding_prompt_by_prompt(
     # ... and every prompt visited the same anchors with the same tau, for both drafters.
     for name in ("trained", "rand"):
         assert out.offline[name].sequences == out.online[name].sequences, name
+        # each DDTree budget walked offline as it is decoded live: a + the tree's own tau
+        assert out.offline[name].tree_sequences == out.online[name].tree_sequences, name
         assert out.offline[name].summary() == out.online[name].summary(), name
+    trees = out.online["trained"].tree_sequences
+    assert trees[16] != out.online["trained"].sequences, "the trees moved on as chains did"
+    assert sum(map(len, trees[16].values())) < sum(map(len, trees[4].values()))
     # The trained drafter makes this a real test: streaks of many lengths, full blocks too.
     taus = [t for seq in out.online["trained"].sequences.values() for _, t in seq]
     assert len(set(taus)) >= 4 and max(taus) == 8
     check = out.report["online_check"]
     assert check["same_text"] == check["prompts"] == len(stored)
     assert check["same_taus"] == {"trained": len(stored), "rand": len(stored)}
+    assert check["same_tree_taus"] == {n: {"4": len(stored), "16": len(stored)}
+                                       for n in ("trained", "rand")}
 
 
 def test_a_draft_vocabulary_drafter_replays_offline_what_it_drafts_live(
@@ -75,8 +84,8 @@ def test_a_draft_vocabulary_drafter_replays_offline_what_it_drafts_live(
 
 def test_offline_replay_equals_live_decoding_on_a_hybrid_linear_attention_target(
         hybrid_store, hybrid_target_dir, hybrid_drafter_dir):
-    # Qwen3.5's recurrent state cannot be cropped after a rejected draft; the live loop
-    # recomputes the committed sequence, so its rounds must still match replay exactly.
+    # Qwen3.5's recurrent state cannot be cropped after a rejected draft; the cached loop
+    # snapshots it and replays the committed tokens, so its rounds must match replay exactly.
     cfg = EvalConfig(store=hybrid_store, checkpoints=[hybrid_drafter_dir],
                      settings=EvalSettings(mode="replay", tree_budgets=(8,)),
                      online=True, model=hybrid_target_dir, progress=False)
@@ -85,6 +94,10 @@ def test_offline_replay_equals_live_decoding_on_a_hybrid_linear_attention_target
     assert check["same_text"] == check["prompts"] == open_store(hybrid_store).num_samples
     name = "hybrid_drafter"
     assert out.offline[name].sequences == out.online[name].sequences
+    # the tree verified live on the hybrid (Gated DeltaNet stepped node by node) is the one
+    # replay walks
+    assert out.offline[name].tree_sequences == out.online[name].tree_sequences
+    assert check["same_tree_taus"] == {name: {"8": check["prompts"]}}
     taus = [t for seq in out.online[name].sequences.values() for _, t in seq]
     assert len(set(taus)) >= 4
 
@@ -134,13 +147,13 @@ class ScriptedDrafter:
         self._check(cache, features)
         cache.length += features.shape[1]
 
-    def draft(self, cache, anchors, anchor_tokens, top_k):
+    def draft(self, cache, anchors, anchor_tokens, top_k, transitions=False):
         a = int(anchors[0, 0])
         assert cache.length == a, "the block must see context < a and never a itself"
         assert int(anchor_tokens[0, 0]) == self.script[a]
         self.anchors.append(a)
         ids = self.block(a, top_k)[None, None]
-        return torch.zeros(ids.shape), ids
+        return Draft(torch.zeros(ids.shape), ids)
 
     def block(self, a: int, top_k: int) -> torch.Tensor:
         """Draft ids [B, top_k] of the block at a (rank 0 only; slot 0 is -1)."""
@@ -160,10 +173,10 @@ class ScriptedReplayDrafter(ScriptedDrafter):
         return ContextCache(keys=[torch.zeros(1)], values=[torch.zeros(1)],
                             length=features.shape[1])
 
-    def draft(self, cache, anchors, anchor_tokens, top_k):
+    def draft(self, cache, anchors, anchor_tokens, top_k, transitions=False):
         ids = torch.stack([torch.stack([self.block(int(a), top_k) for a in row])
                            for row in anchors])
-        return torch.zeros(ids.shape), ids
+        return Draft(torch.zeros(ids.shape), ids)
 
 
 PROMPT = [10, 11, 12]
@@ -172,7 +185,8 @@ PROMPT = [10, 11, 12]
 def _decode(continuation, wrong, block_size, stop):
     script = PROMPT + continuation
     drafter = ScriptedDrafter(script, wrong, block_size)
-    run = speculative_decode(ScriptedTarget(script), drafter, PROMPT, stop, top_k=1)
+    run = speculative_decode(RecomputeVerifier(ScriptedTarget(script)), drafter, PROMPT, stop,
+                             top_k=1)
     return run, drafter
 
 
@@ -220,7 +234,7 @@ def _online_and_replay(continuation, wrong, block_size, stop):
     ids = torch.tensor(run.tokens)
     stored = EvalSample(0, 0, 0, ids, torch.arange(len(ids)) >= len(PROMPT),
                         torch.zeros(len(ids), 1, 1), ScriptedTarget(script)(run.tokens)[1])
-    results = CheckpointResults("s", block_size, EvalSettings(tree_budgets=(1,),
+    results = CheckpointResults("s", block_size, EvalSettings(tree_budgets=(),
                                                               recall_at=(1,)))
     evaluate_replay(ScriptedReplayDrafter(script, wrong, block_size), [stored], results, 1)
     return run, results.sequences[(0, 0)]
@@ -264,11 +278,11 @@ def test_online_metrics_use_the_generated_text_as_labels():
     script = PROMPT + [20, 21, 22, 23, 24, 25, EOS_ID]
     sample = EvalSample(0, 0, 0, torch.tensor(script), torch.arange(len(script)) >= 3,
                         torch.empty(0), torch.tensor(script[1:] + [0]))
-    settings = EvalSettings(tree_budgets=(1,), recall_at=(1,))
+    settings = EvalSettings(tree_budgets=(), recall_at=(1,))
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
     results, generated = evaluate_online(
         ScriptedTarget(script), {"s": ScriptedDrafter(script, {6}, 4)}, [sample], settings,
-        stop)
+        stop, cached=False)
     assert generated == {(0, 0): script}
     assert results["s"].sequences == {(0, 0): [(3, 3), (6, 3)]}
     assert results["s"].summary()["slot_accuracy"] == pytest.approx([1.0, 1.0, 0.5])
@@ -309,7 +323,7 @@ def _selector_drafters(trained_drafter_dir: str, regen_store: str, tmp_path) -> 
     return dirs
 
 
-def test_dflash2_replay_equals_live_decoding_and_follows_the_walk_not_the_argmax(
+def test_dflash2_replay_equals_live_decoding_chain_and_tree_and_follows_the_walk(
         regen_store, eos_target_dir, trained_drafter_dir, tmp_path):
     free, factorised = _selector_drafters(trained_drafter_dir, regen_store, tmp_path)
     cfg = EvalConfig(store=regen_store, checkpoints=[trained_drafter_dir, free, factorised],
@@ -325,7 +339,11 @@ def test_dflash2_replay_equals_live_decoding_and_follows_the_walk_not_the_argmax
         assert out.offline[name].sequences != unary, name
         taus = [t for seq in out.online[name].sequences.values() for _, t in seq]
         assert len(set(taus)) >= 3, (name, taus)
-        entry = next(c for c in out.report["checkpoints"] if c["name"] == name)
-        assert entry["offline"]["tree"]["4"]["mean_tau"] is None  # no DDTree over a walk
-    assert out.report["online_check"]["same_taus"] == {
-        "trained": 12, "d2_free": 12, "d2_factorised": 12}
+        # the selector-aware DDTree is decoded live round by round as replay walks it
+        assert out.offline[name].tree_sequences == out.online[name].tree_sequences, name
+        tree_taus = [t for seq in out.online[name].tree_sequences[4].values() for _, t in seq]
+        assert len(set(tree_taus)) >= 3, (name, tree_taus)
+    check = out.report["online_check"]
+    assert check["same_taus"] == {"trained": 12, "d2_free": 12, "d2_factorised": 12}
+    assert check["same_tree_taus"] == {n: {"4": 12} for n in ("trained", "d2_free",
+                                                                "d2_factorised")}

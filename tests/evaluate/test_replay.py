@@ -7,7 +7,7 @@ import torch
 
 from dflash_train.drafter import ContextCache, build_block_ids, save_drafter
 from dflash_train.evaluate.checkpoints import layer_selection
-from dflash_train.evaluate.drafting import BlockDrafter, walk_first
+from dflash_train.evaluate.drafting import BlockDrafter, Draft, walk_first
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.evaluate.replay import (
     Agreement,
@@ -107,7 +107,7 @@ class CraftedDrafter:
         ids = features[:, 0, 0, 0].reshape(-1, 1, 1, 1)
         return ContextCache(keys=[ids], values=[ids], length=features.shape[1])
 
-    def draft(self, cache, anchors, anchor_tokens, top_k):
+    def draft(self, cache, anchors, anchor_tokens, top_k, transitions=False):
         n, k = anchors.shape
         ids = torch.full((n, k, self.block_size, top_k), -1)
         logp = torch.zeros(n, k, self.block_size, top_k)
@@ -123,7 +123,7 @@ class CraftedDrafter:
                     ranks.insert(1 if p in self.wrong[sid] else 0, truth)
                     ids[r, j, slot] = torch.tensor(ranks[:top_k])
                     logp[r, j, slot] = torch.tensor(LOGP[:top_k])
-        return logp, ids
+        return Draft(logp, ids)
 
 
 def _sample(sid: int, prompt: int, length: int) -> EvalSample:
@@ -166,18 +166,25 @@ def test_replay_visits_first_response_token_then_jumps_by_tau():
     assert summary["topk_recall"]["2"] == pytest.approx([1.0, 1.0, 1.0])
 
 
-def test_tree_acceptance_follows_the_crafted_ranks_at_each_budget():
+def test_each_budget_walks_its_own_tree_as_a_tree_decoder_moves_on():
     s = _sample(0, prompt=3, length=12)
     drafter, results = _crafted({0: {5, 9}}, s)
     evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
-    # budget 1: the single best node is slot 1's rank 0 (always the truth) -> tau 2.
-    assert results.rows["tree_tau_1"] == [2, 2, 2]
-    # budget 2: + slot 2's rank 0 under it: wrong at a=3 (position 5), right at a=5, a=9 ...
-    # ... and at a=9 the path (10, 11) reaches the end of the text: no bonus, tau 2.
-    assert results.rows["tree_tau_2"] == [2, 3, 2]
-    # budget 64: the rank-1 truth at position 5 (path -2.2) is in; a=9 ends at the sequence.
-    assert results.rows["tree_tau_64"] == [4, 4, 2]
-    assert results.summary()["tree"]["2"]["mean_tau"] == pytest.approx(7 / 3)
+    # Response 3..11, B = 4, wrong rank 0 at positions 5 and 9 (the truth is rank 1 there).
+    # budget 1: the one node is slot 1's rank 0 (positions 4, 6, 8, 10: all right): tau 2
+    # every round, next anchor a + 2; at a=9 only 10, 11 are left: tau 2.
+    assert results.tree_sequences[1] == {(0, 0): [(3, 2), (5, 2), (7, 2), (9, 2)]}
+    # budget 2: the rank-0 chain of slots 1, 2. a=3: 4 ok, 5 wrong -> 2. a=5: 6, 7 -> 3.
+    # a=8: 9 wrong -> 1. a=9: 10, 11 and the text ends: 2 (no bonus).
+    assert results.tree_sequences[2] == {(0, 0): [(3, 2), (5, 3), (8, 1), (9, 2)]}
+    # budget 64: every path with one rank 1 is in (score -2.2 and up). a=3: 4, 5 (rank 1),
+    # 6 -> tau 4. a=7: 8, 9 (rank 1), 10 -> depth 3, 4 tokens left (8..11): tau 4.
+    assert results.tree_sequences[64] == {(0, 0): [(3, 4), (7, 4)]}
+    assert results.summary()["tree"]["2"]["mean_tau"] == pytest.approx(8 / 4)
+    assert results.summary()["tree"]["2"]["rounds"] == 4
+    assert results.summary()["tree"]["64"]["rounds"] == 2
+    # the chain walked its own anchors, untouched by the trees
+    assert results.sequences == {(0, 0): [(3, 2), (5, 4), (9, 2)]}
 
 
 def test_mode_all_scores_every_eligible_anchor():
@@ -187,8 +194,14 @@ def test_mode_all_scores_every_eligible_anchor():
     # Anchors 3..10 (a+1 must be a response token). Streak = leading slots whose position
     # is < 12 and not 5 or 9; tau = streak + 1, but a streak that runs to the end of the
     # text (a=9: 10, 11; a=10: 11) has no bonus after it.
-    assert results.rows["anchor"] == list(range(3, 11))
-    assert results.rows["tau"] == [2, 1, 4, 3, 2, 1, 2, 1]
+    chain = results.table()  # the chain's rows come first
+    n = chain["tree_budget"].count(None)
+    assert chain["anchor"][:n] == list(range(3, 11))
+    assert chain["tau"][:n] == [2, 1, 4, 3, 2, 1, 2, 1]
+    # every budget's tree at every one of those anchors too (no walk in --mode all)
+    for b in SETTINGS.tree_budgets:
+        assert [a for a, tb in zip(chain["anchor"], chain["tree_budget"], strict=True)
+                if tb == b] == list(range(3, 11))
 
 
 def test_replay_steps_many_sequences_together_without_mixing_them():

@@ -6,13 +6,21 @@ import pytest
 import torch
 
 from dflash_train.blocks import IGNORE_LABEL, BlockError
+from dflash_train.drafter.dflash2 import CandidateSelector
 from dflash_train.evaluate.metrics import acceptance_lengths
 from dflash_train.evaluate.tree import (
     accepted_path,
+    best_branch,
     build_tree,
-    tree_accept,
-    tree_acceptance_lengths,
+    chain_tree,
+    grow_tree,
+    selector_candidates,
 )
+
+
+def tree_accept(tree, labels, valid=None):
+    """tau of a tree against labels by depth: accepted depth + the bonus."""
+    return len(accepted_path(tree, labels, valid)) + 1
 
 
 def _topk(rows):
@@ -181,21 +189,25 @@ def _blocks(seed, n=12, block=6, k=16, vocab=10):
     return top.values, top.indices, labels, valid
 
 
-def test_one_tree_per_block_serves_every_budget():
-    lp, ids, labels, valid = _blocks(8, vocab=10, k=10)
-    budgets = [1, 2, 3, 8, 20, 64]
-    got = tree_acceptance_lengths(lp, ids, labels, valid, budgets)
-    for b in budgets:
-        for n in range(labels.shape[0]):
-            tree = build_tree(lp[n, 1:], ids[n, 1:], b)
-            expect = tree_accept(tree, labels[n, 1:].tolist(), valid[n, 1:].tolist())
-            assert got[b][n] == expect, (b, n)
+def _block_taus(lp, ids, labels, valid, budget):
+    return torch.tensor([tree_accept(build_tree(lp[n, 1:], ids[n, 1:], budget),
+                                     labels[n, 1:].tolist(), valid[n, 1:].tolist())
+                         for n in range(labels.shape[0])])
+
+
+def test_a_smaller_budget_grows_the_first_nodes_of_a_larger_tree():
+    lp, ids, _, _ = _blocks(8, vocab=10, k=10)
+    for n in range(lp.shape[0]):
+        big = build_tree(lp[n, 1:], ids[n, 1:], 64)
+        for b in (1, 2, 3, 8, 20):
+            small = build_tree(lp[n, 1:], ids[n, 1:], b)
+            assert small.tokens == big.tokens[: b + 1] and small.parents == big.parents[: b + 1]
 
 
 def test_tree_acceptance_never_falls_with_budget_and_budget_one_is_one_slot():
     lp, ids, labels, valid = _blocks(9)
     budgets = [1, 4, 16, 64, 256]
-    got = tree_acceptance_lengths(lp, ids, labels, valid, budgets)
+    got = {b: _block_taus(lp, ids, labels, valid, b) for b in budgets}
     for small, big in itertools.pairwise(budgets):
         assert torch.all(got[big] >= got[small])
     linear = acceptance_lengths(ids[..., 0], labels, valid)
@@ -206,13 +218,52 @@ def test_a_deep_enough_budget_contains_the_top1_chain():
     lp, ids, labels, valid = _blocks(10, block=5, k=4, vocab=4)
     # budget = every path of ranks < 4 over 4 depths: the whole k-ary tree
     full = sum(4**d for d in range(1, 5))
-    got = tree_acceptance_lengths(lp, ids, labels, valid, [full])[full]
+    got = _block_taus(lp, ids, labels, valid, full)
     assert torch.all(got >= acceptance_lengths(ids[..., 0], labels, valid))
+
+
+def test_a_chain_tree_accepts_the_linear_streak():
+    _, ids, labels, valid = _blocks(12)
+    linear = acceptance_lengths(ids[..., 0], labels, valid)
+    for n in range(ids.shape[0]):
+        chain = chain_tree(ids[n, 1:, 0].tolist())
+        assert chain.parents == list(range(-1, ids.shape[1] - 1))
+        assert tree_accept(chain, labels[n, 1:].tolist(), valid[n, 1:].tolist()) == linear[n]
+
+
+def test_best_branch_follows_the_best_child_down_to_a_leaf():
+    lp, ids = _topk(CHAIN)
+    tree = build_tree(lp, ids, budget=5)  # 10 -> 20 -> {30, 31}, and 11
+    assert best_branch(tree, []) == [1, 2, 3]
+    assert best_branch(tree, [5]) == [5]
+    assert best_branch(tree, [1, 2, 4]) == [1, 2, 4]
+
+
+def test_a_selector_tree_grows_the_selector_walk_first_and_scores_children_by_parent():
+    gen = torch.Generator().manual_seed(4)
+    selector = CandidateSelector(hidden_size=16, vocab_size=40, rank=6, top_k=5)
+    with torch.no_grad():
+        for p in selector.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    hidden = torch.randn(7, 16, generator=gen)  # 7 slots
+    logits = torch.randn(7, 40, generator=gen) * 2
+    anchor = torch.tensor(3)
+    with torch.no_grad():
+        logp, candidates = selector.transitions(hidden, logits, anchor)
+        walk = selector.walk(hidden, logits, anchor).tolist()
+    tree = grow_tree(selector_candidates(logp, candidates), budget=60)
+    branch = [tree.tokens[n] for n in best_branch(tree, [])]
+    assert len(branch) >= 3 and branch == walk[: len(branch)]
+    # a child's log-prob is its row's: the selector given its parent's token
+    for node in range(1, len(tree.tokens)):
+        parent, depth = tree.parents[node], tree.depths[node]
+        row = 0 if parent == 0 else candidates[depth - 2].tolist().index(tree.tokens[parent])
+        col = candidates[depth - 1].tolist().index(tree.tokens[node])
+        step = tree.scores[node] - tree.scores[parent]
+        assert step == pytest.approx(float(logp[depth - 1, row, col]), abs=1e-6)
 
 
 def test_shape_errors_are_refused():
     lp, ids, labels, valid = _blocks(11)
     with pytest.raises(BlockError):
         build_tree(lp[0], ids[0, :, :3], 4)
-    with pytest.raises(BlockError):
-        tree_acceptance_lengths(lp, ids, labels[:, :-1], valid, [4])
