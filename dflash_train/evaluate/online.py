@@ -179,7 +179,9 @@ def accepted_walk(tree: DraftTree, next_token: Callable[[int, list[int]], int]
 
 
 class CachedVerifier:
-    """The target with its cache: a whole proposal verified in one forward."""
+    """The target with its cache: a whole proposal verified in one forward. The states it
+    hands the drafter stay on the target's device (in the store's dtype, as offline reads
+    them): on one GPU they never cross to the host."""
 
     def __init__(self, target: TargetStates):
         from dflash_train.target_model.cached import CachedTarget
@@ -189,7 +191,7 @@ class CachedVerifier:
 
     def start(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         out = self.target.prefill(prompt)
-        return out.features.to(self.dtype).cpu(), int(out.top1[-1])
+        return out.features.to(self.dtype), int(out.top1[-1])
 
     def verify(self, tokens: list[int], tree: DraftTree) -> Walked:
         out = self.target.verify([tokens[-1], *tree.tokens[1:]], tree.parents)
@@ -197,7 +199,7 @@ class CachedVerifier:
         path, bonus = accepted_walk(tree, lambda node, _path: top1[node])
         kept = [0, *path]
         self.target.keep(kept)
-        return Walked(path, bonus, out.features[:, kept].to(self.dtype).cpu())
+        return Walked(path, bonus, out.features[:, kept].to(self.dtype))
 
 
 class RecomputeVerifier:
