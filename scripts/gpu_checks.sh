@@ -50,5 +50,6 @@ log="${OUT:-.}/gpu_checks.log"
         --measured "$measured"
   fi
   timeout 180 python3 -m pytest -q -rs -k cuda tests/drafter/test_model.py \
-      tests/drafter/test_dflash2.py tests/extract/test_kernels_cuda.py
+      tests/drafter/test_dflash2.py tests/extract/test_kernels_cuda.py \
+      tests/target_model/test_cached.py
 } 2>&1 | tee "$log"

@@ -27,7 +27,7 @@ def target(request, tmp_path_factory):
 
 def recomputed(target, tokens: list[int]) -> tuple[torch.Tensor, int]:
     """Features and argmax at the last of `tokens`, from a forward over all of them."""
-    ids = torch.tensor([tokens])
+    ids = torch.tensor([tokens], device=target.device)
     context, final = forward_states(target.decoder, LAYERS, ids, torch.ones_like(ids))
     top, _, _ = verifier_topk(final[0], target.lm_head, 1)
     return context[0, -1], int(top[-1, 0])
@@ -53,7 +53,9 @@ def test_ancestor_mask_sees_ancestors_and_self_only():
         [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4], [0, 2, 5]]
 
 
-def test_every_node_sees_what_a_recompute_of_its_root_path_sees(target):
+def check_rounds(target, rounds: int = 6) -> None:
+    """Prefill, then rounds of chains and random trees: every node's features and argmax
+    equal a recompute over its root path; after each, a chain, a prefix or a branch is kept."""
     rng = random.Random(0)
     committed = [rng.randrange(5, 300) for _ in range(11)]
     cached = CachedTarget(target, LAYERS)
@@ -62,7 +64,7 @@ def test_every_node_sees_what_a_recompute_of_its_root_path_sees(target):
         features, top1 = recomputed(target, committed[: t + 1])
         assert close(prefill.features[0, t], features)
         assert int(prefill.top1[t]) == top1
-    for round_ in range(6):
+    for round_ in range(rounds):
         n = 10
         chain = round_ % 3 == 0
         parents = list(range(-1, n - 1)) if chain else \
@@ -80,6 +82,19 @@ def test_every_node_sees_what_a_recompute_of_its_root_path_sees(target):
         cached.keep(kept)
         committed += [tokens[m] for m in kept]
         assert cached.length == len(committed)
+
+
+def test_every_node_sees_what_a_recompute_of_its_root_path_sees(target):
+    check_rounds(target)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_hybrid_every_node_sees_what_a_recompute_sees(tmp_path):
+    """On CUDA transformers runs Gated DeltaNet through fla's kernels when fla is installed
+    (its chunked rule continuing from the cached state); the tree path steps nodes in torch."""
+    path = save_qwen3_5(tmp_path / "hybrid")
+    check_rounds(load_target(path, device="cuda", dtype=torch.float32, load_as="causal-lm",
+                             progress=False))
 
 
 def test_keep_refuses_what_is_not_a_root_path(target):
