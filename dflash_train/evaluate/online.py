@@ -304,11 +304,10 @@ def evaluate_online(target: TargetStates, drafters: dict[str, BlockDrafter],
             top_k = settings.top_k(drafter.config.vocab_size)
             for budget in (None, *settings.tree_budgets):
                 run = speculative_decode(verifier, drafter, prompt, stop, top_k, budget)
+                # Every walk commits the target's own greedy tokens; in reduced precision a
+                # near-tie may still break another way under another verify shape, which the
+                # per-walk round check against offline replay then shows.
                 generated.setdefault(s.key, run.tokens)
-                if run.tokens != generated[s.key]:
-                    raise EvalError(f"online {name}, sample {s.key}: the tree of budget "
-                                    f"{budget} generated another text than the chain "
-                                    "(internal error: a verified token is the target's own)")
                 _score(results[name], s, run, drafter.block_size)
     return results, generated
 
