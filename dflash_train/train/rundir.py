@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.drafter import DrafterConfig
+from dflash_train.drafter.files import training_checkpoint_root
 from dflash_train.run_layout import (
     ABORTED_PREFIX,
     CHECKPOINTS,
     CONFIG,
+    CONFIG_NAME,
     DAMAGED_PREFIX,
     LOCK_FILE,
     RUN_FILES,
@@ -66,7 +68,7 @@ def run_lock(run_dir: Path, rank: int) -> Iterator[None]:
     if rank != 0:
         yield
         return
-    refuse_file(run_dir)
+    check_run_dir_path(run_dir)
     created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -94,15 +96,28 @@ def run_lock(run_dir: Path, rank: int) -> Iterator[None]:
             run_dir.rmdir()
 
 
-def refuse_file(run_dir: Path) -> None:
+def check_run_dir_path(run_dir: Path) -> None:
+    """Refuse an --out that cannot be a run directory: a file, or a drafter or training
+    checkpoint directory (a run there would move the checkpoint's own config.toml aside and
+    write its log and checkpoints into it)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainError(f"--out {run_dir} is a file, not a directory; choose another --out")
+    checkpoint = training_checkpoint_root(run_dir)
+    if checkpoint is not None:
+        run = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
+        hint = f"to continue its run pass --out {run} --resume, " if run else ""
+        raise TrainError(f"--out {run_dir} is {'' if checkpoint == run_dir else 'inside '}the "
+                         f"training checkpoint {checkpoint}, not a run directory; {hint}"
+                         "or choose another --out")
+    if (run_dir / CONFIG_NAME).is_file():
+        raise TrainError(f"--out {run_dir} holds a model ({CONFIG_NAME}), not a run; choose "
+                         "another --out")
 
 
 def check_new_run_dir(run_dir: Path) -> None:
     """Refuse to start a new run where one with a complete checkpoint lives (nothing is
     touched); leftovers of a run without one are moved aside by set_aside_leftovers."""
-    refuse_file(run_dir)
+    check_run_dir_path(run_dir)
     found = complete_checkpoints(run_dir)
     if found:
         raise TrainError(f"{run_dir} already holds a run ({found[-1].relative_to(run_dir)}); "
@@ -128,7 +143,7 @@ def set_aside_leftovers(run_dir: Path) -> tuple[list[str], Path] | None:
 def find_resume_point(run_dir: Path) -> Checkpoint:
     """The newest complete checkpoint whose files all read back whole (checksums, weights,
     trainer state, provenance, config), with the newer ones it stepped over as damaged."""
-    refuse_file(run_dir)
+    check_run_dir_path(run_dir)
     found = complete_checkpoints(run_dir)
     if not found:
         raise TrainError(f"--resume: no complete checkpoint under {run_dir / CHECKPOINTS}; "
