@@ -120,7 +120,7 @@ def log_summary(run_dir: str, ranges: int, as_json: bool) -> None:
     from dflash_train.train.log_summary import format_summary, read_log, summarize_log
 
     try:
-        summary = summarize_log(read_log(run_dir), ranges)
+        summary = summarize_log(read_log(run_dir, lambda m: click.echo(m, err=True)), ranges)
     except TrainError as e:
         raise click.ClickException(str(e)) from e
     click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))

@@ -8,6 +8,7 @@ summaries below can read their fields; `summarize_log` returns a plain dict and
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,42 +27,65 @@ _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", in
                float: "number", type(None): "null"}
 
 
-def read_log(run_dir: str | Path) -> list[StepRecord]:
+def read_log(run_dir: str | Path, note: Callable[[str], None] | None = None
+             ) -> list[StepRecord]:
     """The records of RUN_DIR/log.jsonl, the last one of each step; a line that is not a
-    record the loop writes is a TrainError naming the file and line (only the last line may
-    be torn, by a crash mid-write, and is then passed over)."""
+    record the loop writes is a TrainError naming the file and line. Only the last line may
+    be torn (a crash mid-write): it is passed over, and `note` is told so."""
     path = Path(run_dir) / LOG
     if not path.is_file():
         raise TrainError(f"{path} does not exist: is {run_dir} a training run directory?")
-    records = []
     try:
         lines = path.read_bytes().split(b"\n")
     except OSError as e:
         raise TrainError(f"{path} cannot be read: {e}") from e
     while lines and not lines[-1].strip():
         lines.pop()
+    records, slots = [], None
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            if number == len(lines):  # the last line torn by a crash mid-write
+            record = _parse(raw)
+        except ValueError as e:
+            if number == len(lines) and records:  # the last line torn by a crash mid-write
+                if note is not None:
+                    note(f"note: {path} line {number} is torn (a crash mid-write?); read the "
+                         f"{number - 1} lines before it")
                 break
-            what = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else f"not JSON: {e}"
-            raise TrainError(f"{path} line {number} is {what}; is this a dflash training "
-                             "log?") from e
-        problem = record_problem(record)
+            why = ("the log holds no complete record: a run killed in its first step, or not "
+                   "a dflash training log?" if number == len(lines)
+                   else "is this a dflash training log?")
+            raise TrainError(f"{path} line {number} is {e}; {why}") from e
+        problem = record_problem(record, slots)
         if problem:
             raise TrainError(f"{path} line {number}: {problem}; each line of a training log "
                              f"is a JSON object with {', '.join(REQUIRED)} (is this a dflash "
                              "training log?)")
         records.append(StepRecord.from_json(record))
+        if record.get("slot_acc") is not None:
+            slots = (len(record["slot_acc"]), number)
     if not records:
-        raise TrainError(f"{path} holds no records yet")
+        raise TrainError(f"{path} holds no records yet (the run has not finished a step)")
     # A resumed run appends: keep the last record written for each step.
     by_step = {r.step: r for r in records}
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _parse(raw: bytes):
+    """One line as JSON, or ValueError saying what it is instead."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError("not UTF-8 text") from e
+    try:
+        return json.loads(text)
+    except RecursionError as e:
+        raise ValueError("not a record: JSON nested too deeply") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from e
+    except ValueError as e:  # json parses digits with int(), which caps their number
+        raise ValueError("not a record: it holds a number too long to read") from e
 
 
 def _show(value) -> str:
@@ -70,17 +94,29 @@ def _show(value) -> str:
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A JSON number a float holds (NaN and Inf included: a diverged step logs them); not a
+    boolean, nor an integer too large for a float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, float) or abs(v) <= _LARGEST_INT
 
 
-def record_problem(record) -> str | None:
-    """What makes a parsed log line not a training record, or None when it is one."""
+_LARGEST_INT = 2**63 - 1
+"""Steps, epochs and counts beyond int64 are not a training log's."""
+
+
+def _is_integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) <= _LARGEST_INT
+
+
+def record_problem(record, slots: tuple[int, int] | None = None) -> str | None:
+    """What makes a parsed log line not a training record, or None when it is one.
+    `slots`: (slots, line) of an earlier record's slot_acc, which every one must match."""
     if not isinstance(record, dict):
         return f"is a JSON {_JSON_TYPES.get(type(record), type(record).__name__)}"
     for key, kind in REQUIRED.items():
         value = record.get(key)
-        ok = (isinstance(value, int) and not isinstance(value, bool) if kind == "an integer"
-              else _is_number(value))
+        ok = _is_integer(value) if kind == "an integer" else _is_number(value)
         if not ok:
             return f"{key!r} is {_show(value)}, not {kind}" if key in record else f"has no {key!r}"
     for key in OPTIONAL_NUMBERS:
@@ -90,6 +126,9 @@ def record_problem(record) -> str | None:
     if acc is not None and not (isinstance(acc, list)
                                 and all(a is None or _is_number(a) for a in acc)):
         return f"'slot_acc' is {_show(acc)}, not a list of numbers"
+    if acc is not None and slots is not None and len(acc) != slots[0]:
+        return (f"'slot_acc' has {len(acc)} slots, line {slots[1]}'s has {slots[0]} (one run "
+                "has one block size)")
     return None
 
 

@@ -7,6 +7,7 @@ run (train.health stops it, train.loop drives it).
 """
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ class RunLog:
     the same numbers as TensorBoard scalars when asked for."""
 
     def __init__(self, path: Path, tensorboard_dir: Path | None):
+        cut_torn_tail(path)
         self.file = path.open("a")
         self.board = _tensorboard(tensorboard_dir) if tensorboard_dir is not None else None
 
@@ -36,6 +38,31 @@ class RunLog:
         self.file.close()
         if self.board is not None:
             self.board.close()
+
+
+def cut_torn_tail(path: Path) -> int:
+    """Cut what follows the last newline of `path` (a line a crash cut mid-write: a record
+    is whole only with its newline), so the next record starts a line of its own instead
+    of being glued to the torn one. Returns the bytes cut."""
+    if not path.is_file():
+        return 0
+    with path.open("rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        keep = end
+        while keep > 0:
+            start = max(0, keep - _TAIL_BLOCK)
+            f.seek(start)
+            newline = f.read(keep - start).rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            keep = start
+        if keep < end:
+            f.truncate(keep)
+    return end - keep
+
+
+_TAIL_BLOCK = 1 << 16
 
 
 def _tensorboard(directory: Path):

@@ -1,7 +1,12 @@
-"""`dflash train --out` given what is not a run directory: a checkpoint directory (or the
-drafter inside one, or an exported drafter) is refused as --out, new run or resume, before
-anything in it changes."""
+"""`dflash train --out` given what is not a run directory, and a run's own log torn by a crash.
 
+A checkpoint directory (or the drafter inside one, or an exported drafter) is refused as
+--out, new run or resume, before anything in it changes. A log.jsonl whose last line a crash
+cut mid-write is continued on a line of its own by the resume, so every step is recorded and
+`dflash log summary` reads the run's own log.
+"""
+
+import json
 import shutil
 from pathlib import Path
 
@@ -10,7 +15,8 @@ from click.testing import CliRunner
 
 from dflash_train.cli import main
 from dflash_train.drafter import save_drafter
-from dflash_train.run_layout import checkpoint_dir
+from dflash_train.run_layout import LOG, checkpoint_dir
+from dflash_train.train.sinks import cut_torn_tail
 from tests.drafter.conftest import tiny_drafter
 from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
@@ -64,3 +70,53 @@ def test_out_at_an_exported_drafter_is_refused(store, tmp_path):
     said = one_line_error(_train(store, export))
     assert f"--out {export} holds a model (config.json), not a run" in said
     assert _snapshot(export) == before
+
+
+def _steps(log: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in log.read_text().splitlines()]
+
+
+def test_a_resume_after_a_torn_log_line_records_every_step_on_a_line_of_its_own(
+        store, finished, tmp_path):
+    run = Path(shutil.copytree(finished, tmp_path / "run"))
+    log = run / LOG
+    whole = log.read_text().splitlines()
+    assert _steps(log) == [1, 2, 3, 4]
+    # killed while writing step 4's line, before its checkpoint
+    shutil.rmtree(checkpoint_dir(run, 4))
+    log.write_text("\n".join(whole[:3]) + "\n" + whole[3][:40])
+
+    torn = CliRunner().invoke(main, ["log", "summary", "--json", str(run)])
+    assert torn.exit_code == 0, torn.output
+    assert f"note: {log} line 4 is torn" in torn.stderr
+    assert json.loads(torn.stdout)["steps"] == 3
+
+    resumed = _train(store, run, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert _steps(log) == [1, 2, 3, 3, 4]  # step 3 again from the step-2 checkpoint
+    again = [_exact(line) for line in log.read_text().splitlines()[3:]]
+    assert again == [_exact(line) for line in whole[2:]]  # as the uninterrupted run's
+    summary = CliRunner().invoke(main, ["log", "summary", "--json", str(run)])
+    assert summary.exit_code == 0 and "torn" not in summary.output, summary.output
+    assert json.loads(summary.output)["steps"] == 4
+
+
+def _exact(line: str) -> dict:
+    """A record without its wall-clock fields (they vary run to run)."""
+    return {k: v for k, v in json.loads(line).items()
+            if k not in ("data_wait_s", "step_s", "tokens_per_s")}
+
+
+@pytest.mark.parametrize("content, kept", [
+    (b"", b""),
+    (b'{"step": 1}\n', b'{"step": 1}\n'),
+    (b'{"step": 1}\n{"step": 2, "lo', b'{"step": 1}\n'),
+    (b'{"step": 1, "lo', b""),
+    (b'{"step": 1}\n' + b"x" * 200_000, b'{"step": 1}\n'),  # a tail longer than one read
+    (b"y" * 200_000, b""),
+])
+def test_cut_torn_tail_keeps_exactly_the_whole_lines(tmp_path, content, kept):
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(content)
+    assert cut_torn_tail(log) == len(content) - len(kept)
+    assert log.read_bytes() == kept
