@@ -48,6 +48,10 @@ def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     return valid_anchor_mask(loss_mask).nonzero().flatten()
 
 
+MAX_SEED = 2**63 - 1
+"""Seeds are 64-bit signed integers: what TOML holds and torch.manual_seed takes."""
+
+
 def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generator:
     """A CPU generator fixed by (seed, epoch, sample): re-sampling is reproducible in any order."""
     # SeedSequence mixes the triple so neighbouring samples / epochs get unrelated streams, and

@@ -28,6 +28,7 @@ import click
 
 from dflash_train.assets.embedded import prompt_file, target_dir
 from dflash_train.assets.stdlib_corpus import repeated_ngram_share
+from dflash_train.blocks import MAX_SEED
 from dflash_train.errors import reported_as_one_line
 
 REAL_MODEL_COMMANDS = """\
@@ -384,7 +385,8 @@ def _eval_loop_free(held_store: str, subset: str, checkpoints: list[str], out: P
               type=click.IntRange(1), help="Drafter training epochs.")
 @click.option("--max-steps", default=None, type=click.IntRange(1),
               help="Stop drafter training after this many steps.")
-@click.option("--seed", default=QuickstartConfig.seed, show_default=True, type=int,
+@click.option("--seed", default=QuickstartConfig.seed, show_default=True,
+              type=click.IntRange(0, MAX_SEED),
               help="Seed of the drafter's weights, data order and anchors.")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars.")
 def quickstart(**options) -> None:

@@ -7,6 +7,7 @@ registers `eval_command` in dflash_train/cli.py.
 
 import click
 
+from dflash_train.blocks import MAX_SEED
 from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP
 from dflash_train.errors import reported_as_one_line
 from dflash_train.evaluate.replay import EvalSettings
@@ -41,7 +42,8 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="k of the per-slot top-k recall (comma list).")
 @click.option("--limit", type=click.IntRange(1), default=None,
               help="Evaluate this many samples, drawn uniformly with --seed. Default: all.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the --limit draw.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, MAX_SEED),
+              help="Seed of the --limit draw.")
 @click.option("--batch-tokens", default=_DEFAULTS.batch_tokens, show_default=True,
               type=click.IntRange(1), help="Sequences per batch: count x longest <= this.")
 @click.option("--blocks-per-forward", default=_DEFAULTS.blocks_per_forward,

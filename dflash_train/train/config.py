@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_train.blocks import ANCHORS_PER_SEQ, BLOCK_SIZE
+from dflash_train.blocks import ANCHORS_PER_SEQ, BLOCK_SIZE, MAX_SEED
 from dflash_train.drafter.config import DFLASH2_FIELDS, max_conv_kernel_size
 from dflash_train.train.data import LoaderConfig
 from dflash_train.train.errors import TrainError
@@ -232,7 +232,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.out_dir), "run.out_dir", "a directory", self.out_dir)
-        require(self.seed >= 0, "run.seed", ">= 0", self.seed)
+        require(0 <= self.seed <= MAX_SEED, "run.seed", f"between 0 and {MAX_SEED}", self.seed)
         require(self.anchors_per_seq >= 1, "run.anchors_per_seq", ">= 1", self.anchors_per_seq)
         require(self.pad_blocks_to is None or self.pad_blocks_to >= 1, "run.pad_blocks_to",
                 ">= 1", self.pad_blocks_to)
@@ -333,6 +333,10 @@ def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_INT64 = 2**63
+"""Integer settings are 64-bit signed: what TOML holds and torch's seeds take."""
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Check (and, for CLI strings, convert) one value against its type hint."""
     origin = typing.get_origin(hint)
@@ -371,10 +375,13 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise TrainError(f"{where}: expected {hint.__name__}, got {value!r}")
         try:
             converted = hint(value)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:  # int(inf) overflows
             raise TrainError(f"{where}: expected {hint.__name__}, got {value!r}") from e
         if hint is int and isinstance(value, float) and value != converted:
             raise TrainError(f"{where}: expected an integer, got {value!r}")
+        if hint is int and not -_INT64 <= converted < _INT64:
+            raise TrainError(f"{where}: {converted} is beyond a 64-bit integer (TOML's and "
+                             "torch's)")
         return converted
     return value
 
@@ -412,9 +419,14 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     data: dict[str, Any] = {}
     if path:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError as e:
             raise TrainError(f"config file {path} does not exist") from e
+        except UnicodeDecodeError as e:
+            raise TrainError(f"--config {path}: not UTF-8 text (byte {e.object[e.start]:#04x} "
+                             f"at offset {e.start}); TOML files are UTF-8: save it as UTF-8") from e
+        except OSError as e:
+            raise TrainError(f"--config {path}: cannot be read: {e.strerror or e}") from e
         except tomllib.TOMLDecodeError as e:
             raise TrainError(f"{path}: invalid TOML: {e}") from e
     for dotted, value in overrides.items():
