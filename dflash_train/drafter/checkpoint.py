@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from dflash_train.drafter.config import DRAFTER_KINDS, DrafterKind
 from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.files import (
+    cast_weight,
     check_checkpoint_whole,
     check_finite,
     check_output_dir,
@@ -79,7 +80,7 @@ def save_drafter(
     weights = published(with_materialised_codebooks(model, weights))
     check_finite(weights, f"{out_dir}: the drafter's weights")
     state = {
-        name: (t if dtype is None or not t.is_floating_point() else t.to(dtype))
+        name: (t if dtype is None or not t.is_floating_point() else cast_weight(t, dtype, name))
         .detach().to("cpu").contiguous()
         for name, t in weights.items()
     }

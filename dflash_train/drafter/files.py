@@ -81,6 +81,19 @@ def check_finite(tree: Any, what: str) -> None:
                            "to use them")
 
 
+def cast_weight(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """`tensor` (finite: check_finite ran) in `dtype`, refusing one whose values the dtype
+    cannot hold: float16 tops out at 65504, and a larger weight would be written as Inf."""
+    cast = tensor.to(dtype)
+    if cast.is_floating_point() and not bool(torch.isfinite(cast).all()):
+        largest = float(tensor.abs().max())
+        short = str(dtype).removeprefix("torch.")
+        raise DrafterError(f"weight {name} holds {largest:.6g}, beyond {short}'s largest value "
+                           f"({torch.finfo(dtype).max:.6g}); export as bfloat16 or float32 "
+                           "(--dtype), which hold it")
+    return cast
+
+
 def training_checkpoint_root(path: str | os.PathLike) -> Path | None:
     """The training checkpoint `path` is or lies in (its `drafter/`), else None: a
     directory with no config.json of its own that holds `drafter/` or any of
@@ -215,8 +228,11 @@ def write_dir_atomically(
     replaced. The directory and its files get the modes the umask gives new ones
     (new_file_modes), set before the rename, so the published directory is never private."""
     check_output_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    make_parent(out_dir)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise unwritable(out_dir, e) from e
     try:
         write(tmp)
         file_mode, dir_mode = new_file_modes()
@@ -230,8 +246,10 @@ def write_dir_atomically(
         os.replace(tmp, out_dir)
         if old is not None:
             shutil.rmtree(old)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise unwritable(out_dir, e) from e
         raise
     return out_dir
 
@@ -241,18 +259,43 @@ def write_file_atomically(out: Path, write: Callable[[Path], None]) -> Path:
     leaves a half-written file at `out` (a previous one stays as it was until the rename).
     The caller decides beforehand whether `out` may be replaced. The file gets the mode the
     umask gives new files (new_file_modes), as write_dir_atomically's files do."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    make_parent(out)
+    try:
+        handle, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    except OSError as e:
+        raise unwritable(out, e) from e
     os.close(handle)
     tmp = Path(name)
     try:
         write(tmp)
         _seal(tmp, new_file_modes()[0])
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise unwritable(out, e) from e
         raise
     return out
+
+
+def make_parent(out: Path) -> None:
+    """Create the directory `out` goes in, refusing a path through a file by name."""
+    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise DrafterError(f"{out}: {existing} is a file, not a directory; choose another "
+                           "output path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise unwritable(out, e) from e
+
+
+def unwritable(out: Path, e: OSError) -> DrafterError:
+    """A write the OS refused (read-only filesystem, no space, no permission), as one line;
+    nothing was published at `out`."""
+    where = f" ({e.filename})" if e.filename else ""
+    return DrafterError(f"{out}: cannot write it: {e.strerror or e}{where}; nothing was "
+                        "written there; choose another output path")
 
 
 def _seal(file: Path, mode: int) -> None:

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from dflash_train.drafter.checkpoint import load_drafter, resolve_drafter_dir
 from dflash_train.drafter.config import DRAFTER_KINDS, DrafterConfig
 from dflash_train.drafter.errors import DrafterError
-from dflash_train.drafter.files import write_file_atomically
+from dflash_train.drafter.files import cast_weight, write_file_atomically
 from dflash_train.drafter.model import DFlashDrafter
 
 ARCHITECTURE = "dflash"
@@ -311,15 +311,16 @@ def storage_type(name: str, matrices: GGMLQuantizationType) -> GGMLQuantizationT
     return matrices
 
 
-def as_stored(tensor: torch.Tensor, kind: GGMLQuantizationType) -> np.ndarray:
+def as_stored(tensor: torch.Tensor, kind: GGMLQuantizationType, name: str) -> np.ndarray:
     """The tensor's values as GGUFWriter takes them for `kind`, same shape: numpy has no
-    bfloat16, so BF16 goes as its raw 16-bit patterns."""
+    bfloat16, so BF16 goes as its raw 16-bit patterns. A value `kind` cannot hold is refused
+    naming the weight (files.cast_weight)."""
     tensor = tensor.detach().to("cpu")
     if kind == GGMLQuantizationType.I64:
         return tensor.to(torch.int64).contiguous().numpy()
     if kind == GGMLQuantizationType.BF16:
-        return tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
-    return tensor.to(_TORCH_DTYPES[kind]).contiguous().numpy()
+        return cast_weight(tensor, torch.bfloat16, name).contiguous().view(torch.int16).numpy()
+    return cast_weight(tensor, _TORCH_DTYPES[kind], name).contiguous().numpy()
 
 
 def gguf_tensors(model: DFlashDrafter, matrices: GGMLQuantizationType
@@ -331,7 +332,7 @@ def gguf_tensors(model: DFlashDrafter, matrices: GGMLQuantizationType
     for name, tensor in model.state_dict().items():
         target_name = gguf_name(name)
         kind = storage_type(target_name, matrices)
-        out.append((target_name, as_stored(tensor, kind), kind))
+        out.append((target_name, as_stored(tensor, kind, name), kind))
     return out
 
 

@@ -287,7 +287,7 @@ def test_a_failed_write_leaves_no_directory_behind(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint, "save_file", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(DrafterError, match="cannot write it: disk full"):  # one line
         save_drafter(tiny_drafter(0), tmp_path / "d")
     assert list(tmp_path.iterdir()) == []
     # An existing drafter survives a failed overwrite untouched.
@@ -295,7 +295,7 @@ def test_a_failed_write_leaves_no_directory_behind(tmp_path, monkeypatch):
     out = save_drafter(tiny_drafter(0), tmp_path / "d")
     before = (out / "model.safetensors").read_bytes()
     monkeypatch.setattr(checkpoint, "save_file", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(DrafterError, match="disk full"):
         save_drafter(tiny_drafter(1), out, overwrite=True)
     assert (out / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]

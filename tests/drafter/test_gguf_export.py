@@ -307,7 +307,7 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temp_file(tmp_path, llam
         raise OSError("disk full")
 
     monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(DrafterError, match="cannot write it: disk full"):  # one line
         export_gguf(save_drafter(gguf_drafter(1), tmp_path / "other"), out, llama_target,
                     overwrite=True)
     assert out.read_bytes() == before
