@@ -3,6 +3,7 @@
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import click
 
@@ -217,6 +218,10 @@ def convert(src: str, dst: str, context_dtype: str, hidden_dtype: str | None,
         summary = summarize(open_store(dst))
     except StoreError as e:
         raise click.ClickException(str(e)) from e
+    except OSError as e:  # a read-only filesystem, no space left: nothing is left at DST
+        raise click.ClickException(f"{dst}: cannot write the converted store: "
+                                   f"{e.strerror or e}"
+                                   + (f" ({e.filename})" if e.filename else "")) from e
     click.echo(f"{dst}: {kept:,} samples, {summary.tokens:,} tokens, "
                f"{summary.bytes_per_token:,.1f} bytes/token (context "
                f"{summary.context_bytes_per_token:,.1f})")
@@ -236,6 +241,14 @@ def _refuse_existing(dst: str) -> None:
                              "is an unfinished copy): convert writes a new store; give another "
                              "DST or remove it")
         return
+    here = Path.cwd()
+    if path.resolve() in (here, *here.parents):
+        raise StoreError(f"{dst} is the directory you are in (or holds it): convert publishes "
+                         "DST by renaming a finished copy into place; give a new path, e.g. "
+                         "../NAME.zarr")
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise StoreError(f"{dst}: {existing} is a file, not a directory; give another DST")
     if path.is_dir() and not any(path.iterdir()):
         return
     if path.exists() or path.is_symlink():

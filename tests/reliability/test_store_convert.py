@@ -119,3 +119,51 @@ def test_a_value_past_float16_is_refused_as_an_overflow_naming_it(tmp_path):
     assert "context value 100000 (token 3, layer 2, channel 5) overflows float16" in line
     assert "NaN" not in line
     assert not dst.exists() and not (tmp_path / ".half.zarr.converting").exists()
+
+
+@pytest.mark.parametrize("dst", [".", "..", "./"])
+def test_a_dst_that_is_the_directory_one_is_in_is_refused(tmp_path, monkeypatch, dst):
+    """Publishing DST renames a finished copy onto it: the shell's own directory would be
+    swapped for another one under it."""
+    src = _source(tmp_path)
+    here = tmp_path / "empty"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    line = one_line_error(_convert(src, dst))
+    assert f"{dst} is the directory you are in (or holds it)" in line
+    assert "give a new path" in line
+    assert list(here.iterdir()) == [] and not (tmp_path / ".empty.converting").exists()
+
+
+@pytest.mark.parametrize("under", ["notes.txt/copy.zarr", "notes.txt/sub/copy.zarr"])
+def test_a_dst_under_a_regular_file_is_one_line_naming_the_file(tmp_path, under):
+    src = _source(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    dst = tmp_path / under
+    line = one_line_error(_convert(src, str(dst)))
+    assert line == f"Error: {dst}: {tmp_path / 'notes.txt'} is a file, not a directory; give " \
+                   "another DST"
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_filesystem_that_refuses_the_copy_is_one_line_and_leaves_no_dst(tmp_path,
+                                                                          monkeypatch):
+    """Root writes through chmod: a read-only filesystem is stood in for by its EROFS."""
+    import errno
+    import os
+
+    from dflash_train.store_schema import command
+
+    src = _source(tmp_path)
+    dst = tmp_path / "copy.zarr"
+    real = command.copy_store
+
+    def read_only(source, target, **how):
+        real(source, target, **how, keep=lambda sample: False)  # starts writing, then:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), f"{target}/zarr.json")
+
+    monkeypatch.setattr(command, "copy_store", read_only)
+    line = one_line_error(_convert(src, str(dst)))
+    assert line.startswith(f"Error: {dst}: cannot write the converted store: Read-only file "
+                           "system"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hs.zarr"]
