@@ -470,19 +470,35 @@ def parts_list(text: str) -> list[str]:
 
 
 def read_measured(path: Path | None) -> dict[str, float]:
-    """What an earlier process's train part measured, if it left a file: numbers > 0 only."""
-    if path is None or not path.exists():
+    """What an earlier process's train part measured, if it left a file: numbers > 0 only.
+    A file that cannot be written later (its folder missing) is refused before any part
+    runs, not after the first."""
+    if path is None:
+        return {}
+    if not path.parent.is_dir():
+        raise SystemExit(f"--measured {path}: its folder {path.parent} does not exist (or is "
+                         "not a folder); create it or choose another path")
+    if not path.exists():
         return {}
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"--measured {path}: not readable as JSON ({e})") from e
     good = isinstance(raw, dict) and all(
-        k in ("step_s", "context_tok_s") and isinstance(v, (int, float)) and math.isfinite(v)
-        and v > 0 for k, v in raw.items())
+        k in ("step_s", "context_tok_s") and isinstance(v, (int, float))
+        and not isinstance(v, bool) and math.isfinite(v) and v > 0 for k, v in raw.items())
     if not good:
         raise SystemExit(f"--measured {path}: expected step_s and context_tok_s > 0, got {raw}")
     return raw
+
+
+def save_measured(path: Path, measured: dict[str, float]) -> None:
+    """Rewrite --measured; a write that fails is said, and the later parts still run."""
+    try:
+        path.write_text(json.dumps(measured))
+    except OSError as e:
+        print(f"  --measured {path}: cannot write it ({e.strerror or e}); the later parts "
+              "run without it", flush=True)
 
 
 def main() -> None:
@@ -536,7 +552,7 @@ def main() -> None:
             for what, value in rows:
                 print(f"  {what:<54}  {value}", flush=True)
             if args.measured is not None:
-                args.measured.write_text(json.dumps(measured))
+                save_measured(args.measured, measured)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:

@@ -34,6 +34,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -425,6 +426,23 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
     return results
 
 
+def writable_dir(flag: str, path: Path) -> Path:
+    """`path` as a directory this process writes into (created if missing), checked before
+    anything runs; else exit with one line naming `flag` (a file there, a read-only disk)."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise SystemExit(f"{flag} {path}: {existing} is a file, not a directory; choose "
+                         f"another {flag}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise SystemExit(f"{flag} {path}: cannot write there ({e.strerror or e}); choose "
+                         f"another {flag}") from e
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -445,8 +463,10 @@ def main() -> None:
     cfg = PRESETS[preset]
     if args.steps:
         cfg = replace(cfg, steps=args.steps, eval_every=max(1, min(cfg.eval_every, args.steps)))
-    out = args.out or args.cache / f"real_target_{preset}"
-    results = run(cfg, preset, out.expanduser().resolve(), args.cache.expanduser().resolve())
+    cache = writable_dir("--cache", args.cache.expanduser().resolve())
+    out = writable_dir("--out", (args.out or cache / f"real_target_{preset}").expanduser()
+                       .resolve())
+    results = run(cfg, preset, out, cache)
     print(markdown(results))
     print(f"written: {out}/results.json, results.md, tau_vs_time.png")
 

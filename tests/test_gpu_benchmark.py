@@ -105,6 +105,7 @@ def test_a_second_process_sets_head_and_loader_against_the_first_ones_step(tmp_p
     ('{"step_s": -1, "context_tok_s": 5}', "expected step_s and context_tok_s > 0"),
     ('{"step_s": 1, "tokens": 5}', "expected step_s and context_tok_s > 0"),
     ("[1, 2]", "expected step_s and context_tok_s > 0"),
+    ('{"step_s": true, "context_tok_s": true}', "expected step_s and context_tok_s > 0"),
 ])
 def test_a_measured_file_that_is_not_a_step_is_refused_naming_it(tmp_path, content, words):
     bad = tmp_path / "measured.json"
@@ -112,3 +113,24 @@ def test_a_measured_file_that_is_not_a_step_is_refused_naming_it(tmp_path, conte
     out = _call("--parts", "head", "--measured", str(bad))
     assert out.returncode != 0 and f"--measured {bad}: {words}" in out.stderr
     assert "head:" not in out.stdout
+
+
+def test_a_measured_file_in_a_missing_folder_is_refused_before_any_part_runs(tmp_path):
+    """It is written after each part: found missing after the first, the rest were lost."""
+    missing = tmp_path / "no-such-folder" / "measured.json"
+    out = _call("--parts", "head,loader", "--measured", str(missing))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip() == (f"--measured {missing}: its folder {missing.parent} does not "
+                                  "exist (or is not a folder); create it or choose another path")
+    assert "head:" not in out.stdout and not missing.parent.exists()
+
+
+def test_a_measured_file_that_cannot_be_written_is_said_and_the_parts_go_on(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import benchmarks.gpu as gpu
+
+    gone = tmp_path / "gone" / "measured.json"  # its folder removed while the parts ran
+    gpu.save_measured(gone, {"step_s": 1.0})
+    said = capsys.readouterr().out
+    assert said.strip().startswith(f"--measured {gone}: cannot write it (No such file")
+    assert "the later parts run without it" in said

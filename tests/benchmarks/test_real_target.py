@@ -131,3 +131,47 @@ def test_extract_seconds_add_up_over_sittings_and_restart_with_the_store(monkeyp
     store.rmdir()  # deleted to be redone: its old seconds no longer describe it
     assert real_target.extract(tmp_path / "m", "d.jsonl", str(store), PRESETS["quick"],
                                ledger) == 2.0
+
+
+def _main(monkeypatch, *args: str) -> str:
+    """real_target.main's exit line for `args`; nothing may have started running."""
+    monkeypatch.setattr(sys, "argv", ["real_target.py", "--quick", *args])
+    monkeypatch.setattr(real_target, "run", lambda *a: pytest.fail("ran despite bad paths"))
+    with pytest.raises(SystemExit) as exit_:
+        real_target.main()
+    assert isinstance(exit_.value.code, str), exit_.value.code
+    return exit_.value.code
+
+
+@pytest.mark.parametrize("flag", ["--out", "--cache"])
+@pytest.mark.parametrize("where", ["notes.txt", "notes.txt/sub"])
+def test_out_or_cache_on_a_file_is_one_line_naming_it(tmp_path, monkeypatch, flag, where):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    other = "--cache" if flag == "--out" else "--out"
+    path = tmp_path / where
+    said = _main(monkeypatch, flag, str(path), other, str(tmp_path / "fine"))
+    assert said == (f"{flag} {path}: {tmp_path / 'notes.txt'} is a file, not a directory; "
+                    f"choose another {flag}")
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("flag", ["--out", "--cache"])
+def test_out_or_cache_on_a_read_only_disk_is_one_line_naming_it(tmp_path, monkeypatch, flag):
+    """Root writes through chmod: the read-only disk is stood in for by its EROFS."""
+    import errno
+    import os
+    import tempfile
+
+    path = tmp_path / "ro"
+
+    def refuse(*args, dir=None, **kwargs):
+        if Path(dir) == path:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    real = tempfile.TemporaryFile
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    other = "--cache" if flag == "--out" else "--out"
+    said = _main(monkeypatch, flag, str(path), other, str(tmp_path / "fine"))
+    assert said == (f"{flag} {path}: cannot write there (Read-only file system); choose "
+                    f"another {flag}")
