@@ -12,11 +12,15 @@ so that it logs each verify step ("accepted A/D draft tokens"), which no respons
 
 import json
 import os
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +39,11 @@ READY_SECONDS = 300.0
 """How long loading the target and drafter may take."""
 REQUEST_SECONDS = 3600.0
 """How long one prompt's generation may take."""
+STALL_SECONDS = 600.0
+"""How long a request may go with no answer and no new line in the server's log (each
+prompt-processing batch and each verify step logs one): longer, and the server is hung."""
+NOTE_SECONDS = 30.0
+"""How often a wait for the server is said."""
 
 
 def check_executable(path: str, what: str) -> str:
@@ -100,21 +109,27 @@ def server_command(setup: ServerSetup, port: int) -> list[str]:
 
 
 class LlamaServer:
-    """A running llama-server; a context manager that always stops it."""
+    """A running llama-server; a context manager that always stops it, SIGTERM to this
+    process included (which would otherwise end it without stopping the server)."""
 
-    def __init__(self, setup: ServerSetup):
+    def __init__(self, setup: ServerSetup, note: Callable[[str], None] | None = None):
         self.setup = setup
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.note = note or (lambda _: None)
+        """Told when a wait for the server goes on (every NOTE_SECONDS)."""
+        self._sigterm = None
 
     def __enter__(self) -> "LlamaServer":
         env = dict(os.environ, LLAMA_TRACE="1")  # one log line per verify step
-        with open(self.setup.log, "w") as out:
-            self.process = subprocess.Popen(server_command(self.setup, self.port), stdout=out,
-                                            stderr=subprocess.STDOUT, env=env,
-                                            stdin=subprocess.DEVNULL)
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm = signal.signal(signal.SIGTERM, self._terminated)
         try:
+            with open(self.setup.log, "w") as out:
+                self.process = subprocess.Popen(server_command(self.setup, self.port),
+                                                stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                stdin=subprocess.DEVNULL)
             self.wait_ready()
         except BaseException:
             self.stop()
@@ -124,7 +139,18 @@ class LlamaServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def _terminated(self, signum, frame) -> None:
+        """SIGTERM: leave through __exit__ (which stops the server), exiting as SIGTERM's
+        default would (128 + 15)."""
+        pid = self.process.pid if self.process is not None else None
+        print(f"eval: SIGTERM: stopping the llama-server it started (pid {pid})",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
     def stop(self) -> None:
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()
@@ -142,7 +168,8 @@ class LlamaServer:
 
     def wait_ready(self) -> None:
         """Until /health answers 200 (503 while it loads); EvalError if it exits first."""
-        deadline = time.monotonic() + READY_SECONDS
+        start = time.monotonic()
+        deadline, said = start + READY_SECONDS, start
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise self.failure(f"did not load {self.setup.target} with drafter "
@@ -153,8 +180,12 @@ class LlamaServer:
                         return
             except (urllib.error.URLError, OSError):
                 pass
+            if time.monotonic() - said >= NOTE_SECONDS:
+                said = time.monotonic()
+                self.note(f"waiting for llama-server to load {self.setup.target} "
+                          f"({said - start:.0f} s so far; it gets {READY_SECONDS:.0f} s)")
             time.sleep(0.2)
-        raise self.failure(f"was not ready after {READY_SECONDS:.0f} s")
+        raise self.failure(f"was not ready after {READY_SECONDS:.0f} s (hung loading?)")
 
     def _call(self, path: str, body: dict | None) -> bytes:
         data = None if body is None else json.dumps(body).encode()
@@ -169,16 +200,47 @@ class LlamaServer:
         except (urllib.error.URLError, OSError) as e:
             raise self.failure(f"stopped answering {path} ({e})") from e
 
-    def complete(self, body: dict) -> bytes:
-        """POST /completion; its raw answer."""
-        return self._call("/completion", body)
+    def complete(self, body: dict, what: str = "a prompt") -> bytes:
+        """POST /completion; its raw answer. The server must answer, or at least log a line,
+        every STALL_SECONDS: else it is taken as hung (EvalError; the caller's `with`
+        stops it, which also ends the request left waiting)."""
+        answer: list = []
+        request = threading.Thread(target=self._answer_into, args=(answer, body), daemon=True)
+        request.start()
+        start = time.monotonic()
+        said = seen = start
+        size = self.log_size()
+        while request.is_alive():
+            request.join(timeout=0.2)
+            now = time.monotonic()
+            if (grown := self.log_size()) != size:
+                size, seen = grown, now
+            if request.is_alive() and now - seen > STALL_SECONDS:
+                raise self.failure(f"answered nothing and logged nothing for "
+                                   f"{now - seen:.0f} s on {what} (hung?); gave up")
+            if request.is_alive() and now - said >= NOTE_SECONDS:
+                said = now
+                self.note(f"waiting for llama-server on {what} ({now - start:.0f} s so far; "
+                          f"it is given up after {STALL_SECONDS:.0f} s without a log line)")
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        return answer[0]
+
+    def _answer_into(self, answer: list, body: dict) -> None:
+        try:
+            answer.append(self._call("/completion", body))
+        except BaseException as e:  # handed to the waiting thread, which raises it
+            answer.append(e)
 
     def metrics(self) -> str:
         """GET /metrics: Prometheus text."""
         return self._call("/metrics", None).decode(errors="replace")
 
     def log_size(self) -> int:
-        return self.setup.log.stat().st_size
+        try:
+            return self.setup.log.stat().st_size
+        except OSError:  # removed under it: no growth to see
+            return -1
 
     def read_log(self, offset: int) -> str:
         """Its log from byte `offset` to the last complete line."""

@@ -260,7 +260,7 @@ def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, sto
                  vocab: int, name: str) -> Served:
     where = f"llama-server, checkpoint {name}, prompt {prompt.key}"
     offset = server.log_size()
-    raw = server.complete(request_body(prompt, block_size))
+    raw = server.complete(request_body(prompt, block_size), f"prompt {prompt.key}")
     done = parse_completion(raw, len(prompt.ids), vocab, where)
     steps = request_steps(server, offset, where)
     check_steps(steps, done, block_size, where)
@@ -340,14 +340,14 @@ def context_size(prompts: list[ServedPrompt], block_size: int) -> int:
 
 
 def serve_checkpoint(plan: LlamaPlan, name: str, drafter: Path, block_size: int,
-                     prompts: list[ServedPrompt], stop: StopRule, workdir: Path
-                     ) -> ServedResults:
+                     prompts: list[ServedPrompt], stop: StopRule, workdir: Path,
+                     echo: Callable[[str], None] = print) -> ServedResults:
     """One llama-server with this drafter, every prompt in turn, then its /metrics."""
     setup = ServerSetup(plan.binary, plan.target, str(drafter), block_size,
                         context_size(prompts, block_size), plan.threads,
                         workdir / f"{name}.log")
     started = time.monotonic()
-    with LlamaServer(setup) as server:
+    with LlamaServer(setup, note=lambda line: echo(f"served: {name}: {line}")) as server:
         loaded = time.monotonic()
         served = [serve_prompt(server, p, block_size, stop, plan.vocab, name) for p in prompts]
         generated = time.monotonic()
@@ -384,7 +384,7 @@ def run_llama_served(plan: LlamaPlan, checkpoints: dict[str, tuple[str, int]],
              f"({plan.target_type}) with {len(prompts)} prompts (log: {workdir / name}.log)")
         try:
             results[name] = serve_checkpoint(plan, name, drafters[name], block_size, prompts,
-                                             stop, workdir)
+                                             stop, workdir, echo)
         except EvalError as e:
             raise EvalError(f"{e} (exports and logs kept in {workdir})") from e
         seconds = results[name].info["seconds"]

@@ -138,7 +138,7 @@ class FakeServer:
     def log_size(self) -> int:
         return 0
 
-    def complete(self, body: dict) -> bytes:
+    def complete(self, body: dict, what: str = "a prompt") -> bytes:
         self.bodies.append(body)
         return self.raw
 
