@@ -4,7 +4,9 @@ Stages compare it before trusting a store: a resumed extract, a training run and
 refuse a store whose provenance differs from what they expect, naming every differing field.
 """
 
-from dataclasses import asdict, dataclass, field, fields
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from dflash_train.store_schema.errors import StoreError
@@ -144,6 +146,9 @@ class StoreMeta:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StoreMeta":
+        wrong = _wrong_types(cls, d)
+        if wrong:
+            raise StoreError(f"store provenance is damaged: {wrong}")
         try:
             nested = {
                 "target": TargetInfo(**d["target"]),
@@ -152,9 +157,13 @@ class StoreMeta:
                 "created_with": CreatedWith(**d["created_with"]),
             }
             flat = {f.name: d[f.name] for f in fields(cls) if f.name not in nested and f.name in d}
-            return cls(**nested, **flat)
+            meta = cls(**nested, **flat)
         except (KeyError, TypeError) as e:
             raise StoreError(f"store provenance is malformed or incomplete: {e}") from e
+        if meta.num_parts > max(1, meta.source.num_rows):  # extract's plan: a row per part
+            raise StoreError(f"store provenance is damaged: num_parts {meta.num_parts} is "
+                             f"more than the source's {meta.source.num_rows} rows")
+        return meta
 
     def mismatches(self, other: "StoreMeta") -> list[str]:
         """'field: this != other' for every differing field, created_with excepted. The
@@ -173,6 +182,66 @@ class StoreMeta:
         Stores that differ only in data, parts, top-k or chat options hold the same features."""
         keys = ("target.", "tokenizer.sha256", "context_layer_ids")
         return [d for d in self.mismatches(other) if d.startswith(keys)]
+
+
+def _wrong_types(cls, d: Any, prefix: str = "") -> str | None:
+    """The first field of `d` (the recorded provenance) that is not of the type `cls`
+    declares for it, as 'field is value, not type'; None when all are. A missing field is
+    left to the constructor, which names it."""
+    if not isinstance(d, dict):
+        return f"{prefix.rstrip('.') or 'the provenance'} is {_short(d)}, not an object"
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.name not in d:
+            continue
+        hint, value, key = hints[f.name], d[f.name], prefix + f.name
+        if is_dataclass(hint):
+            wrong = _wrong_types(hint, value, f"{key}.")
+            if wrong:
+                return wrong
+        elif not _fits(value, hint):
+            return f"{key} is {_short(value)}, not {_type_name(hint)}"
+    return None
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of type `hint` (a boolean is no number here)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        return (isinstance(value, int) or hint is float and isinstance(value, float)) \
+            and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, hint)
+
+
+_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+          type(None): "null"}
+
+
+def _type_name(hint: Any) -> str:
+    """`hint` as a JSON reader says it: 'a list of integers', 'a string or null'."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return "a list of " + _type_name(args[0]).split(" ", 1)[1] + "s"
+    if origin is dict:
+        return "an object"
+    return _NAMES.get(hint, str(hint))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _diff(a: Any, b: Any, prefix: str = ""):

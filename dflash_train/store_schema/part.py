@@ -38,6 +38,37 @@ if TYPE_CHECKING:
     from dflash_train.store_schema.store import Store
 
 
+_RECORD_COUNTS = ("row_start", "row_stop", "committed_samples", "committed_tokens")
+
+
+def commit_record(attrs: dict, where: str) -> dict | None:
+    """The commit record in a part's attributes, checked field by field; None when it has
+    none: its creation was cut short before the record, nothing was committed, and every
+    reader takes it as not started. StoreError naming the field when the record is damaged
+    (a field missing or of another type: JSON booleans are no counts)."""
+    raw = attrs.get(PART_KEY)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise StoreError(f"{where}: commit record: {one_line(repr(raw), 60)}, not an object "
+                         "(its attributes were changed or torn)")
+    for key in (*_RECORD_COUNTS, "complete"):
+        value = raw.get(key)
+        if key not in raw:
+            wrong = f"no {key}"
+        elif key == "complete":
+            wrong = None if isinstance(value, bool) else \
+                f"{key} is {one_line(repr(value), 60)}, not true or false"
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            wrong = f"{key} is {one_line(repr(value), 60)}, not a count >= 0"
+        else:
+            wrong = None
+        if wrong:
+            raise StoreError(f"{where}: commit record: {wrong} (its attributes were changed "
+                             "or torn)")
+    return raw
+
+
 class Part:
     """Read access to one part's committed samples."""
 
@@ -45,15 +76,15 @@ class Part:
         self.store = store
         self.index = index
         self.group = group
-        record = dict(group.attrs).get(PART_KEY)
-        if not isinstance(record, dict):
+        record = commit_record(dict(group.attrs), f"{store.url}: part {index}")
+        if record is None:
             raise StoreError(f"{store.url}: part {index} has no commit record (torn creation?)")
         self.record = record
-        self.row_start = int(record["row_start"])
-        self.row_stop = int(record["row_stop"])
-        self.num_samples = int(record["committed_samples"])
-        self.num_tokens = int(record["committed_tokens"])
-        self.complete = bool(record["complete"])
+        self.row_start = record["row_start"]
+        self.row_stop = record["row_stop"]
+        self.num_samples = record["committed_samples"]
+        self.num_tokens = record["committed_tokens"]
+        self.complete = record["complete"]
         self._offsets: np.ndarray | None = None
         self._sources: np.ndarray | None = None
         self._coders: dict[str, ShardCodec | None] = {}
@@ -247,7 +278,7 @@ class PartWriter:
         path = part_path(index)
         record = None
         if path in store.root:
-            record = dict(store.root[path].attrs).get(PART_KEY)
+            record = commit_record(dict(store.root[path].attrs), f"{store.url}: part {index}")
         if record is None:  # new, or creation torn before its record: nothing was committed
             self.group = self._create(path)
         else:

@@ -27,7 +27,7 @@ from dflash_train.store_schema.layout import (
     token_compressors,
 )
 from dflash_train.store_schema.meta import StoreMeta
-from dflash_train.store_schema.part import Part, PartWriter
+from dflash_train.store_schema.part import Part, PartWriter, commit_record
 
 LAYOUT_KEY = "dflash_layout"  # root attrs: how arrays are chunked (not provenance)
 COPYING_KEY = "dflash_copying_from"
@@ -123,8 +123,16 @@ def read_meta_dict(root: zarr.Group, url: str) -> dict:
         raise StoreError(f"{url} is an unfinished copy of {attrs[COPYING_KEY]} (a `dflash store "
                          "convert` into it was interrupted): remove it and convert again")
     d = attrs[META_KEY]
+    if not isinstance(d, dict):
+        raise StoreError(f"{url}: its '{META_KEY}' attributes are {type(d).__name__}, not an "
+                         "object: the store's attributes were changed or torn; restore them "
+                         "from a copy, or extract the store again")
     version = d.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise StoreError(f"{url}: its schema version {version!r} is not an integer: the "
+                         "store's attributes were changed or torn; restore them from a copy, "
+                         "or extract the store again")
+    if version > SCHEMA_VERSION:
         raise StoreError(
             f"{url} has schema version {version!r}; this dflash reads up to {SCHEMA_VERSION}. "
             "Upgrade dflash to read it."
@@ -137,7 +145,13 @@ def _open(url: str, zstore, mode: str) -> "Store":
         root = zarr.open_group(zstore, mode=mode)
     except Exception as e:  # zarr raises several types for a missing or torn group
         raise StoreError(f"{url} is not a readable zarr store: {e}") from e
-    return Store(url, root, StoreMeta.from_dict(read_meta_dict(root, url)), mode=mode)
+    recorded = read_meta_dict(root, url)
+    try:
+        meta = StoreMeta.from_dict(recorded)
+    except StoreError as e:
+        raise StoreError(f"{url}: {e}; the store's attributes were changed or torn: restore "
+                         "them from a copy, or extract the store again") from e
+    return Store(url, root, meta, mode=mode)
 
 
 class Store:
@@ -326,14 +340,14 @@ class Store:
         return found
 
     def unreadable_parts(self) -> list[int]:
-        """Parts listed under parts/ whose group metadata (zarr.json) cannot be read: damaged,
-        unlike a part whose creation a crash cut short before its commit record (it holds
-        nothing: not started)."""
+        """Parts listed under parts/ whose group metadata (zarr.json) cannot be read, or whose
+        commit record is damaged (part.commit_record): damaged, unlike a part whose creation
+        a crash cut short before its commit record (it holds nothing: not started)."""
         bad = []
         for i in self.part_indices():
             try:
-                self.root[part_path(i)]
-            except Exception:  # torn JSON, undecodable or absent metadata
+                commit_record(dict(self.root[part_path(i)].attrs), f"{self.url}: part {i}")
+            except Exception:  # torn JSON, undecodable or absent metadata, a damaged record
                 bad.append(i)
         return bad
 

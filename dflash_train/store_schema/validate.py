@@ -18,13 +18,13 @@ from dflash_train.store_schema.errors import StoreError, one_line
 from dflash_train.store_schema.fp8 import bad_scales
 from dflash_train.store_schema.layout import (
     CONTEXT_INNER_TOKENS,
-    PART_KEY,
     SAMPLE_ARRAYS,
     context_storage_dtype,
     nonfinite_hidden,
     part_path,
     token_arrays,
 )
+from dflash_train.store_schema.part import commit_record
 from dflash_train.store_schema.store import Store, open_store
 
 
@@ -83,16 +83,14 @@ def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
     except Exception as e:  # torn or missing zarr.json
         return [Finding(index, None, "record",
                         f"part metadata (zarr.json) is unreadable: {e}")]
-    record = dict(group.attrs).get(PART_KEY)
-    if not isinstance(record, dict):
-        return [Finding(index, None, "record", "no commit record: creation was torn")]
     try:
-        committed = int(record["committed_samples"])
-        tokens = int(record["committed_tokens"])
-        complete = bool(record["complete"])
-        rows = (int(record["row_start"]), int(record["row_stop"]))
-    except (KeyError, TypeError, ValueError) as e:
-        return [Finding(index, None, "record", f"malformed commit record: {e}")]
+        record = commit_record(dict(group.attrs), f"part {index}")
+    except StoreError as e:
+        return [Finding(index, None, "record", str(e).removeprefix(f"part {index}: "))]
+    if record is None:  # creation cut short before the record: not started, as every reader
+        return []       # takes it (--require-complete names it)
+    committed, tokens = record["committed_samples"], record["committed_tokens"]
+    complete, rows = record["complete"], (record["row_start"], record["row_stop"])
     arrays, found = _open_arrays(group, index, store.meta.context_dtype)
     if found:
         return found
