@@ -26,6 +26,13 @@ DEFAULT_BLOCK_SIZE = BLOCK_SIZE
 """Tokens per drafted block (dflash_train.blocks owns the number: docs/reference.md §3)."""
 
 
+MIN_DRAFT_VOCAB = 2
+"""The smallest draft vocabulary: over one id the softmax is 1 whatever the weights, so the
+loss is 0 with no gradient and the drafter learns nothing."""
+DRAFT_VOCAB_RULE = (f"at least {MIN_DRAFT_VOCAB} (over one id the loss is 0 with no gradient: "
+                    "the drafter would learn nothing)")
+
+
 def max_conv_kernel_size(block_size: int) -> int:
     """Most taps a DFlash 2 in-block convolution may have: tap t reads slot i - t of the same
     block, so taps 0 .. block_size - 1 reach every slot and any further one only the zeros
@@ -214,9 +221,12 @@ class DrafterConfig:
         n = self.draft_vocab_size
         if n is None:
             return
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size:
-            raise DrafterError(f"draft_vocab_size {n!r} must be an integer in [1, "
-                               f"{self.vocab_size}] (the target's vocabulary)")
+        if isinstance(n, bool) or not isinstance(n, int) or n > self.vocab_size:
+            raise DrafterError(f"draft_vocab_size {n!r} must be an integer in "
+                               f"[{MIN_DRAFT_VOCAB}, {self.vocab_size}] (the target's "
+                               "vocabulary)")
+        if n < MIN_DRAFT_VOCAB:
+            raise DrafterError(f"draft_vocab_size {n} must be {DRAFT_VOCAB_RULE}")
         if self.kind != "dflash":
             raise DrafterError("draft_vocab_size applies to DFlash drafters only: a DFlash 2 "
                                "selector scores candidates over the whole vocabulary")

@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dflash_train.blocks import ANCHORS_PER_SEQ, BLOCK_SIZE, MAX_SEED
-from dflash_train.drafter.config import DFLASH2_FIELDS, max_conv_kernel_size
+from dflash_train.drafter.config import (
+    DFLASH2_FIELDS,
+    DRAFT_VOCAB_RULE,
+    MIN_DRAFT_VOCAB,
+    max_conv_kernel_size,
+)
 from dflash_train.train.data import LoaderConfig
 from dflash_train.train.errors import TrainError
 from dflash_train.train.loss import LossConfig
@@ -76,8 +81,8 @@ class ModelConfig:
     vocabulary. DFlash drafters with loss.kind ce only."""
 
     def __post_init__(self) -> None:
-        require(self.draft_vocab_size is None or self.draft_vocab_size >= 1,
-                "model.draft_vocab_size", ">= 1", self.draft_vocab_size)
+        require(self.draft_vocab_size is None or self.draft_vocab_size >= MIN_DRAFT_VOCAB,
+                "model.draft_vocab_size", DRAFT_VOCAB_RULE, self.draft_vocab_size)
         require(self.num_hidden_layers is None or self.num_hidden_layers >= 1,
                 "model.num_hidden_layers", ">= 1", self.num_hidden_layers)
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim",

@@ -83,8 +83,13 @@ def test_a_damaged_d2t_is_refused_naming_it(tmp_path, offsets, why):
 
 
 def test_draft_vocab_size_is_checked_where_it_is_set():
-    with pytest.raises(DrafterError, match=r"draft_vocab_size 101 must be .* \[1, 100\]"):
+    with pytest.raises(DrafterError, match=r"draft_vocab_size 101 must be .* \[2, 100\]"):
         tiny_config(draft_vocab_size=VOCAB + 1)
+    with pytest.raises(DrafterError, match="draft_vocab_size 1 must be at least 2 \\(over one "
+                                           "id the loss is 0 with no gradient"):
+        tiny_config(draft_vocab_size=1)
+    with pytest.raises(DrafterError, match="draft_vocab_size True must be an integer"):
+        tiny_config(draft_vocab_size=True)
     with pytest.raises(DrafterError, match="DFlash drafters only"):
         tiny_config(draft_vocab_size=8, kind="dflash2", hidden_size=64)
     model = DFlashDrafter(tiny_config(draft_vocab_size=4))

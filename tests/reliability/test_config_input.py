@@ -1,6 +1,7 @@
 """Setting values no run can take, from a TOML file, --set or a flag: infinities in an integer
-setting, a seed beyond 64 bits, a --config file that is not UTF-8. Each is refused in one
-line naming the option, before a run directory exists."""
+setting, a seed beyond 64 bits, a --config file that is not UTF-8, a draft vocabulary too
+small to learn anything. Each is refused in one line naming the option (and, for a value
+that runs but learns nothing, why), before a run directory exists."""
 
 import pytest
 from click.testing import CliRunner
@@ -71,3 +72,16 @@ def test_a_config_file_that_is_not_utf8_is_one_line_naming_the_byte(store, tmp_p
     line = one_line_error(_train(store, out, "--config", str(config)))
     assert f"--config {config}: not UTF-8 text (byte 0xe9 at offset 24)" in line, line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("size", ["1", "true"])
+def test_a_draft_vocabulary_too_small_to_learn_is_refused_saying_why(store, tmp_path, size):
+    """Over one id the softmax is 1 whatever the weights: the run trained to loss 0."""
+    out = tmp_path / "run"
+    line = one_line_error(_train(store, out, "--set", f"model.draft_vocab_size={size}"))
+    assert "model.draft_vocab_size" in line and "Traceback" not in line, line
+    if size == "1":
+        assert "must be at least 2 (over one id the loss is 0 with no gradient: the drafter " \
+               "would learn nothing), got 1" in line
+    assert not out.exists()
+    assert load_config(None, {"model.draft_vocab_size": "2"}).model.draft_vocab_size == 2
