@@ -52,6 +52,14 @@ _UNSUPPORTED_UNLESS = {
     "hidden_act": "silu",
     "partial_rotary_factor": 1.0,
 }
+_INTEGERS = ("hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "mask_token_id",
+             "max_position_embeddings", "block_size", "draft_vocab_size", "num_target_layers",
+             "sliding_window", *DFLASH2_FIELDS)
+_NUMBERS = ("rms_norm_eps", "rope_theta")
+"""config.json fields read as numbers: a JSON boolean, a string or a fraction in one is
+refused by name, never read as 1, 0 or its integer part."""
+
 
 def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
     """config.json contents, the fields of the published z-lab DFlash checkpoints."""
@@ -119,6 +127,7 @@ def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> Draft
         raise DrafterError(f"{source}: model_type {raw['model_type']!r}; only qwen3 drafters")
     draft = dict(raw.get("dflash_config") or {})
     _refuse_unsupported(raw, draft, source, kind)
+    _refuse_wrong_types(raw, draft, source)
 
     def pick(name: str, default: Any = None) -> Any:
         # dflash_config first, then the top level: the order z-lab's loader reads them in.
@@ -180,6 +189,29 @@ def _kind(architectures: list[str], source: str) -> DrafterKind:
         names = " or ".join(repr(name) for name in ARCHITECTURES.values())
         raise DrafterError(f"{source}: architectures {architectures} is not [{names}]")
     return kinds[0]
+
+
+def _refuse_wrong_types(raw: Mapping[str, Any], draft: Mapping[str, Any], source: str
+                        ) -> None:
+    for scope, fields in (("", raw), ("dflash_config.", draft)):
+        for name in (*_INTEGERS, *_NUMBERS, "target_layer_ids"):
+            value = fields.get(name)
+            if value is None:
+                continue
+            if name == "target_layer_ids":
+                ok = isinstance(value, list) and all(_is_integer(v) for v in value)
+                kind = "a list of integers"
+            elif name in _NUMBERS:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                kind = "a number"
+            else:
+                ok, kind = _is_integer(value), "an integer"
+            if not ok:
+                raise DrafterError(f"{source}: {scope}{name} is {value!r}, not {kind}")
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _refuse_unsupported(raw: Mapping[str, Any], draft: Mapping[str, Any], source: str,
