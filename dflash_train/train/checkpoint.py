@@ -154,8 +154,10 @@ def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, wh
     if same_data:
         diffs = checkpoint.mismatches(store)
         if diffs:
+            other = ("a store of another target or layer set" if
+                     checkpoint.target_mismatches(store) else "another store")
             raise TrainError(
-                f"--resume: {where} was trained on another store than {store_url} (checkpoint "
+                f"--resume: {where} was trained on {other} than {store_url} (checkpoint "
                 "!= store):\n  " + "\n  ".join(diffs) + "\ngive the run's own store (a copy "
                 "or a move of it is the same store), or start a new run with another --out")
         return

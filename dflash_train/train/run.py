@@ -175,6 +175,10 @@ def build_run(cfg: TrainConfig, resume: bool, echo: Echo = print) -> Run | Alrea
     point = _claim_run_dir(run_dir, cfg, resume, placement, say)
     loader, total_steps = _open_data(cfg, placement, say)
     if point is not None:
+        # another store first: its parts differ too, which the plan check would blame on
+        # extraction finishing or damage
+        check_provenance(point.provenance, loader.stores[0].meta, loader.stores[0].url,
+                         str(point.path), same_data=True)
         done = TrainState(**point.trainer["state"])
         check_same_plan(done.plan, loader.plan_inputs(), point.path)
         if _finished(done, loader, cfg, total_steps):
@@ -241,8 +245,9 @@ def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, placement: Pla
         check_new_run_dir(run_dir)
         moved = set_aside_leftovers(run_dir) if placement.rank == 0 else None
         if moved:
-            say(f"note: {run_dir} holds a run that stopped before its first checkpoint; "
-                 f"moved its {', '.join(moved[0])} to {moved[1]} and starting a new run")
+            say(f"note: {run_dir} holds a run that stopped before its first complete "
+                f"checkpoint; moved its {', '.join(moved[0])} to {moved[1]} and starting a "
+                "new run")
     barrier(placement.world)
     return point
 
@@ -361,9 +366,7 @@ def _starting_drafter(cfg: TrainConfig, point: Checkpoint | None,
     """A resume trains the checkpoint's own drafter, as its config.json describes it:
     defaults that resolve differently today (rundir.config_changes) must not build another
     one. Else the one model.init_from names, else a new one for the store's target."""
-    if point is not None:
-        check_provenance(point.provenance, store.meta, store.url, str(point.path),
-                         same_data=True)
+    if point is not None:  # its store checked in build_run
         return point.drafter
     if not cfg.model.init_from:
         return DFlashDrafter(drafter_config(cfg, store))
@@ -401,6 +404,10 @@ def noise_layer_rms(cfg: TrainConfig, loader: StoreLoader, device: torch.device
         stats = store_stats(store, skip_damaged=cfg.loader.skip_corrupt, checked_parts=sound,
                             max_tokens=cfg.noise.stats_max_tokens)
     except StoreError as e:  # unreadable context; skipping steps around it, as in reading
+        if cfg.loader.skip_corrupt:  # already skipping: nothing sound is left to read
+            raise StoreError(f"{e}, even skipping the damaged samples ({SKIP_HINT} is on); "
+                             f"run `dflash store validate {store.url}` and extract the "
+                             "damaged parts again") from e
         raise StoreError(f"{e}; pass {SKIP_HINT} to skip the damaged samples") from e
     return torch.tensor(stats.rms, device=device)
 

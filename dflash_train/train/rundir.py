@@ -21,11 +21,13 @@ from dflash_train.drafter.files import training_checkpoint_root
 from dflash_train.run_layout import (
     ABORTED_PREFIX,
     CHECKPOINTS,
+    COMPLETE,
     CONFIG,
     CONFIG_NAME,
     DAMAGED_PREFIX,
     LOCK_FILE,
     RUN_FILES,
+    STEP_PREFIX,
 )
 from dflash_train.train.checkpoint import (
     Checkpoint,
@@ -33,7 +35,7 @@ from dflash_train.train.checkpoint import (
     complete_checkpoints,
     read_checkpoint,
 )
-from dflash_train.train.config import TrainConfig
+from dflash_train.train.config import TrainConfig, load_config, to_toml
 from dflash_train.train.drafter_shape import drafter_settings
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import option_name
@@ -137,7 +139,21 @@ def set_aside_leftovers(run_dir: Path) -> tuple[list[str], Path] | None:
     aside.mkdir()
     for name in leftovers:
         (run_dir / name).rename(aside / name)
+    held = incomplete_checkpoints(aside)
+    if held:  # said, not moved silently: a copy cut short may hold weights worth keeping
+        leftovers[leftovers.index(CHECKPOINTS)] = (f"{CHECKPOINTS} (holding {', '.join(held)}, "
+                                                   "none complete)")
     return leftovers, aside
+
+
+def incomplete_checkpoints(run_dir: Path) -> list[str]:
+    """Checkpoint directories under RUN/checkpoints/ without a COMPLETE marker (a save or a
+    copy cut short, or one a resume stepped over as damaged); torn temporary saves aside."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(
+        (STEP_PREFIX, DAMAGED_PREFIX)) and not (p / COMPLETE).is_file())
 
 
 def find_resume_point(run_dir: Path) -> Checkpoint:
@@ -146,9 +162,12 @@ def find_resume_point(run_dir: Path) -> Checkpoint:
     check_run_dir_path(run_dir)
     found = complete_checkpoints(run_dir)
     if not found:
-        raise TrainError(f"--resume: no complete checkpoint under {run_dir / CHECKPOINTS}; "
-                         "run without --resume to start a new run there (what an earlier "
-                         f"attempt left is moved to {ABORTED_PREFIX}N/)")
+        held = incomplete_checkpoints(run_dir)
+        named = (f" (it holds {', '.join(held)}, without the {COMPLETE} marker a whole save "
+                 "writes last: saves or copies cut short)" if held else "")
+        raise TrainError(f"--resume: no complete checkpoint under {run_dir / CHECKPOINTS}"
+                         f"{named}; run without --resume to start a new run there (what an "
+                         f"earlier attempt left is moved to {ABORTED_PREFIX}N/)")
     damaged = []
     for path in reversed(found):
         try:
@@ -215,13 +234,46 @@ def config_changes(saved: TrainConfig, new: TrainConfig,
 
 
 def check_resume_config(point: Checkpoint, new: TrainConfig) -> None:
-    """Refuse a resume whose settings would train other weights than the run's."""
+    """Refuse a resume whose settings would train other weights than the run's, or that
+    would silently rewrite a RUN/config.toml edited since the run wrote it."""
     changes = config_changes(point.config, new, point.drafter.config)
     if changes:
         raise TrainError(
             f"--resume: these settings differ from the run's ({point.path / CONFIG}), which a "
             "resume cannot change (old -> new):\n  " + "\n  ".join(changes)
             + "\nrepeat the run's settings, or start a new run with another --out")
+    check_run_config_kept(point, new)
+
+
+def check_run_config_kept(point: Checkpoint, new: TrainConfig) -> None:
+    """RUN/config.toml is what the run wrote, never read back: a resume takes its settings
+    from the command line and --config, and rewrites it. Refuse one that says otherwise
+    than both the checkpoint and this resume (edited by hand, thinking it is read), naming
+    the settings, instead of overwriting it."""
+    path = point.path.parent.parent / CONFIG
+    if not path.is_file():
+        return
+    try:
+        text = path.read_text(encoding="utf-8")
+        if text in (to_toml(new), (point.path / CONFIG).read_text(encoding="utf-8")):
+            return
+        written = load_config(str(path), {})
+    except (OSError, UnicodeDecodeError, TrainError) as e:
+        raise TrainError(f"--resume: {path} is not the config the run wrote ({e}); a resume "
+                         "rewrites it with the run's settings: restore it, or move it away "
+                         "to keep it") from e
+    a, b, c = (_flat(x.to_dict()) for x in (written, point.config, new))
+    b |= {k: v for k, v in drafter_settings(point.drafter.config).items() if v is not None}
+    edited = [f"{option_name(k)}: {_show(a.get(k))} in the file, {_show(c.get(k))} resumed"
+              for k in sorted(a.keys() | c.keys()) if k != "run.out_dir"
+              and not (k.startswith("model.") and c.get(k) is None)  # the run's own, as above
+              and _norm(a.get(k)) not in (_norm(b.get(k)), _norm(c.get(k)))]
+    if edited:
+        raise TrainError(
+            f"--resume: {path} says otherwise than the run (edited?), and a resume reads no "
+            "settings from it, it rewrites it:\n  " + "\n  ".join(edited) + "\nto resume "
+            f"with what it says pass --config {path} (settings that shape the weights cannot "
+            "change on a resume), or undo the edit")
 
 
 def _flat(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,9 +1,14 @@
-"""`dflash train --out` given what is not a run directory, and a run's own log torn by a crash.
+"""`dflash train --out` given what is not a run directory, a run's own files left damaged or
+edited, and a resume onto another store.
 
 A checkpoint directory (or the drafter inside one, or an exported drafter) is refused as
 --out, new run or resume, before anything in it changes. A log.jsonl whose last line a crash
 cut mid-write is continued on a line of its own by the resume, so every step is recorded and
-`dflash log summary` reads the run's own log.
+`dflash log summary` reads the run's own log. Each refusal or note gives the true reason:
+a resume onto another store or target says so (not that parts changed); checkpoints without
+their marker are named when a resume finds none and when a new run moves them aside; a
+RUN/config.toml edited by hand is not silently rewritten; a run already skipping damaged
+samples is not told to pass --skip-corrupt.
 """
 
 import json
@@ -20,6 +25,7 @@ from dflash_train.train.sinks import cut_torn_tail
 from tests.drafter.conftest import tiny_drafter
 from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
+from tests.train.conftest import build_store
 
 TRAIN = ["--layers", "1", "--batch-tokens", "256", "--anchors-per-seq", "8", "--no-progress",
          "--max-steps", "4", "--set", "loader.prefetch_batches=0", "--set",
@@ -120,3 +126,83 @@ def test_cut_torn_tail_keeps_exactly_the_whole_lines(tmp_path, content, kept):
     log.write_bytes(content)
     assert cut_torn_tail(log) == len(content) - len(kept)
     assert log.read_bytes() == kept
+
+
+@pytest.fixture(scope="module")
+def halfway(store, tmp_path_factory) -> Path:
+    """A run stopped after its step-2 checkpoint, 4 steps planned (step 4's checkpoint gone
+    with its crash)."""
+    run = tmp_path_factory.mktemp("halfway") / "run"
+    assert _train(store, run).exit_code == 0
+    shutil.rmtree(checkpoint_dir(run, 4))
+    return run
+
+
+@pytest.mark.parametrize("other, said", [
+    ({"rows": 30, "seed": 1}, ("was trained on another store than", "source.num_rows: 24 != 30")),
+    ({"name": "another-target"}, ("was trained on a store of another target or layer set than",
+                                  "target.name_or_path: 'tiny' != 'another-target'")),
+], ids=["other data", "other target"])
+def test_a_resume_onto_another_store_says_so_not_that_its_parts_changed(halfway, tmp_path,
+                                                                       other, said):
+    run = Path(shutil.copytree(halfway, tmp_path / "run"))
+    url = str(tmp_path / "other.zarr")
+    build_store(url, **other)
+    result = _train(url, run, "--resume")
+    assert result.exit_code == 1, result.output
+    for words in said:
+        assert words in result.output, result.output
+    assert "usable parts changed" not in result.output
+
+
+def test_checkpoints_without_their_marker_are_named_not_passed_over(store, finished,
+                                                                    tmp_path):
+    run = Path(shutil.copytree(finished, tmp_path / "run"))
+    for checkpoint in (run / "checkpoints").iterdir():
+        (checkpoint / "COMPLETE").unlink()  # copied without it, or saves cut short
+    said = one_line_error(_train(store, run, "--resume"))
+    assert "it holds step_00000002, step_00000004, without the COMPLETE marker" in said
+    fresh = _train(store, run)
+    assert fresh.exit_code == 0, fresh.output
+    assert (f"moved its checkpoints (holding step_00000002, step_00000004, none complete), "
+            f"log.jsonl, config.toml to {run / 'aborted-1'}") in fresh.output
+    assert (run / "aborted-1" / "checkpoints" / "step_00000004" / "trainer.pt").is_file()
+
+
+@pytest.mark.parametrize("edit, said", [
+    (("lr = 0.0006", "lr = 0.01"), "--lr (optim.lr): 0.01 in the file, 0.0006 resumed"),
+    (("log_every = 10", "log_every = 3"), "run.log_every: 3 in the file, 10 resumed"),
+], ids=["lr", "log_every"])
+def test_an_edited_run_config_is_not_silently_rewritten_by_a_resume(store, halfway, tmp_path,
+                                                                    edit, said):
+    run = Path(shutil.copytree(halfway, tmp_path / "run"))
+    config = run / "config.toml"
+    assert edit[0] in config.read_text()
+    config.write_text(config.read_text().replace(edit[0], edit[1]))
+    edited = config.read_text()
+    refused = _train(store, run, "--resume")
+    assert refused.exit_code == 1 and said in refused.output, refused.output
+    assert f"pass --config {config}" in refused.output
+    assert config.read_text() == edited
+    if edit[1].startswith("log_every"):  # a setting a resume may change: taken from the file
+        resumed = _train(store, run, "--resume", "--config", str(config))
+        assert resumed.exit_code == 0, resumed.output
+
+
+def test_a_resume_after_a_crash_takes_its_own_run_config(store, halfway, tmp_path):
+    """The file as the run wrote it, and as another resume rewrote it with its settings."""
+    run = Path(shutil.copytree(halfway, tmp_path / "run"))
+    assert _train(store, run, "--resume", "--set", "run.log_every=3").exit_code == 0
+
+
+def test_a_run_already_skipping_damage_is_not_told_to_skip_it(tmp_path):
+    url = make_store(str(tmp_path / "hs.zarr"))
+    for shard in Path(url, "parts").glob("*/context/c/*/0/0"):  # every context shard
+        data = bytearray(shard.read_bytes())
+        data[40] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    said = one_line_error(_train(url, tmp_path / "run", "--skip-corrupt"))
+    assert "even skipping the damaged samples (--skip-corrupt is on)" in said, said
+    assert "pass --skip-corrupt" not in said
+    said = one_line_error(_train(url, tmp_path / "run2"))
+    assert "pass --skip-corrupt" in said
