@@ -391,7 +391,7 @@ def parameter_count(n: int) -> str:
 
 
 def noise_layer_rms(cfg: TrainConfig, loader: StoreLoader, device: torch.device
-               ) -> torch.Tensor | None:
+                    ) -> torch.Tensor | None:
     """The first store's per-layer context RMS, for noise relative to it (else None). Over
     the parts the loader checked and found sound (its check is not repeated); a shard
     failing its checksum is refused here too, or, when skipping, left out."""
