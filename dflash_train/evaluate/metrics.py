@@ -20,6 +20,9 @@ from dflash_train.blocks import BLOCK_SIZE, BlockError
 Z_95 = 1.959963984540054
 """Two-sided 95 % normal quantile, for the confidence interval of the mean tau."""
 
+DEFAULT_POSITION_BIN = 256
+"""Tokens per bin of tau by anchor position (`dflash eval --position-bin`)."""
+
 
 def streak_lengths(draft: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Leading accepted slots per block [N] (slot 0 ignored; an invalid label stops it)."""
@@ -74,11 +77,7 @@ class TauHistogram:
 
     def update(self, taus: torch.Tensor) -> None:
         """Add a batch of taus [N]."""
-        taus = taus.detach().long().flatten().cpu()
-        if taus.numel() and (int(taus.min()) < 1 or int(taus.max()) > self.max_tau):
-            raise BlockError(
-                f"tau must lie in 1..{self.max_tau}, got {int(taus.min())}..{int(taus.max())}"
-            )
+        taus = _checked_taus(taus, self.max_tau)
         self.counts += torch.bincount(taus, minlength=self.max_tau + 1)
 
     def merge(self, other: "TauHistogram") -> None:
@@ -102,6 +101,50 @@ class TauHistogram:
             "tau_ci95": ci,
             "tau_hist": self.counts[1:].tolist(),
         }
+
+
+class PositionBins:
+    """Streaming tau histograms by the anchor's position: bin = anchor // width, the position
+    counted from the start of the sequence, prompt included (long contexts are where
+    acceptance falls). Integer counts per bin, so results merge exactly; a bin's mean and
+    interval are computed at summary time."""
+
+    def __init__(self, width: int = DEFAULT_POSITION_BIN, max_tau: int = BLOCK_SIZE):
+        if width < 1:
+            raise BlockError(f"a position bin must span >= 1 token, got {width}")
+        self.width = width
+        self.max_tau = max_tau
+        self.bins: dict[int, TauHistogram] = {}  # bin index -> its blocks' taus
+
+    def update(self, anchors: torch.Tensor, taus: torch.Tensor) -> None:
+        """Add blocks: their anchors [N] and taus [N]."""
+        anchors = anchors.detach().long().flatten().cpu()
+        taus = _checked_taus(taus, self.max_tau)  # all of them before any bin is counted
+        if anchors.shape != taus.shape:
+            raise BlockError(f"{anchors.numel()} anchors for {taus.numel()} taus")
+        if anchors.numel() and int(anchors.min()) < 0:
+            raise BlockError(f"anchor positions must be >= 0, got {int(anchors.min())}")
+        index = anchors // self.width
+        for b in index.unique().tolist():
+            self.bins.setdefault(b, TauHistogram(self.max_tau)).update(taus[index == b])
+
+    def merge(self, other: "PositionBins") -> None:
+        """Add another accumulator's counts (same width and max_tau)."""
+        if (other.width, other.max_tau) != (self.width, self.max_tau):
+            raise BlockError(f"cannot merge position bins of {other.width} tokens (max tau "
+                             f"{other.max_tau}) into {self.width} (max tau {self.max_tau})")
+        for b, hist in other.bins.items():
+            self.bins.setdefault(b, TauHistogram(self.max_tau)).merge(hist)
+
+    def summary(self) -> dict:
+        """bin_tokens, and per bin holding blocks, in position order: its first position
+        (start), n_blocks, mean_tau and tau_ci95 (null below 2 blocks)."""
+        bins = []
+        for b in sorted(self.bins):
+            s = self.bins[b].summary()
+            bins.append({"start": b * self.width, "n_blocks": s["n"], "mean_tau": s["mean_tau"],
+                         "tau_ci95": s["tau_ci95"]})
+        return {"bin_tokens": self.width, "bins": bins}
 
 
 class AcceptanceStats:
@@ -193,6 +236,14 @@ class AcceptanceStats:
                 for i, r in enumerate(self.recall_at)
             },
         }
+
+
+def _checked_taus(taus: torch.Tensor, max_tau: int) -> torch.Tensor:
+    """taus as a flat long CPU tensor; BlockError unless every one lies in 1..max_tau."""
+    taus = taus.detach().long().flatten().cpu()
+    if taus.numel() and (int(taus.min()) < 1 or int(taus.max()) > max_tau):
+        raise BlockError(f"tau must lie in 1..{max_tau}, got {int(taus.min())}..{int(taus.max())}")
+    return taus
 
 
 def _ratios(num: torch.Tensor, den: torch.Tensor) -> list[float | None]:

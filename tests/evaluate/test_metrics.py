@@ -9,6 +9,7 @@ import torch
 from dflash_train.blocks import IGNORE_LABEL, BlockError
 from dflash_train.evaluate.metrics import (
     AcceptanceStats,
+    PositionBins,
     TauHistogram,
     acceptance_lengths,
     agreement_counts,
@@ -191,6 +192,50 @@ def test_tau_histogram_mean_ci_and_bounds():
         hist.update(torch.tensor([0]))
     with pytest.raises(BlockError):
         hist.update(torch.tensor([5]))
+
+
+def test_position_bins_group_blocks_by_anchor_floor_divided_by_the_width():
+    bins = PositionBins(width=10, max_tau=4)
+    # anchors 0 and 9 share bin 0, 10 opens bin 1, nothing lands in 20..29, 35 is bin 3
+    bins.update(_t([9, 0, 10, 35, 12, 19]), _t([1, 3, 4, 2, 2, 3]))
+    s = bins.summary()
+    assert s["bin_tokens"] == 10
+    assert [b["start"] for b in s["bins"]] == [0, 10, 30]  # only bins holding blocks
+    assert [b["n_blocks"] for b in s["bins"]] == [2, 3, 1]
+    assert [b["mean_tau"] for b in s["bins"]] == [2.0, 3.0, 2.0]
+    half = 1.959963984540054 * statistics.stdev([4, 2, 3]) / math.sqrt(3)
+    assert s["bins"][1]["tau_ci95"] == pytest.approx([3.0 - half, 3.0 + half])
+    assert s["bins"][2]["tau_ci95"] is None  # one block has no spread estimate
+
+
+def test_position_bins_merged_from_any_split_equal_one_accumulator():
+    gen = torch.Generator().manual_seed(5)
+    anchors = torch.randint(0, 3000, (400,), generator=gen)
+    taus = torch.randint(1, B + 1, (400,), generator=gen)
+    whole = PositionBins(256, B)
+    whole.update(anchors, taus)
+    for cut in (0, 1, 173, 400):
+        a, b = PositionBins(256, B), PositionBins(256, B)
+        a.update(anchors[:cut], taus[:cut])
+        b.update(anchors[cut:], taus[cut:])
+        a.merge(b)
+        assert a.summary() == whole.summary()
+    assert len(whole.summary()["bins"]) == 12  # 0..2999 in bins of 256
+
+
+def test_position_bins_refuse_bad_widths_anchors_and_merges():
+    with pytest.raises(BlockError, match=">= 1 token"):
+        PositionBins(0)
+    bins = PositionBins(4, max_tau=4)
+    with pytest.raises(BlockError, match="3 anchors for 2 taus"):
+        bins.update(_t([1, 2, 3]), _t([1, 2]))
+    with pytest.raises(BlockError, match=">= 0"):
+        bins.update(_t([-1]), _t([1]))
+    with pytest.raises(BlockError, match="tau must lie"):
+        bins.update(_t([1, 9]), _t([1, 5]))
+    assert bins.summary()["bins"] == []  # a refused batch counts nothing, in no bin
+    with pytest.raises(BlockError, match="cannot merge"):
+        bins.merge(PositionBins(8, max_tau=4))
 
 
 def test_agreement_counts_compare_next_stored_token_with_verifier_argmax():
