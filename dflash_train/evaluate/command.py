@@ -40,6 +40,11 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
                    "--online, a tree of each budget is decoded as its own walk.")
 @click.option("--recall-at", default="1,2,4,8", show_default=True, callback=_int_list,
               help="k of the per-slot top-k recall (comma list).")
+@click.option("--position-bin", default=_DEFAULTS.position_bin, show_default=True,
+              type=click.IntRange(1),
+              help="Tokens per bin of tau by the anchor's position (counted from the start "
+                   "of the sequence, prompt included): each bin's blocks, mean tau and 95 % "
+                   "interval in the table, report.json and the plot.")
 @click.option("--limit", type=click.IntRange(1), default=None,
               help="Evaluate this many samples, drawn uniformly with --seed. Default: all.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, MAX_SEED),
@@ -96,7 +101,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
                    "part metadata) and list them in the report, instead of refusing it.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def eval_command(checkpoints, store, mode, tree_budgets, recall_at, batch_tokens,
-                 blocks_per_forward, as_json, **options) -> None:
+                 blocks_per_forward, position_bin, as_json, **options) -> None:
     """Compare drafter checkpoints offline by acceptance streak on a held-out store.
 
     CHECKPOINTS: training checkpoint dirs, exported drafters or third-party DFlash drafters
@@ -105,7 +110,8 @@ def eval_command(checkpoints, store, mode, tree_budgets, recall_at, batch_tokens
     from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 
     settings = EvalSettings(mode=mode, tree_budgets=tree_budgets, recall_at=recall_at,
-                            batch_tokens=batch_tokens, blocks_per_forward=blocks_per_forward)
+                            batch_tokens=batch_tokens, blocks_per_forward=blocks_per_forward,
+                            position_bin=position_bin)
     cfg = EvalConfig(store=store, checkpoints=list(checkpoints), settings=settings, **options)
     with reported_as_one_line():
         outcome = run_eval(cfg, echo=lambda line: click.echo(line, err=True))

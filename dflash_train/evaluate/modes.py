@@ -177,6 +177,8 @@ class ServedMode(DecodeMode):
 
     def run(self, inputs, samples, stop, earlier):
         served = self.serve(inputs, samples, stop)
+        for results in served.values():  # an engine counts rounds; the bins are eval's
+            results.position_bin = inputs.settings.position_bin
         decoded = {n: r.decoded() for n, r in served.items()}
         checks = check_runs(decoded, samples, earlier)
         return ModeRun(self.label, served, decoded, check=self.check_json(checks, inputs))

@@ -224,6 +224,9 @@ def prepare(cfg: EvalConfig, modes: list[DecodeMode], echo: Callable[[str], None
     if any(b < 1 for b in budgets) or any(k < 1 for k in cfg.settings.recall_at):
         raise EvalError(f"tree budgets {budgets} and recall k {cfg.settings.recall_at} "
                         "must be >= 1")
+    if cfg.settings.position_bin < 1:
+        raise EvalError(f"--position-bin {cfg.settings.position_bin}: a bin spans at least "
+                        "1 token")
     vocab = store.meta.target.vocab_size
     settings = replace(cfg.settings,
                        recall_at=tuple(sorted({min(k, vocab) for k in cfg.settings.recall_at})))

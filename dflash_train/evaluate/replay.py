@@ -31,7 +31,9 @@ from dflash_train.blocks import block_label_mask, block_labels, eligible_anchors
 from dflash_train.evaluate.damage import DamagePolicy
 from dflash_train.evaluate.drafting import BlockDrafter, Draft, cat_drafts, select_rows
 from dflash_train.evaluate.metrics import (
+    DEFAULT_POSITION_BIN,
     AcceptanceStats,
+    PositionBins,
     TauHistogram,
     agreement_counts,
     committed_lengths,
@@ -59,6 +61,9 @@ class EvalSettings:
     """Sequences per batch: count x longest <= this (at least one sequence)."""
     blocks_per_forward: int = 16
     """Blocks per sequence in one drafter forward (--mode all); bounds attention memory."""
+    position_bin: int = DEFAULT_POSITION_BIN
+    """Tokens per bin of tau by anchor position: bin = anchor // position_bin, the anchor's
+    position counted from the start of the sequence, prompt included."""
 
     def top_k(self, vocab_size: int) -> int:
         """Draft ids kept per slot: enough for the largest budget and recall (<= vocab)."""
@@ -185,8 +190,12 @@ class CheckpointResults:
     settings: EvalSettings
     stats: AcceptanceStats = field(init=False)
     """The chain's metrics."""
+    positions: PositionBins = field(init=False)
+    """The chain's tau by anchor position."""
     tree: dict[int, TauHistogram] = field(init=False)
     """Per budget: the DDTree rounds' tau."""
+    tree_positions: dict[int, PositionBins] = field(init=False)
+    """Per budget: the DDTree rounds' tau by anchor position."""
     rows: dict[str, list] = field(init=False)
     """Per block, in the order drafted (ROW_NAMES); `table()` orders them canonically."""
     sequences: dict[tuple[int, int], list[tuple[int, int]]] = field(init=False)
@@ -196,7 +205,10 @@ class CheckpointResults:
 
     def __post_init__(self) -> None:
         self.stats = AcceptanceStats(self.block_size, self.settings.recall_at)
+        self.positions = PositionBins(self.settings.position_bin, self.block_size)
         self.tree = {b: TauHistogram(self.block_size) for b in self.settings.tree_budgets}
+        self.tree_positions = {b: PositionBins(self.settings.position_bin, self.block_size)
+                               for b in self.settings.tree_budgets}
         self.rows = {n: [] for n in ROW_NAMES}
         self.sequences = {}
         self.tree_sequences = {b: {} for b in self.settings.tree_budgets}
@@ -205,6 +217,7 @@ class CheckpointResults:
             ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> list[int]:
         """Score chain blocks (sample, anchor) with draft top-k [M, B, k] and labels [M, B]."""
         taus = self.stats.update(ids, labels, valid, tokens_left(blocks, self.block_size))
+        self.positions.update(_anchors(blocks), taus)
         return self._record(blocks, taus.tolist(), None, self.sequences)
 
     def add_trees(self, budget: int, blocks: list[tuple[EvalSample, int]],
@@ -216,6 +229,7 @@ class CheckpointResults:
                               zip(trees, label_rows, valid_rows, strict=True)], dtype=torch.long)
         taus = committed_lengths(depth, tokens_left(blocks, self.block_size))
         self.tree[budget].update(taus)
+        self.tree_positions[budget].update(_anchors(blocks), taus)
         return self._record(blocks, taus.tolist(), budget, self.tree_sequences[budget])
 
     def _record(self, blocks: list[tuple[EvalSample, int]], taus: list[int],
@@ -237,13 +251,20 @@ class CheckpointResults:
         return {name: [self.rows[name][i] for i in order] for name in ROW_NAMES}
 
     def summary(self) -> dict:
-        """Its column of the report: the chain's metrics plus each budget's DDTree rounds."""
+        """Its column of the report: the chain's metrics plus each budget's DDTree rounds,
+        each with its tau by anchor position."""
         tree = {}
         for b, hist in self.tree.items():
             s = hist.summary()
             tree[str(b)] = {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"],
-                            "rounds": s["n"], "tau_hist": s["tau_hist"]}
-        return Summary(self.stats, tree).to_json()
+                            "rounds": s["n"], "tau_hist": s["tau_hist"],
+                            "tau_by_position": self.tree_positions[b].summary()}
+        return Summary(self.stats, tree, self.positions).to_json()
+
+
+def _anchors(blocks: list[tuple[EvalSample, int]]) -> torch.Tensor:
+    """The anchor of each block (sample, anchor) [M]."""
+    return torch.tensor([a for _, a in blocks], dtype=torch.long)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What `dflash eval` shows and writes: the side-by-side table, JSON, per-block parquet rows,
-the per-slot acceptance plot, and decoded example blocks.
+the plot (per-slot acceptance; tau by anchor position), and decoded example blocks.
 
 Everything here is a pure function of results already computed (dflash_train.evaluate.replay and
 .online); this module never runs a model and never reads the store.
@@ -178,6 +178,7 @@ def format_table(report: dict) -> str:
     out += _grid(["slot", *names], _slot_rows(metrics, slots, shown_recall))
     out += ["", "streak histogram (blocks)"]
     out += _grid(["streak", *names], _streak_rows(metrics, slots))
+    out += _position_section(names, metrics)
     check = report.get("online_check")
     if check:
         out += ["", f"online check over {check['prompts']} prompts: generated text equals the "
@@ -249,6 +250,28 @@ def _slot_rows(metrics: list[dict], slots: int, shown_recall: str | None
             row.append(cell)
         rows.append(row)
     return rows
+
+
+def _position_section(names: list[str], metrics: list[dict]) -> list[str]:
+    """The chain's tau per anchor-position bin: one row per bin from the first to the last
+    any column has blocks in, a column per checkpoint and run; "-" where a column has none.
+    Nothing for summaries without it."""
+    by_position = [m.get("tau_by_position") or {"bins": []} for m in metrics]
+    width = next((p["bin_tokens"] for p in by_position if p.get("bin_tokens")), None)
+    starts = [b["start"] for p in by_position for b in p["bins"]]
+    if width is None or not starts:
+        return []
+    cells = [{b["start"]: _position_cell(b) for b in p["bins"]} for p in by_position]
+    rows = [[f"{start}-{start + width - 1}", *[c.get(start, "-") for c in cells]]
+            for start in range(min(starts), max(starts) + 1, width)]
+    return ["", f"tau by anchor position from the sequence start (bins of {width} tokens): "
+                "mean ±CI95 (blocks)", *_grid(["position", *names], rows)]
+
+
+def _position_cell(b: dict) -> str:
+    ci = b["tau_ci95"]
+    spread = "" if ci is None else f" ±{(ci[1] - ci[0]) / 2:.3f}"
+    return f"{_fmt(b['mean_tau'])}{spread} ({b['n_blocks']})"
 
 
 def _rates(values: list) -> str:
@@ -329,19 +352,32 @@ def require_matplotlib() -> None:
         raise EvalError(f"the plot needs matplotlib: {PLOT_EXTRA}") from e
 
 
+RUN_STYLES = (("offline", "-"), ("online", "--"), ("served", "-."))
+"""Each run's line style in the plot."""
+
+
 def plot_acceptance(report: dict, path: str | Path) -> None:
-    """PNG: per-slot conditional acceptance (solid) and marginal accuracy (dotted) per
-    checkpoint, online runs dashed, served runs dash-dotted."""
+    """PNG of two panels, one line per checkpoint and run (online dashed, served
+    dash-dotted): per-slot acceptance above, tau by anchor position below."""
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    fig, (slots_ax, position_ax) = plt.subplots(2, 1, figsize=(8, 8.5), dpi=120)
+    _plot_slots(slots_ax, report)
+    _plot_positions(position_ax, report)
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+    plt.close(fig)
+
+
+def _plot_slots(ax, report: dict) -> None:
+    """Per-slot conditional acceptance, and the offline marginal accuracy (dotted)."""
     for i, c in enumerate(report["checkpoints"]):
         color = f"C{i % 10}"
-        for run, style in (("offline", "-"), ("online", "--"), ("served", "-.")):
+        for run, style in RUN_STYLES:
             m = c.get(run)
             if m is None:
                 continue
@@ -360,9 +396,47 @@ def plot_acceptance(report: dict, path: str | Path) -> None:
     ax.set_title(f"per-slot acceptance, mode {report['mode']} (dotted: marginal accuracy)",
                  fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(str(path), format="png")
-    plt.close(fig)
+
+
+def _plot_positions(ax, report: dict) -> None:
+    """The chain's mean tau at each position bin's midpoint with its 95 % interval as error
+    bars; a bin without blocks breaks the line."""
+    width = None
+    for i, c in enumerate(report["checkpoints"]):
+        for run, style in RUN_STYLES:
+            by_position = (c.get(run) or {}).get("tau_by_position")
+            if not by_position or not by_position["bins"]:
+                continue
+            width = by_position["bin_tokens"]
+            x, y, err = _position_points(by_position)
+            label = c["name"] + ("" if run == "offline" else f" {run}")
+            ax.errorbar(x, y, yerr=err, fmt=style, color=f"C{i % 10}", marker="o",
+                        markersize=3, capsize=2, label=label)
+    if width is None:
+        ax.text(0.5, 0.5, "no blocks", ha="center", va="center", transform=ax.transAxes)
+        return
+    ax.set_xlabel(f"anchor position (tokens from the sequence start, prompt included; "
+                  f"bins of {width})")
+    ax.set_ylabel("mean tau (tokens per round)")
+    ax.grid(alpha=0.3)
+    ax.set_title("tau by anchor position (bars: 95 % interval)", fontsize=10)
+    ax.legend(fontsize=8)
+
+
+def _position_points(by_position: dict) -> tuple[list[float], list[float], list[list[float]]]:
+    """Midpoints, means and [below, above] error lengths of every bin from the first to the
+    last holding blocks (NaN mean and no bar where a bin has none or one block)."""
+    width = by_position["bin_tokens"]
+    bins = {b["start"]: b for b in by_position["bins"]}
+    x, y, below, above = [], [], [], []
+    for start in range(min(bins), max(bins) + 1, width):
+        b = bins.get(start, {"mean_tau": None, "tau_ci95": None})
+        mean, ci = b["mean_tau"], b["tau_ci95"]
+        x.append(start + (width - 1) / 2)
+        y.append(math.nan if mean is None else mean)
+        below.append(0.0 if ci is None else mean - ci[0])
+        above.append(0.0 if ci is None else ci[1] - mean)
+    return x, y, [below, above]
 
 
 # -- decoded example blocks -------------------------------------------------------------

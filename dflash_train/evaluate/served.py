@@ -39,7 +39,7 @@ import torch
 from dflash_train.dtypes import torch_dtype as named_dtype
 from dflash_train.evaluate.agreement import Decoded
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.metrics import AcceptanceStats
+from dflash_train.evaluate.metrics import DEFAULT_POSITION_BIN, AcceptanceStats, PositionBins
 from dflash_train.evaluate.online import StopRule, prompt_of
 from dflash_train.evaluate.replay import ROW_NAMES, EvalSample
 from dflash_train.evaluate.summary import Summary
@@ -255,6 +255,8 @@ class ServedResults:
     """Whether the per-request counts equal `counters`, when the engine decides it by a rule
     of its own (llama.cpp: steps past the stop, rounded Prometheus values); None: the
     per-request steps equal the totals exactly (vLLM)."""
+    position_bin: int = DEFAULT_POSITION_BIN
+    """Tokens per bin of the summary's tau by anchor position (EvalSettings.position_bin)."""
     stats: AcceptanceStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -295,7 +297,11 @@ class ServedResults:
         """The served column: committed tokens as offline counts them (drafts past a
         rejection, top-k and trees are not visible from outside the engine), and the
         engine's own counters."""
-        return Summary(self.stats, sees_drafts=False,
+        positions = PositionBins(self.position_bin, self.block_size)
+        for r in self.runs:
+            positions.update(torch.tensor(r.anchors, dtype=torch.long),
+                             torch.tensor(r.committed, dtype=torch.long))
+        return Summary(self.stats, positions=positions, sees_drafts=False,
                        engine={self.engine: self.engine_summary(), "info": self.info}).to_json()
 
     def decoded(self) -> Decoded:

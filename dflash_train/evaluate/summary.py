@@ -5,7 +5,7 @@ line, whatever the run, so a new decode mode fills this type rather than a dict 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dflash_train.evaluate.metrics import AcceptanceStats
+from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins
 
 RunLabel = Literal["offline", "online", "served"]
 """Which run a summary is of: its key in the report's checkpoint entry."""
@@ -20,8 +20,10 @@ class Summary:
     stats: AcceptanceStats
     """Committed tokens per block, streaks and per-slot acceptance, in our convention."""
     tree: dict[str, dict] = field(default_factory=dict)
-    """DDTree acceptance per node budget (mean_tau, tau_ci95, tau_hist); empty for a run
-    whose drafts' top-k is not visible (served)."""
+    """DDTree acceptance per node budget (mean_tau, tau_ci95, tau_hist, tau_by_position);
+    empty for a run whose drafts' top-k is not visible (served)."""
+    positions: PositionBins | None = None
+    """The chain's tau by anchor position (`tau_by_position`); None: not measured."""
     sees_drafts: bool = True
     """Every slot's draft and its top-k are visible (offline, --online). A serving engine
     shows only what it committed: its slot accuracy and top-k recall are unknown (null)."""
@@ -34,4 +36,6 @@ class Summary:
         if not self.sees_drafts:
             out["slot_accuracy"] = [None] * (self.stats.block_size - 1)
             out["topk_recall"] = {}
-        return {**out, "block_size": self.stats.block_size, "tree": self.tree, **self.engine}
+        positions = None if self.positions is None else self.positions.summary()
+        return {**out, "block_size": self.stats.block_size, "tau_by_position": positions,
+                "tree": self.tree, **self.engine}

@@ -9,6 +9,9 @@ from click.testing import CliRunner
 
 from dflash_train.drafter import save_drafter
 from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.pipeline import EvalConfig, run_eval
+from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import random_drafter, synthetic_meta
 
@@ -151,3 +154,21 @@ def test_checkpoints_with_different_block_sizes_share_the_anchors(tmp_path, rege
     assert (b8["block_size"], b4["block_size"]) == (8, 4)
     assert b8["n_blocks"] == b4["n_blocks"]
     assert len(b8["cond_accept"]) == 7 and len(b4["cond_accept"]) == 3
+
+
+def test_position_bin_sets_the_bin_width_and_below_one_is_refused(regen_store,
+                                                                  random_drafter_dir):
+    result = _run("--store", regen_store, "--limit", "4", "--position-bin", "8", "--json",
+                  random_drafter_dir)
+    assert result.exit_code == 0, result.output
+    offline = json.loads(result.output)["checkpoints"][0]["offline"]
+    by_position = offline["tau_by_position"]
+    assert by_position["bin_tokens"] == 8
+    assert [b["start"] % 8 for b in by_position["bins"]] == [0] * len(by_position["bins"])
+    assert sum(b["n_blocks"] for b in by_position["bins"]) == offline["n_blocks"]
+    result = _run("--store", regen_store, "--position-bin", "0", random_drafter_dir)
+    assert result.exit_code == 2 and "--position-bin" in result.output
+    cfg = EvalConfig(store=regen_store, checkpoints=[random_drafter_dir], progress=False,
+                     settings=EvalSettings(position_bin=0))
+    with pytest.raises(EvalError, match="--position-bin 0: a bin spans at least 1 token"):
+        run_eval(cfg)

@@ -39,7 +39,8 @@ def test_offline_replay_equals_live_speculative_decoding_prompt_by_prompt(
     assert any(len(r) == MAX_NEW_TOKENS and EOS_ID not in r for r in responses)
 
     cfg = EvalConfig(store=regen_store, checkpoints=[trained_drafter_dir, random_drafter_dir],
-                     settings=EvalSettings(mode="replay", tree_budgets=(4, 16)),
+                     settings=EvalSettings(mode="replay", tree_budgets=(4, 16),
+                                           position_bin=8),
                      online=True, model=eos_target_dir, progress=False)
     out = run_eval(cfg)
 
@@ -54,7 +55,10 @@ def test_offline_replay_equals_live_speculative_decoding_prompt_by_prompt(
         assert out.offline[name].sequences == out.online[name].sequences, name
         # each DDTree budget walked offline as it is decoded live: a + the tree's own tau
         assert out.offline[name].tree_sequences == out.online[name].tree_sequences, name
+        # the whole summary, tau by anchor position (chain and each budget) included
         assert out.offline[name].summary() == out.online[name].summary(), name
+    by_position = out.online["trained"].summary()["tau_by_position"]["bins"]
+    assert len(by_position) >= 3 and len({b["mean_tau"] for b in by_position}) >= 2
     trees = out.online["trained"].tree_sequences
     assert trees[16] != out.online["trained"].sequences, "the trees moved on as chains did"
     assert sum(map(len, trees[16].values())) < sum(map(len, trees[4].values()))

@@ -1,5 +1,6 @@
 """Offline replay: the drafting path, anchor order, and metrics against hand-computed blocks."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -138,9 +139,10 @@ def _sample(sid: int, prompt: int, length: int) -> EvalSample:
 SETTINGS = EvalSettings(tree_budgets=(1, 2, 64), recall_at=(1, 2))
 
 
-def _crafted(wrong: dict[int, set[int]], *samples: EvalSample, block_size: int = 4):
+def _crafted(wrong: dict[int, set[int]], *samples: EvalSample, block_size: int = 4,
+             settings: EvalSettings = SETTINGS):
     drafter = CraftedDrafter({s.index: s for s in samples}, wrong, block_size)
-    return drafter, CheckpointResults("crafted", block_size, SETTINGS)
+    return drafter, CheckpointResults("crafted", block_size, settings)
 
 
 def test_replay_visits_first_response_token_then_jumps_by_tau():
@@ -219,17 +221,62 @@ def test_replay_steps_many_sequences_together_without_mixing_them():
     assert (0, 3) not in results.sequences
 
 
+def _bins(by_position: dict) -> list[tuple[int, int, float]]:
+    return [(b["start"], b["n_blocks"], b["mean_tau"]) for b in by_position["bins"]]
+
+
+def test_tau_by_anchor_position_bins_the_replay_rounds():
+    samples = [_sample(0, 3, 12), _sample(1, 5, 30), _sample(2, 2, 9)]
+    wrong = {0: {5, 9}, 1: {8, 9, 15, 22}, 2: {3}}
+    settings = EvalSettings(tree_budgets=(2,), recall_at=(1, 2), position_bin=8)
+    drafter, results = _crafted(wrong, *samples, settings=settings)
+    evaluate_replay(drafter, samples, results, settings.top_k(VOCAB_SIZE))
+    # B = 4. Sample 1 (prompt 0..4, text to 29, wrong at 8, 9, 15, 22): a=5: 6, 7 ok, 8
+    # wrong -> 3. a=8: 9 wrong -> 1. a=9: 10..12 -> 4. a=13: 14, 15 wrong -> 2. a=15: 4.
+    # a=19: 20, 21, 22 wrong -> 3. a=22: 4. a=26: 27..29 and the text ends: 3 (no bonus).
+    # Sample 2 (prompt 0..1, text to 8, wrong at 3): a=2: 1. a=3: 4. a=7: 8, then the end: 1.
+    assert results.sequences == {
+        (0, 0): [(3, 2), (5, 4), (9, 2)],
+        (0, 1): [(5, 3), (8, 1), (9, 4), (13, 2), (15, 4), (19, 3), (22, 4), (26, 3)],
+        (0, 2): [(2, 1), (3, 4), (7, 1)]}
+    summary = results.summary()
+    # bins of 8 by anchor, prompt included: 0..7 {2, 4, 3, 1, 4, 1}, 8..15 {2, 1, 4, 2, 4},
+    # 16..23 {3, 4}, 24..31 {3}
+    assert _bins(summary["tau_by_position"]) == [(0, 6, 2.5), (8, 5, 2.6), (16, 2, 3.5),
+                                                 (24, 1, 3.0)]
+    assert summary["tau_by_position"]["bin_tokens"] == 8
+    ci = [b["tau_ci95"] for b in summary["tau_by_position"]["bins"]]
+    half = 1.959963984540054 * math.sqrt(9.5 / 5 / 6)  # squared deviations 9.5, n - 1 = 5
+    assert ci[0] == pytest.approx([2.5 - half, 2.5 + half])
+    half = 1.959963984540054 * math.sqrt(0.5 / 2)  # {3, 4}: squared deviations 0.5
+    assert ci[2] == pytest.approx([3.5 - half, 3.5 + half])
+    assert ci[3] is None
+    # budget 2 walks its own anchors (sample 0: (3, 2), (5, 3), (8, 1), (9, 2), see
+    # test_each_budget_walks_its_own_tree...), binned the same way
+    tree = results.tree_sequences[2]
+    assert tree[(0, 0)] == [(3, 2), (5, 3), (8, 1), (9, 2)]
+    rounds = [r for seq in tree.values() for r in seq]
+    want = {}
+    for anchor, tau in rounds:
+        want.setdefault(anchor // 8 * 8, []).append(tau)
+    assert _bins(summary["tree"]["2"]["tau_by_position"]) == [
+        (start, len(t), pytest.approx(sum(t) / len(t))) for start, t in sorted(want.items())]
+
+
 def test_blocks_per_forward_and_batch_size_change_nothing():
     samples = [_sample(0, 3, 12), _sample(1, 5, 30), _sample(2, 2, 9)]
     wrong = {0: {5, 9}, 1: {8, 9, 15, 22}, 2: {3}}
-    runs = []
-    for batch_tokens, per_forward in ((10_000, 64), (1, 1), (40, 3)):
-        drafter, _ = _crafted(wrong, *samples)
-        settings = EvalSettings(mode="all", tree_budgets=(1, 2, 64), recall_at=(1, 2),
-                                batch_tokens=batch_tokens, blocks_per_forward=per_forward)
-        results, _ = evaluate_offline({"crafted": drafter}, samples, settings)
-        runs.append(results["crafted"].table())
-    assert runs[0] == runs[1] == runs[2]
+    for mode, bins in (("all", 8), ("replay", 7)):  # all: anchors 2..28; replay: 2..26
+        runs = []
+        for batch_tokens, per_forward in ((10_000, 64), (1, 1), (40, 3)):
+            drafter, _ = _crafted(wrong, *samples)
+            settings = EvalSettings(mode=mode, tree_budgets=(1, 2, 64), recall_at=(1, 2),
+                                    batch_tokens=batch_tokens, blocks_per_forward=per_forward,
+                                    position_bin=4)
+            results, _ = evaluate_offline({"crafted": drafter}, samples, settings)
+            runs.append((results["crafted"].table(), results["crafted"].summary()))
+        assert runs[0] == runs[1] == runs[2]
+        assert len(runs[0][1]["tau_by_position"]["bins"]) == bins  # bins of 4 tokens
 
 
 # -- real drafter on a store: batching invariance, sample choice, agreement ----------------
@@ -260,12 +307,13 @@ def test_a_real_drafter_gives_the_same_blocks_whatever_the_batching(small_store)
         per_mode = []
         for batch_tokens, per_forward in ((100_000, 64), (1, 2)):
             settings = EvalSettings(mode=mode, batch_tokens=batch_tokens,
-                                    blocks_per_forward=per_forward)
+                                    blocks_per_forward=per_forward, position_bin=8)
             results, _ = evaluate_offline(drafter, read_samples(store), settings)
-            per_mode.append(results["d"].table())
+            per_mode.append((results["d"].table(), results["d"].summary()))
         assert per_mode[0] == per_mode[1]
         rows.append(per_mode[0])
-    assert len(rows[0]["tau"]) > len(rows[1]["tau"]) > 0  # all scores more anchors
+    assert len(rows[0][0]["tau"]) > len(rows[1][0]["tau"]) > 0  # all scores more anchors
+    assert len(rows[0][1]["tau_by_position"]["bins"]) > 2
 
 
 def test_limit_draws_reproducible_samples_by_seed(small_store):

@@ -1,10 +1,14 @@
-"""The terminal table of `dflash eval`: what it shows of the streak histogram."""
+"""The terminal table of `dflash eval`: what it shows of the streak histogram and of tau by
+anchor position; the plot's panels."""
 
+import re
+
+import pytest
 import torch
 
 from dflash_train.blocks import IGNORE_LABEL
-from dflash_train.evaluate.metrics import AcceptanceStats
-from dflash_train.evaluate.report import format_table
+from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins
+from dflash_train.evaluate.report import format_table, plot_acceptance
 
 B = 16
 
@@ -49,3 +53,43 @@ def test_a_full_block_keeps_every_row_of_the_streak_histogram():
 def test_one_missing_streak_length_is_named_alone():
     rows = _histogram(format_table(_report({"d": [B - 2]})))
     assert rows[-2:] == [["14", "1"], ["15", "0"]]
+
+
+def _by_position(width: int, blocks: list[tuple[int, int]]) -> dict:
+    """tau_by_position of blocks (anchor, tau)."""
+    bins = PositionBins(width, B)
+    bins.update(torch.tensor([a for a, _ in blocks]), torch.tensor([t for _, t in blocks]))
+    return bins.summary()
+
+
+def _position_rows(text: str) -> list[list[str]]:
+    lines = text.split("tau by anchor position from the sequence start (bins of 8 tokens)",
+                       1)[1].splitlines()
+    return [re.split(r"\s{2,}", line.strip()) for line in lines[1:]]
+
+
+def test_tau_by_position_has_a_row_per_bin_and_a_dash_where_a_column_has_no_blocks():
+    report = _report({"a": [0, 1], "b": [2]})
+    a, b = (c["offline"] for c in report["checkpoints"])
+    a["tau_by_position"] = _by_position(8, [(5, 2), (7, 4), (30, 1)])
+    b["tau_by_position"] = _by_position(8, [(9, 3)])
+    rows = _position_rows(format_table(report))
+    # bin 0..7: taus 2, 4: mean 3, half-width 1.96 * stdev / sqrt(2) = 1.96 * sqrt(2) / sqrt(2)
+    assert rows == [["position", "a", "b"],
+                    ["0-7", "3.000 ±1.960 (2)", "-"],
+                    ["8-15", "-", "3.000 (1)"],
+                    ["16-23", "-", "-"],
+                    ["24-31", "1.000 (1)", "-"]]
+
+
+def test_a_report_without_position_bins_has_no_position_section():
+    assert "tau by anchor position" not in format_table(_report({"a": [0, 1]}))
+
+
+def test_the_plot_draws_both_panels_with_gaps_and_single_blocks(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = _report({"a": [0, 1], "b": [2]})
+    report["checkpoints"][0]["offline"]["tau_by_position"] = _by_position(8, [(5, 2), (30, 1)])
+    path = tmp_path / "acceptance.png"
+    plot_acceptance(report, path)  # b has no bins: it has no line in the lower panel
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

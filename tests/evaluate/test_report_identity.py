@@ -25,11 +25,12 @@ RECORD = os.environ.get("DFLASH_RECORD_EVAL_GOLDEN") == "1"
 """Write the golden copies instead of comparing with them."""
 
 CASES = {
-    "offline_replay": dict(settings=EvalSettings(mode="replay", tree_budgets=(4, 16)), show=2),
+    "offline_replay": dict(settings=EvalSettings(mode="replay", tree_budgets=(4, 16),
+                                                 position_bin=16), show=2),
     "offline_all": dict(settings=EvalSettings(mode="all", tree_budgets=(2, 8),
                                               recall_at=(1, 3))),
-    "online_replay": dict(settings=EvalSettings(mode="replay", tree_budgets=(4,)),
-                          online=True),
+    "online_replay": dict(settings=EvalSettings(mode="replay", tree_budgets=(4,),
+                                                position_bin=16), online=True),
     "online_all": dict(settings=EvalSettings(mode="all", tree_budgets=(4,)), online=True),
 }
 

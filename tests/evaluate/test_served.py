@@ -7,6 +7,7 @@ import runpy
 import stat
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from dflash_train.evaluate import served as served_mod
 from dflash_train.evaluate.agreement import Decoded, first_difference
 from dflash_train.evaluate.command import eval_command
 from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.modes import EvalInputs, ServedMode
 from dflash_train.evaluate.online import StopRule, evaluate_online
 from dflash_train.evaluate.replay import EvalSample, EvalSettings
 from dflash_train.evaluate.report import block_rows, format_table
@@ -51,11 +53,12 @@ def _raw(generated: list[int], accepted: list[int], block_size: int) -> dict:
             "per_step_accepted": accepted, "per_step_drafted": [block_size - 1] * len(accepted)}
 
 
-def _online(continuation: list[int], wrong: set[int], block_size: int, stop: StopRule):
+def _online(continuation: list[int], wrong: set[int], block_size: int, stop: StopRule,
+            settings: EvalSettings = SETTINGS):
     script = PROMPT + continuation
     results, generated = evaluate_online(
         ScriptedTarget(script), {"s": ScriptedDrafter(script, wrong, block_size)},
-        [_sample(script)], SETTINGS, stop, cached=False)
+        [_sample(script)], settings, stop, cached=False)
     return results["s"], generated[(0, 0)]
 
 
@@ -64,15 +67,21 @@ def test_a_cap_inside_the_accepted_drafts_reads_as_the_tokens_committed():
     # wrong) and commits 3; round 2 at a=6 has all 7 drafts right, and vLLM's scheduler
     # counts all 7 accepted before its stop check, but only 3 tokens are left to commit.
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
-    online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
+    settings = replace(SETTINGS, position_bin=4)
+    online, tokens = _online(list(range(20, 40)), {6}, 8, stop, settings)
     run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8)
     assert run.committed == [3, 3] and run.anchors == [3, 6] and run.tokens == tokens
     served = ServedResults("s", 8, [run], {"num_drafts": 2, "num_accepted_tokens": 9,
-                                           "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]})
+                                           "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]},
+                           position_bin=4)
     assert served.sequences == online.sequences == {(0, 0): [(3, 3), (6, 3)]}
     mine, theirs = served.summary(), online.summary()
-    for key in ("n_blocks", "mean_tau", "mean_streak", "streak_hist", "cond_accept"):
+    for key in ("n_blocks", "mean_tau", "mean_streak", "streak_hist", "cond_accept",
+                "tau_by_position"):
         assert mine[key] == theirs[key], key
+    # anchor 3 in bin 0..3, anchor 6 in bin 4..7 (positions from the prompt's first token)
+    assert [(b["start"], b["n_blocks"], b["mean_tau"]) for b in
+            mine["tau_by_position"]["bins"]] == [(0, 1, 3.0), (4, 1, 3.0)]
     vllm = mine["vllm"]
     assert vllm["mean_acceptance_length"] == pytest.approx(1 + 9 / 2)  # vLLM's convention
     assert vllm["accepted_per_pos"] == [2, 2, 1, 1, 1, 1, 1] and vllm["counters_agree"]
@@ -197,6 +206,34 @@ def test_the_table_shows_served_columns_and_vllm_counters_in_their_own_conventio
     rows = block_rows({"offline": {"s": online}, "served": {"s": served}})
     assert rows["run"] == ["offline"] * 2 + ["served"] * 2
     assert rows["tau"] == [3, 3, 3, 3] and rows["tree_budget"] == [None] * 4
+
+
+class _FixedEngine(ServedMode):
+    """An engine that has already served: its results, as an engine's serve returns them."""
+
+    def __init__(self, served: dict):
+        self.served = served
+
+    def prepare(self, cfg, store, device):
+        pass
+
+    def serve(self, inputs, samples, stop):
+        return self.served
+
+    def causes(self, diff, inputs, name):
+        return []
+
+
+def test_every_engine_bins_its_rounds_by_evals_position_bin():
+    tokens = PROMPT + list(range(20, 30))
+    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [3, 1, 2], 4), 4)
+    assert run.anchors == [3, 7, 9]
+    engine = _FixedEngine({"s": ServedResults("s", 4, [run], {})})  # built with the default
+    inputs = EvalInputs(None, replace(SETTINGS, position_bin=5), [], {}, lambda _: None)
+    served = engine.run(inputs, [_sample(tokens)], None, []).results["s"]
+    by_position = served.summary()["tau_by_position"]
+    assert by_position["bin_tokens"] == 5
+    assert [(b["start"], b["n_blocks"]) for b in by_position["bins"]] == [(0, 1), (5, 2)]
 
 
 def _fake_python(tmp_path, body: str) -> str:
