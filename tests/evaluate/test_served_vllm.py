@@ -17,7 +17,7 @@ from dflash_train.drafter import save_drafter
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import pick_samples, read_samples
+from dflash_train.evaluate.replay import EvalSettings, pick_samples, read_samples
 from dflash_train.evaluate.served import build_request, find_vllm, run_driver, served_prompts
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import (
@@ -66,7 +66,8 @@ def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
         vllm_python, target_dir, store, drafter_dir, tmp_path):
     out = run_eval(EvalConfig(store=store, checkpoints=[drafter_dir], online=True,
                               served=True, model=target_dir, vllm_python=vllm_python.path,
-                              progress=False, out=str(tmp_path / "eval")),
+                              settings=EvalSettings(position_bin=16), progress=False,
+                              out=str(tmp_path / "eval")),
                    echo=lambda line: None)
     served, online, offline = out.served["d20"], out.online["d20"], out.offline["d20"]
     assert len(served.runs) == 8
@@ -75,9 +76,10 @@ def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
     # ... and the same rounds: anchors and committed tokens, prompt by prompt.
     assert served.sequences == online.sequences == offline.sequences
     mine, theirs = served.summary(), online.summary()
-    for key in ("n_blocks", "mean_tau", "streak_hist", "cond_accept"):
+    for key in ("n_blocks", "mean_tau", "streak_hist", "cond_accept", "tau_by_position"):
         assert mine[key] == theirs[key], key
     assert sum(n > 0 for n in theirs["streak_hist"]) >= 3, "acceptance too uniform to test"
+    assert len(mine["tau_by_position"]["bins"]) >= 3
     vllm = mine["vllm"]
     assert vllm["counters_agree"], vllm  # per-request steps == its Prometheus totals
     assert vllm["num_drafts"] == theirs["n_blocks"]
