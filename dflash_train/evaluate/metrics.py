@@ -124,9 +124,11 @@ class PositionBins:
             raise BlockError(f"{anchors.numel()} anchors for {taus.numel()} taus")
         if anchors.numel() and int(anchors.min()) < 0:
             raise BlockError(f"anchor positions must be >= 0, got {int(anchors.min())}")
-        index = anchors // self.width
-        for b in index.unique().tolist():
-            self.bins.setdefault(b, TauHistogram(self.max_tau)).update(taus[index == b])
+        present, row = torch.unique(anchors // self.width, return_inverse=True)
+        width = self.max_tau + 1  # one bincount for every (bin, tau) pair of the batch
+        counts = torch.bincount(row * width + taus, minlength=present.numel() * width)
+        for b, hist_counts in zip(present.tolist(), counts.view(-1, width), strict=True):
+            self.bins.setdefault(b, TauHistogram(self.max_tau)).counts += hist_counts
 
     def merge(self, other: "PositionBins") -> None:
         """Add another accumulator's counts (same width and max_tau)."""
