@@ -57,7 +57,9 @@ from dflash_train.store_schema import (
     open_store,
     target_differences,
 )
+from dflash_train.store_schema.frozen import frozen_written, write_frozen
 from dflash_train.store_schema.layout import FP8_CONTEXT
+from dflash_train.store_schema.store import store_exists
 from dflash_train.target_model.capture import forward_states
 from dflash_train.target_model.kernels import missing_kernels_note
 from dflash_train.target_model.loading import (
@@ -220,7 +222,8 @@ def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
     with _exclusive(cfg.out, "create", wait=True):
         store = create_store(cfg.out, meta, shard_tokens=cfg.shard_tokens)
     if rank == 0:
-        _write_frozen_rows(store, target, tok_files)
+        with _exclusive(cfg.out, "frozen", wait=True):
+            _write_frozen_rows(store, target, tok_files)
 
     summary = Summary(cfg.out, bytes_per_token=bpt)
     # Token budgets per row; each bar's total shrinks as rows turn out shorter (eos before
@@ -330,7 +333,7 @@ def _refuse_different_store(out: str, meta: StoreMeta, echo=print) -> None:
         return
     if not path.is_dir():
         raise ExtractError(f"--out {out} exists and is not a directory")
-    if not any(path.iterdir()):
+    if not store_exists(out):  # empty, or a first write a kill cut short
         return
     stored = open_store(out).meta
     _refuse_other_weights(out, stored.target, meta.target, echo)
@@ -370,22 +373,21 @@ def _mask_token_id(cfg: ExtractConfig, info, tokenizer) -> int | None:
 
 
 def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]) -> None:
-    """Copy embed_tokens, lm_head, final norm and the tokenizer once (tokenizer last: marker)."""
-    try:
-        store.read_files("tokenizer")
+    """Copy embed_tokens, lm_head, final norm, the target's config and the tokenizer as one
+    unit, unless a run before this one committed it (store_schema.frozen)."""
+    # The drafter is sized from the target's config (heads, MLP width, RoPE), not its weights.
+    files = {"target": {"config.json": target.model.config.to_json_string().encode()},
+             "tokenizer": tok_files}
+    if frozen_written(store, files):
         return
-    except StoreError:
-        pass
     norm = target.decoder.norm
     # the norm's effective scale (1 + w for Qwen3.5's zero-centred norm, w for Qwen3/Llama):
     # a constant input of size 1e3 makes eps negligible, so norm(x) is the scale itself
     probe = torch.full((target.info.hidden_size,), 1e3, device=target.device)
     with torch.inference_mode():
         scale = norm(probe.float()).float()
-    store.write_target_rows(target.decoder.embed_tokens.weight, target.lm_head.weight, scale)
-    # The drafter is sized from the target's config (heads, MLP width, RoPE), not its weights.
-    store.write_files("target", {"config.json": target.model.config.to_json_string().encode()})
-    store.write_files("tokenizer", tok_files)
+    write_frozen(store, {"embed_tokens": target.decoder.embed_tokens.weight,
+                         "lm_head": target.lm_head.weight, "final_norm": scale}, files)
 
 
 def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
@@ -529,7 +531,7 @@ def _check_finite(context: torch.Tensor, topk_logits: torch.Tensor, lse: torch.T
 def _complete(out: str) -> bool:
     try:
         store = open_store(out)
-        store.read_files("tokenizer")
+        store.read_files("tokenizer")  # a store made before the frozen record: its last file
         return store.complete
     except StoreError:
         return False

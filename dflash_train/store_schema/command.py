@@ -58,7 +58,8 @@ def info(path: str, as_json: bool) -> None:
         return
     t = meta.target
     state = "DAMAGED" if summary.parts_damaged or summary.frozen_damaged else "complete" \
-        if not summary.parts_incomplete and not summary.parts_missing else "INCOMPLETE"
+        if not (summary.parts_incomplete or summary.parts_missing
+                or summary.frozen_unfinished) else "INCOMPLETE"
     per_token, ratio = summary.bytes_per_token, summary.compression_ratio
     per_context = summary.context_bytes_per_token
     lines = [
@@ -93,6 +94,8 @@ def info(path: str, as_json: bool) -> None:
         lines.append(f"top-1 agree    {agree:,} of {answers:,} regenerated tokens "
                      f"({agree / answers:.2%}) equal the forward's top-1 (offline == live "
                      "only where they do)")
+    if summary.frozen_unfinished:
+        lines.append(f"frozen rows    {FROZEN_UNFINISHED}")
     if summary.frozen_damaged:
         lines.append(f"DAMAGED        {', '.join(summary.frozen_damaged)} (run `dflash store "
                      f"validate {path}`)")
@@ -119,10 +122,18 @@ def validate_cmd(path: str, no_data: bool, require_complete: bool) -> None:
         click.echo(f"{path}: {'; '.join(verdict)}", err=True)
         sys.exit(1)
     try:
-        click.echo(f"target weights {_weights(open_store(path).meta.target)}")
+        s = open_store(path)
+        click.echo(f"target weights {_weights(s.meta.target)}")
+        if s.frozen_record().state == "unrecorded":
+            click.echo("note: made before dflash recorded the sha256 of its target rows and "
+                       "files: each was checked readable, not that none is missing or changed")
     except StoreError:  # validate just read it; only a store removed since lands here
         pass
     click.echo(f"{path}: ok")
+
+
+FROZEN_UNFINISHED = ("target rows and files not all written (the store's creation was cut "
+                     "short or is under way: re-run the same `dflash extract`)")
 
 
 def _context_dtype(meta) -> str:
@@ -146,7 +157,8 @@ def _unfinished(path: str) -> str | None:
         s = summarize(open_store(path))
     except StoreError as e:  # validate has named what is wrong already
         return f"cannot tell which parts are done: {e}"
-    why = [f"parts unfinished {_short(s.parts_incomplete)}" if s.parts_incomplete else "",
+    why = [FROZEN_UNFINISHED if s.frozen_unfinished else "",
+           f"parts unfinished {_short(s.parts_incomplete)}" if s.parts_incomplete else "",
            f"not started {_short(s.parts_missing)}" if s.parts_missing else "",
            f"damaged {_short(s.parts_damaged)}" if s.parts_damaged else ""]
     return ", ".join(w for w in why if w) or None

@@ -26,6 +26,9 @@ class StoreSummary:
     frozen_damaged: list[str]
     """Target rows or carried files whose metadata is torn or whose chunks are missing
     (checksums are validate's: info reads no data)."""
+    frozen_unfinished: bool
+    """The frozen unit (target rows, config, tokenizer) is not all written: its writing was
+    cut short or is under way (frozen.py); readers refuse the store until extract ends it."""
     bytes_on_disk: int
     """Every object in the store, target rows and tokenizer included."""
     part_bytes_on_disk: int
@@ -88,6 +91,7 @@ def summarize(store: Store) -> StoreSummary:
         parts_damaged=sorted(damaged),
         frozen_damaged=[path for path in store.frozen_paths()
                         if store.frozen_problem(path, read_data=False) is not None],
+        frozen_unfinished=store.frozen_record().state == "unfinished",
         bytes_on_disk=sync(zstore.getsize_prefix(prefix)) if prefix else _total(zstore),
         part_bytes_on_disk=sum(sync(zstore.getsize_prefix(
             "/".join(x for x in (prefix, part_path(p.index)) if x))) for p in parts),

@@ -22,6 +22,7 @@ PLAIN_SCHEMA_VERSION = 1
 """The version of a store whose context is in the hidden dtype."""
 META_KEY = "dflash"  # root attrs key holding the provenance (StoreMeta)
 PART_KEY = "dflash_part"  # part attrs key holding the commit record
+FROZEN_KEY = "dflash_frozen"  # root attrs key holding the frozen unit's record (frozen.py)
 
 PARTS_GROUP = "parts"
 TARGET_GROUP = "target"

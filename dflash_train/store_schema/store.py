@@ -13,8 +13,10 @@ from zarr.storage import FsspecStore, LocalStore
 from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema.chunks import child_names, missing_chunks
 from dflash_train.store_schema.errors import StoreError, one_line
+from dflash_train.store_schema.frozen import FrozenRecord, digest, file_path, read_record
 from dflash_train.store_schema.layout import (
     FILES_GROUP,
+    FROZEN_KEY,
     META_KEY,
     PARTS_GROUP,
     SCHEMA_VERSION,
@@ -61,9 +63,12 @@ def zarr_store(url: str, read_only: bool):
 
 
 def _has_any_key(zstore) -> bool:
+    """Whether `zstore` holds an object; a leftover of a local write cut short (`*.partial`:
+    say the store's first zarr.json, torn by a kill) is none."""
     async def first():
-        async for _ in zstore.list_prefix(""):
-            return True
+        async for key in zstore.list_prefix(""):
+            if not key.endswith(".partial"):
+                return True
         return False
 
     return sync(first())
@@ -100,7 +105,10 @@ def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024,
                 f"{url} already holds a store made differently; refusing to mix them:\n  "
                 + "\n  ".join(diffs)
             )
+        if PARTS_GROUP not in store.child_names(""):  # a creation cut short between its writes
+            store.root.require_group(PARTS_GROUP)
         return store
+    _remove_partials(zstore, "")  # a first write cut short; nobody else writes before this one
     root = zarr.create_group(zstore, attributes={
         META_KEY: meta.to_dict(),
         LAYOUT_KEY: {"shard_tokens": shard_tokens},
@@ -108,6 +116,15 @@ def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024,
     })
     root.create_group(PARTS_GROUP)
     return Store(url, root, meta, mode="r+")
+
+
+def _remove_partials(zstore, prefix: str) -> None:
+    """Delete the `*.partial` files directly under `prefix` that local atomic writes cut short
+    by a crash left (an object-store PUT leaves none). Callers hold the claim on what lies
+    there: nobody else can have a write in flight in it."""
+    if isinstance(zstore, LocalStore):
+        for leftover in (Path(zstore.root) / prefix).glob("*.partial"):
+            leftover.unlink(missing_ok=True)
 
 
 def open_store(url: str, mode: Literal["r", "r+"] = "r") -> "Store":
@@ -176,8 +193,9 @@ class Store:
 
     def write_target_rows(
         self, embed_tokens: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor
-    ) -> None:
-        """Copy the frozen rows the drafter borrows, in the store's hidden dtype."""
+    ) -> dict[str, str]:
+        """Copy the frozen rows the drafter borrows, in the store's hidden dtype; returns the
+        sha256 of each array as stored, by path (frozen.py keeps them in its record)."""
         self._require_writable()
         vocab, hidden = self.meta.target.vocab_size, self.meta.target.hidden_size
         rows = {"embed_tokens": embed_tokens, "lm_head": lm_head, "final_norm": final_norm}
@@ -185,6 +203,7 @@ class Store:
                   "final_norm": (hidden,)}
         dt = self.meta.hidden_dtype
         group = self.root.require_group(TARGET_GROUP)
+        digests = {}
         for name in TARGET_ARRAYS:
             t = rows[name].detach().to("cpu", dtype=torch.float32).to(torch_dtype(dt))
             if tuple(t.shape) != shapes[name]:
@@ -195,10 +214,14 @@ class Store:
             arr = group.create_array(name, shape=t.shape, chunks=chunks,
                                      dtype=storage_dtype(dt), compressors=token_compressors(),
                                      overwrite=True, config=_PRESENT)
-            arr[...] = hidden_to_numpy(t, dt)
+            data = hidden_to_numpy(t, dt)
+            arr[...] = data
+            digests[f"{TARGET_GROUP}/{name}"] = digest(data)
+        return digests
 
     def target_rows(self) -> dict[str, torch.Tensor]:
         """embed_tokens [V, H], lm_head [V, H], final_norm [H] in the hidden dtype."""
+        self._require_frozen_written()
         if TARGET_GROUP not in self.child_names(""):
             raise StoreError(f"{self.url} holds no frozen target rows; "
                              "was extract interrupted before writing them?")
@@ -224,18 +247,20 @@ class Store:
         unreadable ("metadata"), a chunk object absent, which zarr would read as zeros
         ("missing"), or (read_data) a chunk failing its checksum ("checksum"). validate
         reports it; read_frozen refuses it."""
-        return self._frozen(path, read_data)[1]
+        return self.frozen_data(path, read_data)[1]
 
     def read_frozen(self, path: str) -> np.ndarray:
         """Frozen array `path`, whole; StoreError naming it when it is damaged."""
-        data, problem = self._frozen(path, read_data=True)
+        data, problem = self.frozen_data(path, read_data=True)
         if problem is not None:
             raise StoreError(f"{self.url}: {problem[1]}; refusing a damaged store: run "
                              f"`dflash store validate {self.url}` for every problem")
         return data
 
-    def _frozen(self, path: str, read_data: bool
-                ) -> tuple[np.ndarray | None, tuple[str, str] | None]:
+    def frozen_data(self, path: str, read_data: bool = True
+                    ) -> tuple[np.ndarray | None, tuple[str, str] | None]:
+        """(frozen array `path` whole when `read_data` and sound, else None; frozen_problem's
+        answer): validate reads each once to check it and compare it with the frozen record."""
         try:
             arr = self.root[path]
         except KeyError:
@@ -256,6 +281,31 @@ class Store:
             return None, ("checksum", f"{path} cannot be read: {type(e).__name__}: "
                                       f"{one_line(e)}")
 
+    # -- the frozen unit's record (frozen.py) -------------------------------------------
+
+    def frozen_record(self) -> FrozenRecord:
+        return read_record(dict(self.root.attrs), self.url)
+
+    def set_frozen_record(self, record: dict) -> None:
+        """Write the frozen unit's record: one write of the root metadata."""
+        self._require_writable()
+        self.root.attrs[FROZEN_KEY] = record
+
+    def remove_frozen(self) -> None:
+        """Delete the target rows and carried files (with the leftovers of their writes cut
+        short) for frozen.write_frozen to write them again."""
+        self._require_writable()
+        top = self.child_names("")
+        for group in (TARGET_GROUP, FILES_GROUP):
+            if group in top:
+                del self.root[group]
+
+    def _require_frozen_written(self) -> None:
+        if self.frozen_record().state == "unfinished":
+            raise StoreError(
+                f"{self.url}: its creation was cut short before the target rows and files "
+                "were all written; re-run the same `dflash extract` to finish them")
+
     # -- opaque files (tokenizer) ------------------------------------------------------
 
     def copy_done(self) -> None:
@@ -263,10 +313,12 @@ class Store:
         self._require_writable()
         del self.root.attrs[COPYING_KEY]
 
-    def write_files(self, group: str, files: dict[str, bytes]) -> None:
-        """Keep small files (e.g. the tokenizer) inside the store as uint8 arrays."""
+    def write_files(self, group: str, files: dict[str, bytes]) -> dict[str, str]:
+        """Keep small files (e.g. the tokenizer) inside the store as uint8 arrays; returns
+        the sha256 of each, by path (frozen.py keeps them in its record)."""
         self._require_writable()
         g = self.root.require_group(f"{FILES_GROUP}/{group}")
+        digests = {}
         for name, data in files.items():
             a = np.frombuffer(data, dtype=np.uint8)
             arr = g.create_array(name, shape=a.shape, chunks=(max(1, a.size),), dtype=np.uint8,
@@ -274,15 +326,32 @@ class Store:
                                  config=_PRESENT)
             if a.size:
                 arr[...] = a
+            digests[file_path(group, name)] = digest(a)
+        return digests
 
     def read_files(self, group: str) -> dict[str, bytes]:
-        """The files kept by write_files; StoreError naming a damaged one."""
-        if group not in (self.child_names(FILES_GROUP)
-                         if FILES_GROUP in self.child_names("") else []):
-            raise StoreError(f"{self.url} holds no '{group}' files")
+        """The files kept by write_files; StoreError naming a damaged one, or, where the
+        frozen record lists them, one that is missing or differs from it."""
+        self._require_frozen_written()
+        record = self.frozen_record().sha256
         prefix = f"{FILES_GROUP}/{group}"
-        return {name: self.read_frozen(f"{prefix}/{name}").tobytes()
-                for name in self.child_names(prefix)}
+        if record:
+            names = [p.removeprefix(prefix + "/") for p in record if p.startswith(prefix + "/")]
+        elif group in (self.child_names(FILES_GROUP)
+                       if FILES_GROUP in self.child_names("") else []):
+            names = self.child_names(prefix)
+        else:
+            names = []
+        if not names:
+            raise StoreError(f"{self.url} holds no '{group}' files")
+        files = {name: self.read_frozen(f"{prefix}/{name}") for name in sorted(names)}
+        for name, data in files.items():
+            want = record.get(f"{prefix}/{name}")
+            if want is not None and digest(data) != want:
+                raise StoreError(f"{self.url}: {prefix}/{name} differs from the store's "
+                                 "record of it (changed after extract wrote it); refusing a "
+                                 f"damaged store: run `dflash store validate {self.url}`")
+        return {name: data.tobytes() for name, data in files.items()}
 
     # -- parts -------------------------------------------------------------------------
 
@@ -361,8 +430,10 @@ class Store:
 
     @property
     def complete(self) -> bool:
+        """Every planned part complete, and the frozen unit not left unfinished."""
         parts = self.parts()
-        return len(parts) == self.meta.num_parts and all(p.complete for p in parts)
+        return (len(parts) == self.meta.num_parts and all(p.complete for p in parts)
+                and self.frozen_record().state != "unfinished")
 
     @property
     def num_samples(self) -> int:

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema.errors import StoreError
+from dflash_train.store_schema.frozen import write_frozen
 from dflash_train.store_schema.sample import Sample
 from dflash_train.store_schema.store import create_store, open_store
 
@@ -36,9 +37,8 @@ def copy_store(src_url: str, dst_url: str, keep: Callable[[Sample], bool] | None
                    else context_dtype, schema_version=None)
     dtype = torch_dtype(meta.hidden_dtype)
     dst = create_store(dst_url, meta, shard_tokens=src.shard_tokens, copying_from=src_url)
-    rows = src.target_rows()
-    dst.write_target_rows(rows["embed_tokens"], rows["lm_head"], rows["final_norm"])
-    dst.write_files("target", src.read_files("target"))
+    write_frozen(dst, src.target_rows(), {group: src.read_files(group)
+                                          for group in ("target", "tokenizer")})
     kept = seen = 0
     bar = tqdm(total=src.num_samples, unit="sample", disable=not progress, desc="copy")
     for part in src.parts():
@@ -53,7 +53,6 @@ def copy_store(src_url: str, dst_url: str, keep: Callable[[Sample], bool] | None
                 kept += 1
         writer.finish()
     bar.close()
-    dst.write_files("tokenizer", src.read_files("tokenizer"))
     dst.copy_done()  # last: until here every reader refuses the copy
     return kept, seen
 

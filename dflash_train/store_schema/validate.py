@@ -5,7 +5,9 @@ reports all of them. Checks: schema and provenance, each part's commit record an
 metadata, offsets and source rows, array shapes and dtypes, shards present, checksums (by
 reading every chunk), NaN/Inf, token ids within the vocabulary, verifier top-k ordering, an
 fp8 store's scales (finite and > 0, as every writer stores them); the frozen target rows and
-carried files (metadata and chunks present, checksums).
+carried files (metadata and chunks present, checksums) against the frozen unit's record: every
+array it lists present and (reading data) equal to it, none it does not list. A store made
+before the record has its rows and files checked readable only (frozen.py).
 """
 
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ import zarr
 from dflash_train.store_schema.chunks import existing_keys, missing_chunks
 from dflash_train.store_schema.errors import StoreError, one_line
 from dflash_train.store_schema.fp8 import bad_scales
+from dflash_train.store_schema.frozen import digest
 from dflash_train.store_schema.layout import (
     CONTEXT_INNER_TOKENS,
     SAMPLE_ARRAYS,
@@ -55,7 +58,8 @@ def validate(store_or_url: "Store | str", *, check_data: bool = True) -> list[Fi
             return [Finding(None, None, "schema", str(e))]
     findings: list[Finding] = []
     if "parts" not in store.root:
-        return [Finding(None, None, "layout", "the 'parts' group is missing")]
+        return [Finding(None, None, "layout", "the 'parts' group is missing (the store's "
+                        "creation was cut short? re-run the same `dflash extract`)")]
     findings += _check_frozen(store, check_data)
     for name in store.part_names():
         if not name.isdigit() or int(name) >= store.meta.num_parts:
@@ -67,14 +71,38 @@ def validate(store_or_url: "Store | str", *, check_data: bool = True) -> list[Fi
 
 def _check_frozen(store: Store, check_data: bool) -> list[Finding]:
     """The target rows and carried files (config, tokenizer) every reader needs: metadata and
-    chunks present, and (check_data) every chunk intact. Their damage is the store's, not a
-    part's: no skipping steps around it."""
-    found = []
-    for path in store.frozen_paths():
-        problem = store.frozen_problem(path, read_data=check_data)
-        if problem is not None:
-            found.append(Finding(None, None, *problem))
+    chunks present, and (check_data) every chunk intact and equal to the frozen record.
+    Their damage is the store's, not a part's: no skipping steps around it. An unfinished
+    unit is work in flight, refused by readers and redone by the next extract: not checked."""
+    try:
+        record = store.frozen_record()
+    except StoreError as e:
+        return [Finding(None, None, "record", str(e))]
+    if record.state == "unfinished":
+        return []
+    present = store.frozen_paths()
+    listed = record.sha256
+    found = [Finding(None, None, "missing", f"{path} is missing (the store's frozen record "
+                     "lists it)") for path in listed if path not in present]
+    if record.state == "whole":
+        found += [Finding(None, None, "unexpected", f"{path} is not in the store's frozen "
+                          "record (added after extract wrote the store?)")
+                  for path in present if path not in listed]
+    for path in present:
+        if record.state == "whole" and path not in listed:
+            continue
+        found += _check_frozen_array(store, path, listed.get(path), check_data)
     return found
+
+
+def _check_frozen_array(store: Store, path: str, want: str | None, check_data: bool
+                        ) -> list[Finding]:
+    data, problem = store.frozen_data(path, read_data=check_data)
+    if problem is None and want is not None and data is not None and digest(data) != want:
+        problem = ("differs", f"{path} differs from the store's frozen record (sha256 "
+                              f"{digest(data)[:16]}... != {want[:16]}...): changed after "
+                              "extract wrote it")
+    return [] if problem is None else [Finding(None, None, *problem)]
 
 
 def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:

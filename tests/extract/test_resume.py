@@ -1,6 +1,10 @@
 """SIGKILL at any point, re-run the same command: the store equals an uninterrupted run's."""
 
+import shutil
+from pathlib import Path
+
 import pytest
+import zarr
 from conftest import assert_same_samples, cli_args, run_cli, run_extract_cfg, store_samples
 
 from dflash_train.extract.writer import KILL_AFTER_ENV
@@ -58,3 +62,23 @@ def test_the_same_model_spelled_another_way_resumes(qwen3_dir, chats_jsonl, tmp_
     monkeypatch.chdir(tmp_path)
     again = run_extract_cfg(str(model.resolve()), chats_jsonl, out, rows_per_part=20)
     assert again.parts_already_complete == [0]
+
+
+def test_a_store_from_before_the_frozen_record_missing_a_tokenizer_file_is_made_whole(
+        qwen3_5_dir, chats_jsonl, tmp_path):
+    """What an older extract left when a kill fell among the tokenizer files and the resume
+    took the tokenizer for written: the next run writes the frozen unit again, with its
+    record, and the file is back."""
+    out = str(tmp_path / "hs.zarr")
+    run_extract_cfg(qwen3_5_dir, chats_jsonl, out)
+    want = open_store(out).read_files("tokenizer")
+    assert "tokenizer_config.json" in want
+    del zarr.open_group(out, mode="r+").attrs["dflash_frozen"]
+    shutil.rmtree(Path(out) / "files" / "tokenizer" / "tokenizer_config.json")
+    assert open_store(out).frozen_record().state == "unrecorded" and validate(out) == []
+
+    summary = run_extract_cfg(qwen3_5_dir, chats_jsonl, out)
+    assert summary.parts_already_complete == [0, 1, 2]
+    again = open_store(out)
+    assert again.frozen_record().state == "whole" and validate(out) == []
+    assert again.read_files("tokenizer") == want
