@@ -1,8 +1,12 @@
 """`dflash store ...`: look inside a feature store and check it."""
 
+import fcntl
 import json
+import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -277,19 +281,58 @@ def _convert_into(src: str, dst: str, **how) -> int:
     if path is None:
         return copy_store(src, dst, **how)[0]
     tmp = path.with_name(f".{path.name}{CONVERTING_SUFFIX}")
-    if tmp.exists():
-        click.echo(f"note: removing {tmp}, the partial copy of an interrupted convert into "
-                   f"{dst}", err=True)
-        shutil.rmtree(tmp)
-    try:
-        kept, _ = copy_store(src, str(tmp), **how)
-    except BaseException:
-        remove_local_store(str(tmp))  # nothing half-written left behind
-        raise
-    if path.is_dir():
-        path.rmdir()  # the empty directory _refuse_existing let through
-    tmp.rename(path)
+    with _sole_writer(dst, tmp):
+        _refuse_existing(dst)  # another convert may have finished it since the first look
+        if tmp.exists():
+            click.echo(f"note: removing {tmp}, the partial copy of an interrupted convert "
+                       f"into {dst}", err=True)
+            shutil.rmtree(tmp)
+        try:
+            kept, _ = copy_store(src, str(tmp), **how)
+        except BaseException:
+            remove_local_store(str(tmp))  # nothing half-written left behind
+            raise
+        if path.is_dir():
+            path.rmdir()  # the empty directory _refuse_existing let through
+        tmp.rename(path)
     return kept
+
+
+@contextmanager
+def _sole_writer(dst: str, tmp: Path) -> Iterator[None]:
+    """Hold an flock on `.DST-NAME.converting.lock` while `tmp` is written, so a second
+    convert into DST is refused by name instead of deleting a live copy as interrupted. The
+    kernel drops the lock of a killed convert: its leftover copy is then fair to remove."""
+    lock = tmp.with_name(tmp.name + ".lock")
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            raise StoreError(f"{dst}: cannot create {lock} ({e.strerror}); give a DST in a "
+                             "writable directory") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreError(f"{dst}: another `dflash store convert` is writing it (into "
+                             f"{tmp}, lock {lock}); wait for it to end, or give another DST"
+                             ) from None
+        if _is_current(fd, lock):
+            break
+        os.close(fd)  # its holder finished and removed it: lock the file there now
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # before the release: a waiter re-checks the inode
+        os.close(fd)
+
+
+def _is_current(fd: int, path: Path) -> bool:
+    """Whether open file `fd` is still the file at `path` (not removed or replaced)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _human(n: float) -> str:
