@@ -415,8 +415,15 @@ class Store:
         bad = []
         for i in self.part_indices():
             try:
-                commit_record(dict(self.root[part_path(i)].attrs), f"{self.url}: part {i}")
-            except Exception:  # torn JSON, undecodable or absent metadata, a damaged record
+                group = self.root[part_path(i)]
+            except KeyError:  # no metadata yet: a kill came before its first write
+                continue
+            except Exception:  # torn JSON, undecodable metadata
+                bad.append(i)
+                continue
+            try:
+                commit_record(dict(group.attrs), f"{self.url}: part {i}")
+            except Exception:  # an absent or damaged commit record
                 bad.append(i)
         return bad
 

@@ -108,7 +108,9 @@ def _check_frozen_array(store: Store, path: str, want: str | None, check_data: b
 def _check_part(store: Store, index: int, check_data: bool) -> list[Finding]:
     try:
         group = store.root[part_path(index)]
-    except Exception as e:  # torn or missing zarr.json
+    except KeyError:  # its directory, and no metadata yet: a kill came before its first write
+        return [Finding(index, None, "record", "no commit record: creation was torn")]
+    except Exception as e:  # torn zarr.json
         return [Finding(index, None, "record",
                         f"part metadata (zarr.json) is unreadable: {e}")]
     try:

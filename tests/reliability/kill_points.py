@@ -23,9 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-PRELOAD = ["torch", "transformers", "zarr", "dflash_train.cli",
-           "dflash_train.extract.pipeline", "dflash_train.evaluate.pipeline",
-           "tests.reliability.kill_points"]
+PRELOAD = ["torch", "torch._dynamo", "torch._inductor", "sympy", "transformers", "tokenizers",
+           "transformers.modeling_utils", "transformers.models.qwen3.modeling_qwen3",
+           "transformers.models.qwen3_5.modeling_qwen3_5", "zarr", "gguf", "pyarrow.parquet",
+           "pandas", "matplotlib.pyplot",
+           "dflash_train.cli", "dflash_train.extract.pipeline", "dflash_train.evaluate.pipeline",
+           "dflash_train.train.run", "tests.reliability.kill_points"]
 """Imported once by the fork server, so that children start warm."""
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PATH_EVENTS = {"os.rename": (0, 2), "os.remove": (0, 1), "os.rmdir": (0, 1),
@@ -42,7 +45,8 @@ class Trial:
     exitcode: int
     """0 for success; -9 when the kill fired (or when it was killed otherwise)."""
     events: list[str]
-    """'event path' of each counted operation, in order (children that ran to the end)."""
+    """'event path' of each counted operation, in order; a killed child's end with the one
+    it was killed before."""
     error: str
     """The traceback of an exception that ended the child, else ''."""
 
@@ -68,9 +72,8 @@ def run_child(fn: Callable, args: tuple, root: str | Path, kill_at: int | None =
 def start_child(fn: Callable, args: tuple, root: str | Path, kill_at: int | None = None,
                 env: dict[str, str] | None = None) -> "Child":
     """run_child without waiting for the end: `.wait()` returns the Trial."""
-    handle, report = tempfile.mkstemp(prefix="kill_points-", suffix=".json")
+    handle, report = tempfile.mkstemp(prefix="kill_points-", suffix=".jsonl")
     os.close(handle)
-    os.unlink(report)
     process = _forkserver().Process(target=_child, args=(
         fn, args, os.path.realpath(root), kill_at, env or {}, report))
     process.start()
@@ -96,41 +99,45 @@ class Child:
             self.process.kill()
             self.process.join()
             raise TimeoutError(f"{self.what} ran past {TIMEOUT_S} s")
-        got = json.loads(self.report.read_text()) if self.report.exists() else {}
-        self.report.unlink(missing_ok=True)
-        return Trial(self.process.exitcode, got.get("events", []), got.get("error", ""))
+        lines = [json.loads(line) for line in self.report.read_text().splitlines()]
+        self.report.unlink()
+        return Trial(self.process.exitcode, [line["event"] for line in lines if "event" in line],
+                     "".join(line.get("error", "") for line in lines))
 
 
 def _child(fn: Callable, args: tuple, root: str, kill_at: int | None, env: dict[str, str],
            report: str) -> None:
     os.environ.update(env)
-    counter = _Counter(root, kill_at)
+    counter = _Counter(root, kill_at, os.open(report, os.O_WRONLY | os.O_APPEND))
     import sys
 
     sys.addaudithook(counter.hook)
-    error = ""
     try:
         fn(*args)
     except SystemExit as e:
         if e.code not in (0, None):
-            error = f"SystemExit({e.code})"
+            counter.report({"error": f"SystemExit({e.code})"})
         raise
     except BaseException:
-        error = traceback.format_exc()
+        counter.report({"error": traceback.format_exc()})
         raise
     finally:
         counter.stop = True
-        Path(report).write_text(json.dumps({"events": counter.events, "error": error}))
 
 
 class _Counter:
     """The audit hook: counts file-changing operations under `root`, kills at the Nth."""
 
-    def __init__(self, root: str, kill_at: int | None):
-        self.root, self.kill_at = root, kill_at
-        self.events: list[str] = []
+    def __init__(self, root: str, kill_at: int | None, report_fd: int):
+        self.root, self.kill_at, self.report_fd = root, kill_at, report_fd
+        self.count = 0
         self.stop = False
         self.lock = threading.Lock()
+
+    def report(self, line: dict) -> None:
+        """One JSON line to the parent, written at once (os.write raises no audit event):
+        what a killed child did is known up to its last operation."""
+        os.write(self.report_fd, (json.dumps(line) + "\n").encode())
 
     def hook(self, event: str, args: tuple) -> None:
         if self.stop or (event != "open" and event not in _PATH_EVENTS):
@@ -140,8 +147,9 @@ class _Counter:
                 or "__pycache__" in path:
             return
         with self.lock:
-            self.events.append(f"{event} {path}")
-            n = len(self.events)
+            self.count += 1
+            n = self.count
+            self.report({"event": f"{event} {path}"})
         if n == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -4,6 +4,7 @@ another is writing is refused by name, and the first completes untouched."""
 
 import random
 
+import pytest
 from click.testing import CliRunner
 
 from dflash_train.store_schema import open_store, validate
@@ -21,6 +22,7 @@ from tests.reliability.kill_points import (
 )
 
 SEED = 48
+KILLS = [pytest.param(2, id="2-kills"), pytest.param(8, id="8-kills", marks=pytest.mark.slow)]
 
 
 def _source(tmp_path) -> str:
@@ -33,15 +35,16 @@ def _convert_args(src: str, dst, *more: str) -> list[str]:
     return ["store", "convert", src, str(dst), "--no-progress", *more]
 
 
+@pytest.mark.parametrize("kills", KILLS)
 def test_a_convert_killed_anywhere_leaves_no_dst_and_a_rerun_equals_an_uninterrupted_one(
-        tmp_path):
+        tmp_path, kills):
     src = _source(tmp_path)
     (tmp_path / "whole").mkdir()
     (tmp_path / "killed").mkdir()
     whole, dst = tmp_path / "whole" / "copy.zarr", tmp_path / "killed" / "copy.zarr"
     reference = run_child(kill_children.dflash, (_convert_args(src, whole),), whole.parent)
     assert reference.exitcode == 0, reference.error
-    for at in kill_points(reference.events, random.Random(SEED), 3):
+    for at in kill_points(reference.events, random.Random(SEED + kills), kills):
         killed = run_child(kill_children.dflash, (_convert_args(src, dst),), dst.parent,
                            kill_at=at)
         assert killed.exitcode == -9, (at, killed.error)

@@ -2,9 +2,10 @@
 metadata, the parts group, the frozen unit: target rows, target config, tokenizer files),
 each resume killed again, then resumed to the end: the store equals an uninterrupted run's
 file by file and array by array, and between kills no reader takes a frozen unit cut short
-for a whole one."""
+for a whole one. `store validate` then refuses the store with a file removed or changed."""
 
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from tests.reliability.kill_points import (
 )
 
 SEED = 48
-KILLS = 4
+KILLS = [pytest.param(3, id="3-kills"), pytest.param(12, id="12-kills", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def is_leftover(name: str) -> bool:
 
 
 def creation_operations(events: list[str], out: Path) -> int:
-    """File operations an uninterrupted run makes before it first writes a part."""
+    """File operations a run made before it first wrote a part."""
     return next(i for i, e in enumerate(events) if f"{out}/parts/0" in e)
 
 
@@ -70,25 +71,33 @@ def assert_frozen_whole_or_refused(out: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Object at .*partial is not recognized")  # is_leftover
+@pytest.mark.parametrize("kills", KILLS)
 def test_extract_killed_inside_store_creation_resumes_to_the_uninterrupted_store(inputs,
-                                                                                 tmp_path):
+                                                                                 tmp_path,
+                                                                                 kills):
     whole, out = tmp_path / "whole" / "hs.zarr", tmp_path / "killed" / "hs.zarr"
     for path in (whole, out):
         path.parent.mkdir()
     reference = run_child(kill_children.extract, (cli_args(*inputs, str(whole)),), whole.parent)
     assert reference.exitcode == 0, reference.error
     in_creation = creation_operations(reference.events, whole)
-    plan = sorted(kill_points(reference.events, random.Random(SEED), KILLS, last=in_creation),
-                  reverse=True)  # each resume redoes less than the run before it did
+    # ascending: a resume redoes the whole frozen unit until one commits it, so each kill
+    # falls inside the creation again, until one lands past the commit
+    plan = kill_points(reference.events, random.Random(SEED + kills), kills, last=in_creation)
+    inside = 0
     for at in plan:
         killed = run_child(kill_children.extract, (cli_args(*inputs, str(out)),), out.parent,
                            kill_at=at)
         assert killed.exitcode == -9, (at, killed.error)
-        assert committed_rows(str(out)) == [], f"kill at {at} landed past store creation"
+        if not any(f"{out}/parts/0" in e for e in killed.events):  # before any part
+            inside += 1
+            assert committed_rows(str(out)) == []
         assert_frozen_whole_or_refused(str(out))
         if out.exists():
-            assert [str(f) for f in validate(str(out))
-                    if "creation was cut short" not in f.message] == [], at
+            # sound: at most the creation of the store or of a part cut short
+            assert [str(f) for f in validate(str(out)) if "creation was cut short"
+                    not in f.message and "creation was torn" not in f.message] == [], at
+    assert inside >= 3, f"only {inside} of the kills {plan} fell inside the store's creation"
     resumed = run_child(kill_children.extract, (cli_args(*inputs, str(out)),), out.parent)
     assert resumed.exitcode == 0, resumed.error
     assert tree_differences(tree(out, is_leftover), tree(whole, is_leftover)) == []
@@ -96,3 +105,15 @@ def test_extract_killed_inside_store_creation_resumes_to_the_uninterrupted_store
     assert validate(str(out)) == []
     ok = CliRunner().invoke(store_command, ["validate", str(out)])
     assert ok.exit_code == 0, ok.output
+    assert_validate_refuses_a_file_removed_or_changed(out, tmp_path)
+
+
+def assert_validate_refuses_a_file_removed_or_changed(store: Path, tmp_path: Path) -> None:
+    removed, changed = (shutil.copytree(store, tmp_path / name) for name in ("rm", "edit"))
+    shutil.rmtree(removed / "files" / "tokenizer" / "tokenizer_config.json")
+    config = zarr.open_array(str(changed / "files" / "target" / "config.json"), mode="r+")
+    config[-1] = ord(" ")  # rewritten through zarr: its chunk's checksum holds
+    for damaged, says in ((removed, "files/tokenizer/tokenizer_config.json is missing"),
+                          (changed, "files/target/config.json differs")):
+        result = CliRunner().invoke(store_command, ["validate", str(damaged)])
+        assert result.exit_code == 1 and says in result.output, result.output
