@@ -11,7 +11,8 @@ holding
   COMPLETE          written last; a directory without it is never trusted.
 It is assembled under a temporary name (`.tmp-step_...`) and renamed into place, so a crash
 mid-save leaves the previous checkpoint as the latest one; the next save removes the torn
-temporary directory.
+temporary directory. A checkpoint is deleted (pruned, or replaced by a save of its step) by
+renaming it to a temporary name first, so a crash mid-delete never leaves one half there.
 """
 
 import json
@@ -106,12 +107,21 @@ def save_checkpoint(
     (tmp / COMPLETE).write_text(f"step {state.step}\n")
     _fsync_tree(tmp)
     if final.exists():  # the same step saved again (e.g. resumed exactly at it)
-        shutil.rmtree(final)
+        _retire(final)
     tmp.rename(final)
     _fsync_dir(final.parent)
     for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        _retire(old)
     return final
+
+
+def _retire(checkpoint: Path) -> None:
+    """Delete a checkpoint, first renamed out of rotation: a kill mid-delete then leaves a
+    temporary directory (removed by the next save), never a checkpoint that still has its
+    COMPLETE marker but not all its files."""
+    aside = checkpoint.parent / f"{TMP_PREFIX}{checkpoint.name}-retired-{os.getpid()}"
+    checkpoint.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def remove_torn_saves(run_dir: str | Path) -> None:
