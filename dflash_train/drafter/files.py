@@ -10,7 +10,8 @@ its COMPLETE marker and its own checksums.json), so a half-copied one is refused
 export and init_from alike. No weight holding NaN or Inf is ever written or loaded
 (check_finite, the one check every writer of weights and optimiser state calls).
 
-Directories are written atomically (temp dir + rename) with the modes the user's umask gives
+Directories are written atomically (temp dir + rename; an overwrite swaps the two in one
+step where Linux offers it) with the modes the user's umask gives
 new files (a serving engine running as another user must read them); an overwrite replaces
 only a previous drafter's own files. Never deletes a directory that holds anything else. A
 single-file export (a GGUF) is published the same way: a sibling temp file, then a rename.
@@ -18,6 +19,8 @@ single-file export (a GGUF) is published the same way: a sibling temp file, then
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -239,12 +242,14 @@ def write_dir_atomically(
         for file in tmp.iterdir():
             _seal(file, file_mode)
         os.chmod(tmp, dir_mode)
-        old = None
-        if out_dir.exists():
+        if not out_dir.exists():
+            os.replace(tmp, out_dir)
+        elif _exchange(tmp, out_dir):
+            shutil.rmtree(tmp)  # now the previous drafter
+        else:  # no atomic swap here: a crash between the renames leaves no `out_dir`
             old = out_dir.parent / f".{out_dir.name}.old-{tmp.name}"
             os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
+            os.replace(tmp, out_dir)
             shutil.rmtree(old)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -252,6 +257,28 @@ def write_dir_atomically(
             raise unwritable(out_dir, e) from e
         raise
     return out_dir
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the entries `a` and `b` in one step (Linux renameat2 RENAME_EXCHANGE), so that
+    replacing a directory never passes through a moment without one; False where the C
+    library or the filesystem offers no such swap."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def write_file_atomically(out: Path, write: Callable[[Path], None]) -> Path:

@@ -1,18 +1,22 @@
 """SIGKILL at seeded random moments while dflash writes a unit in pieces: checkpoints (inside
-`train`, with pruning). Between kills a reader finds whole units only (never a torn file or a
-checkpoint half deleted), and the rerun ends equal to an uninterrupted run's. `slow` soak
-variants kill more often."""
+`train`, with pruning) and an export over a previous one (a drafter directory, a GGUF file).
+Between kills a reader finds whole units only (the previous one or the new one, never a
+torn file or a checkpoint half deleted), and the rerun ends equal to an uninterrupted run's.
+`slow` soak variants kill more often."""
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from dflash_train.drafter import load_drafter
+from dflash_train.drafter import load_drafter, save_drafter
 from dflash_train.train.checkpoint import complete_checkpoints, read_checkpoint
+from tests.drafter.conftest import tiny_drafter
+from tests.drafter.test_gguf_export import gguf_drafter, write_target
 from tests.reliability import kill_children
-from tests.reliability.kill_points import kill_points, run_child
+from tests.reliability.kill_points import kill_points, run_child, tree
 from tests.train.conftest import build_store
 
 SEED = 48
@@ -77,3 +81,62 @@ def test_train_killed_anywhere_keeps_whole_checkpoints_and_resumes_to_the_same_o
     assert [p.name for p in kept] == sorted(want)[-2:]
     for path in kept:
         assert _same_weights(_weights(path), want[path.name]), path.name
+
+
+def _export_case(kind: str, root: Path) -> tuple[list[str], list[str], str]:
+    """(export args of a previous drafter, of a new one, OUT) for an HF dir or a GGUF."""
+    if kind == "hf":
+        old, new = tiny_drafter(seed=1), tiny_drafter(seed=2)
+        out, more = str(root / "drafter"), []
+    else:
+        old, new = gguf_drafter(seed=1), gguf_drafter(seed=2)
+        out = str(root / "drafter.gguf")
+        more = ["--format", "gguf", "--target-gguf", str(write_target(root / "target.gguf"))]
+    src = [str(save_drafter(m, root / name)) for m, name in ((old, "old"), (new, "new"))]
+    return (["export", src[0], out, *more, "--overwrite"],
+            ["export", src[1], out, *more, "--overwrite"], out)
+
+
+def _publishing(events: list[str], root: Path) -> list[int]:
+    """The operations that move or remove an entry directly under `root` (where OUT lives):
+    the moments an export is published or the previous one removed, killed every time."""
+    return [i for i, e in enumerate(events, 1)
+            if e.split()[0] in ("os.rename", "os.remove", "shutil.rmtree")
+            and Path(e.split(maxsplit=1)[1]).parent == root]
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """Make `dst` a copy of `src` (a directory or a file), replacing what is there."""
+    if dst.is_dir():
+        shutil.rmtree(dst)
+    (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+
+
+def _published(out: str) -> dict[str, bytes] | None:
+    path = Path(out)
+    if path.is_dir():
+        return tree(path)
+    return {path.name: path.read_bytes()} if path.exists() else None
+
+
+@pytest.mark.parametrize("kills", KILLS)
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_an_export_killed_anywhere_leaves_the_previous_or_the_new_one_whole(tmp_path, kind,
+                                                                           kills):
+    first, second, out = _export_case(kind, tmp_path)
+    done = _dflash(first, tmp_path)
+    assert done.exitcode == 0, done.error
+    old, saved = _published(out), tmp_path / "saved"
+    _copy(Path(out), saved)
+    counted = _dflash(second, tmp_path)  # over the previous one: its operations
+    assert counted.exitcode == 0, counted.error
+    new = _published(out)
+    assert new != old
+    drawn = kill_points(counted.events, random.Random(SEED + kills), kills)
+    for at in sorted(set(drawn) | set(_publishing(counted.events, tmp_path))):
+        _copy(saved, Path(out))
+        killed = _dflash(second, tmp_path, kill_at=at)
+        assert killed.exitcode == -9, (at, killed.error)
+        assert _published(out) in (old, new), f"kill at {at}: {counted.events[at - 1]}"
+    assert _dflash(second, tmp_path).exitcode == 0
+    assert _published(out) == new
