@@ -413,9 +413,12 @@ def _write_outputs(cfg: EvalConfig, report: dict, runs: list[ModeRun]
     if cfg.out:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        write_json(report, out / "report.json")
+        # report.json is the set's last write, removed first: it never stands beside
+        # another run's blocks.parquet
+        (out / "report.json").unlink(missing_ok=True)
         write_parquet(block_rows({r.label: r.results for r in runs}),
                       out / "blocks.parquet")
+        write_json(report, out / "report.json")
         written += [str(out / "report.json"), str(out / "blocks.parquet")]
         if plot is None:
             try:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_train.drafter.files import write_file_atomically
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import Agreement, EvalSettings
 from dflash_train.evaluate.summary import RUN_LABELS, RunLabel
@@ -98,7 +99,8 @@ def dumps(report: dict) -> str:
 
 
 def write_json(report: dict, path: str | Path) -> None:
-    Path(path).write_text(dumps(report) + "\n")
+    """report.json, through a temporary file renamed into place: never read half-written."""
+    write_file_atomically(Path(path), lambda tmp: tmp.write_text(dumps(report) + "\n"))
 
 
 def block_rows(runs: dict[RunLabel, dict]) -> dict[str, list]:
@@ -120,7 +122,7 @@ def write_parquet(columns: dict[str, list], path: str | Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table(columns), str(path))
+    write_file_atomically(Path(path), lambda tmp: pq.write_table(pa.table(columns), str(tmp)))
 
 
 # -- terminal table ---------------------------------------------------------------------
@@ -369,7 +371,7 @@ def plot_acceptance(report: dict, path: str | Path) -> None:
     _plot_slots(slots_ax, report)
     _plot_positions(position_ax, report)
     fig.tight_layout()
-    fig.savefig(str(path), format="png")
+    write_file_atomically(Path(path), lambda tmp: fig.savefig(str(tmp), format="png"))
     plt.close(fig)
 
 

@@ -1,8 +1,8 @@
 """SIGKILL at seeded random moments while dflash writes a unit in pieces: checkpoints (inside
-`train`, with pruning) and an export over a previous one (a drafter directory, a GGUF file).
-Between kills a reader finds whole units only (the previous one or the new one, never a
-torn file or a checkpoint half deleted), and the rerun ends equal to an uninterrupted run's.
-`slow` soak variants kill more often."""
+`train`, with pruning), an export over a previous one (a drafter directory, a GGUF file) and
+an eval report over a previous one. Between kills a reader finds whole units only (the
+previous one or the new one, never a mix, a torn file or a checkpoint half deleted), and the
+rerun ends equal to an uninterrupted run's. `slow` soak variants kill more often."""
 
 import random
 import shutil
@@ -16,7 +16,7 @@ from dflash_train.train.checkpoint import complete_checkpoints, read_checkpoint
 from tests.drafter.conftest import tiny_drafter
 from tests.drafter.test_gguf_export import gguf_drafter, write_target
 from tests.reliability import kill_children
-from tests.reliability.kill_points import kill_points, run_child, tree
+from tests.reliability.kill_points import kill_points, run_child, tree, tree_differences
 from tests.train.conftest import build_store
 
 SEED = 48
@@ -140,3 +140,36 @@ def test_an_export_killed_anywhere_leaves_the_previous_or_the_new_one_whole(tmp_
         assert _published(out) in (old, new), f"kill at {at}: {counted.events[at - 1]}"
     assert _dflash(second, tmp_path).exitcode == 0
     assert _published(out) == new
+
+
+def _eval(store: str, checkpoint: Path, out: Path, limit: int) -> list[str]:
+    return ["eval", "--store", store, str(checkpoint), "--out", str(out), "--limit",
+            str(limit), "--tree-budget", "4", "--device", "cpu", "--no-progress"]
+
+
+def _not_png_nor_leftover(name: str) -> bool:
+    """The plot (matplotlib's bytes are its own business) and `.NAME.tmp-*` leftovers of a
+    write cut short (never read) are left out of comparisons."""
+    return name.endswith(".png") or name.startswith(".")
+
+
+@pytest.mark.parametrize("kills", KILLS)
+def test_an_eval_killed_while_writing_leaves_no_report_beside_another_runs_rows(
+        store, reference_run, tmp_path, kills):
+    checkpoint = reference_run[2]
+    out, whole, previous = tmp_path / "eval", tmp_path / "whole", tmp_path / "previous"
+    assert _dflash(_eval(store, checkpoint, previous, 1), tmp_path).exitcode == 0
+    uninterrupted = _dflash(_eval(store, checkpoint, whole, 2), tmp_path)
+    assert uninterrupted.exitcode == 0, uninterrupted.error
+    want, before = (tree(d, _not_png_nor_leftover) for d in (whole, previous))
+    assert sorted(want) == ["blocks.parquet", "report.json"] and before != want
+    for at in kill_points(uninterrupted.events, random.Random(SEED + kills), kills):
+        _copy(previous, out)
+        killed = _dflash(_eval(store, checkpoint, out, 2), tmp_path, kill_at=at)
+        assert killed.exitcode == -9, (at, killed.error)
+        got = tree(out, _not_png_nor_leftover)
+        if "report.json" in got:  # whole, and only ever beside its own rows
+            assert got in (want, before), f"kill at {at}: {uninterrupted.events[at - 1]}"
+    rerun = _dflash(_eval(store, checkpoint, out, 2), tmp_path)
+    assert rerun.exitcode == 0, rerun.error
+    assert tree_differences(tree(out, _not_png_nor_leftover), want) == []
