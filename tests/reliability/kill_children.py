@@ -31,3 +31,23 @@ def convert_held(args: list[str], copying, go) -> None:
 
     command.copy_store = lambda *a, **k: real(*a, keep=keep, **k)
     dflash(["store", "convert", *args])
+
+
+def extract_killed_in_frozen(args: list[str]) -> None:
+    """`dflash extract ARGS`, SIGKILLed once the target rows and the first tokenizer file are
+    stored: inside the store's frozen unit, on any kind of store."""
+    import os
+    import signal
+
+    from dflash_train.store_schema import Store
+
+    real = Store.write_files
+
+    def write_files(self, group, files):
+        if group == "tokenizer":
+            real(self, group, dict(list(files.items())[:1]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, group, files)
+
+    Store.write_files = write_files
+    extract(args)

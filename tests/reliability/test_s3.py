@@ -27,7 +27,9 @@ from dflash_train.extract.claims import (
 )
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.writer import KILL_AFTER_ENV
-from dflash_train.store_schema import open_store, validate
+from dflash_train.store_schema import StoreError, open_store, validate
+from tests.reliability import kill_children
+from tests.reliability.kill_points import run_child
 from tests.reliability.s3_server import S3Endpoint, serve_s3, subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +137,30 @@ def test_a_sigkilled_extract_into_s3_resumes_to_the_uninterrupted_arrays(s3, inp
     resumed, reference = samples(url), samples(local_store)
     assert_same_arrays(resumed, reference)
     assert sorted(s.source_row for s in resumed) == list(range(ROWS))
+    assert dflash("store", "validate", url).splitlines()[-1] == f"{url}: ok"
+
+
+def test_an_extract_killed_inside_the_frozen_unit_on_s3_is_refused_then_made_whole(
+        s3, inputs, local_store, tmp_path):
+    """No rename on S3: the unit's record, one PUT written last, is its commit."""
+    url = s3.url("frozen/hs.zarr")
+    killed = run_child(kill_children.extract_killed_in_frozen, (extract_args(inputs, url)[1:],),
+                       tmp_path, env=s3.env)
+    assert killed.exitcode == -signal.SIGKILL, killed.error
+    cut = open_store(url)
+    assert cut.frozen_record().state == "unfinished"
+    with pytest.raises(StoreError, match="creation was cut short"):
+        cut.read_files("tokenizer")
+    assert validate(url) == []  # in flight, not damage
+    unfinished = CliRunner().invoke(main, ["store", "validate", url, "--require-complete"])
+    assert unfinished.exit_code == 1 and "target rows and files not all written" in \
+        unfinished.output
+
+    dflash(*extract_args(inputs, url))
+    whole, local = open_store(url), open_store(local_store)
+    assert whole.frozen_record() == local.frozen_record()
+    assert whole.read_files("tokenizer") == local.read_files("tokenizer")
+    assert_same_arrays(samples(url), samples(local_store))
     assert dflash("store", "validate", url).splitlines()[-1] == f"{url}: ok"
 
 
