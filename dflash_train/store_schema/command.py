@@ -222,8 +222,8 @@ def convert(src: str, dst: str, context_dtype: str, hidden_dtype: str | None,
     try:
         s = open_store(src)
         if not s.complete:
-            raise StoreError(f"{src} is not complete (unfinished parts "
-                             f"{_short(s.unfinished_parts())}): finish extracting it first")
+            raise StoreError(f"{src} is not complete ({_unfinished(src)}): finish extracting "
+                             "it first")
         damage = check_before_reading(s, [p.index for p in s.parts()])
         if damage:
             raise refusal(damage)

@@ -180,6 +180,8 @@ def test_a_unit_cut_short_is_refused_by_readers_and_written_again_whole(tmp_path
     assert "INCOMPLETE" in info.output and "target rows and files not all written" in info.output
     strict = CliRunner().invoke(store_command, ["validate", url, "--require-complete"])
     assert strict.exit_code == 1 and "target rows and files not all written" in strict.output
+    copy = CliRunner().invoke(store_command, ["convert", url, str(tmp_path / "copy.zarr")])
+    assert copy.exit_code == 1 and "target rows and files not all written" in copy.output
 
     write_frozen(open_store(url, mode="r+"), rows, files)
     again = open_store(url)
