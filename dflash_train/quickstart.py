@@ -282,7 +282,6 @@ def _train_config(cfg: QuickstartConfig, store: str, run_dir: Path):
 def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
     """Extract -> untrained drafter -> train -> eval on the embedded target; see module doc."""
     from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-    from dflash_train.store_schema import open_store
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -295,26 +294,8 @@ def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
         now = time.perf_counter()
         seconds[name], clock = now - clock, now
 
-    echo(f"[1/3] extract: the embedded target {target} answers {cfg.train_prompts} train and "
-         f"{cfg.held_out_prompts} held-out coding prompts (greedy, --regenerate)")
-    train_data = _first_rows(prompt_file("train"), out / "train_prompts.jsonl",
-                             cfg.train_prompts)
-    held_data = _first_rows(prompt_file("held_out"), out / "held_out_prompts.jsonl",
-                            cfg.held_out_prompts)
-    train_store, held_store = str(out / "train.zarr"), str(out / "held_out.zarr")
     world = stage_ranks()
-    in_ranks(_extract_rank, [_extract_job(target, train_data, train_store, TRAIN_ROWS_PER_PART,
-                                          cfg),
-                             _extract_job(target, held_data, held_store,
-                                          HELD_OUT_ROWS_PER_PART, cfg)],
-             echo=echo, world=world)
-    for url in (train_store, held_store):
-        store = open_store(url)
-        echo(f"extracted {store.num_samples} samples, {store.num_tokens} tokens into {url}"
-             + (f" ({world} processes)" if world > 1 else ""))
-    loops = response_loop_share(train_store)
-    echo(f"target's responses: {loops:.1%} of their 4-grams repeat an earlier one")
-
+    train_store, held_store, loops = _extract_stage(cfg, out, target, world, echo)
     lap("extract")
     echo(f"\n[2/3] train: a {cfg.drafter_layers}-layer drafter, {cfg.epochs} epochs, "
          f"{cfg.optimizer}, {cfg.position_weights} loss weights (the untrained drafter is its "
@@ -349,6 +330,33 @@ def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
     echo(f"trained drafter: {result.checkpoint}\n\n{REAL_MODEL_COMMANDS}")
     return QuickstartResult(untrained_tau, trained_tau, outcome.report, loops, loop_free,
                             seconds)
+
+
+def _extract_stage(cfg: QuickstartConfig, out: Path, target: str, world: int, echo
+                   ) -> tuple[str, str, float]:
+    """The train and held-out stores (resumed when there), and the share of the train
+    answers' 4-grams that repeat an earlier one."""
+    from dflash_train.store_schema import open_store
+
+    echo(f"[1/3] extract: the embedded target {target} answers {cfg.train_prompts} train and "
+         f"{cfg.held_out_prompts} held-out coding prompts (greedy, --regenerate)")
+    train_data = _first_rows(prompt_file("train"), out / "train_prompts.jsonl",
+                             cfg.train_prompts)
+    held_data = _first_rows(prompt_file("held_out"), out / "held_out_prompts.jsonl",
+                            cfg.held_out_prompts)
+    train_store, held_store = str(out / "train.zarr"), str(out / "held_out.zarr")
+    in_ranks(_extract_rank, [_extract_job(target, train_data, train_store, TRAIN_ROWS_PER_PART,
+                                          cfg),
+                             _extract_job(target, held_data, held_store,
+                                          HELD_OUT_ROWS_PER_PART, cfg)],
+             echo=echo, world=world)
+    for url in (train_store, held_store):
+        store = open_store(url)
+        echo(f"extracted {store.num_samples} samples, {store.num_tokens} tokens into {url}"
+             + (f" ({world} processes)" if world > 1 else ""))
+    loops = response_loop_share(train_store)
+    echo(f"target's responses: {loops:.1%} of their 4-grams repeat an earlier one")
+    return train_store, held_store, loops
 
 
 def _eval_loop_free(held_store: str, subset: str, checkpoints: list[str], out: Path,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,14 +133,7 @@ def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> Draft
         # dflash_config first, then the top level: the order z-lab's loader reads them in.
         return draft.get(name, raw.get(name, default))
 
-    dflash2: dict[str, Any] = {}
-    if kind == "dflash2":
-        for name in DFLASH2_FIELDS:
-            if pick(name) is None:
-                raise DrafterError(f"{source}: a DFlash2DraftModel needs dflash_config.{name}")
-            dflash2[name] = int(pick(name))
-        dflash2["selector_codebooks"] = draft.get("selector_codebooks", "free")
-
+    dflash2 = _dflash2_fields(pick, draft, source) if kind == "dflash2" else {}
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "vocab_size"):
         if raw.get(name) is None:
@@ -148,12 +141,7 @@ def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> Draft
     for name in ("target_layer_ids", "mask_token_id"):
         if pick(name) is None:
             raise DrafterError(f"{source}: missing dflash_config.{name}")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise DrafterError(f"{source}: rope type {rope.get('rope_type')!r}; only default RoPE")
-    rope_theta = raw.get("rope_theta", rope.get("rope_theta"))
-    if rope_theta is None:
-        raise DrafterError(f"{source}: no rope_theta (top level or rope_parameters)")
+    rope_theta = _rope_theta(raw, source)
     is_causal = raw.get("is_causal", draft.get("causal"))
     heads = int(raw["num_attention_heads"])
     draft_vocab = raw.get("draft_vocab_size")
@@ -181,6 +169,28 @@ def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> Draft
         draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
         **dflash2,
     )
+
+
+def _dflash2_fields(pick: Callable[[str], Any], draft: dict, source: str) -> dict[str, Any]:
+    """A DFlash2DraftModel's convolution and selector settings (all required)."""
+    fields: dict[str, Any] = {}
+    for name in DFLASH2_FIELDS:
+        if pick(name) is None:
+            raise DrafterError(f"{source}: a DFlash2DraftModel needs dflash_config.{name}")
+        fields[name] = int(pick(name))
+    fields["selector_codebooks"] = draft.get("selector_codebooks", "free")
+    return fields
+
+
+def _rope_theta(raw: Mapping[str, Any], source: str) -> Any:
+    """The RoPE base, top level or in rope_parameters; only default RoPE is supported."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise DrafterError(f"{source}: rope type {rope.get('rope_type')!r}; only default RoPE")
+    rope_theta = raw.get("rope_theta", rope.get("rope_theta"))
+    if rope_theta is None:
+        raise DrafterError(f"{source}: no rope_theta (top level or rope_parameters)")
+    return rope_theta
 
 
 def _kind(architectures: list[str], source: str) -> DrafterKind:

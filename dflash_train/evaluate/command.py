@@ -16,6 +16,11 @@ from dflash_train.evaluate.report import dumps
 _DEFAULTS = EvalSettings()
 
 
+SETTINGS_OPTIONS = ("mode", "tree_budgets", "recall_at", "batch_tokens", "blocks_per_forward",
+                    "position_bin")
+"""The options that are EvalSettings fields; the others are EvalConfig's."""
+
+
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
     try:
         items = tuple(int(x) for x in value.split(",") if x.strip())
@@ -100,8 +105,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="Skip damaged samples of the store (missing shard, failed checksum, torn "
                    "part metadata) and list them in the report, instead of refusing it.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar.")
-def eval_command(checkpoints, store, mode, tree_budgets, recall_at, batch_tokens,
-                 blocks_per_forward, position_bin, as_json, **options) -> None:
+def eval_command(checkpoints, as_json, **options) -> None:
     """Compare drafter checkpoints offline by acceptance streak on a held-out store.
 
     CHECKPOINTS: training checkpoint dirs, exported drafters or third-party DFlash drafters
@@ -109,10 +113,8 @@ def eval_command(checkpoints, store, mode, tree_budgets, recall_at, batch_tokens
     """
     from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 
-    settings = EvalSettings(mode=mode, tree_budgets=tree_budgets, recall_at=recall_at,
-                            batch_tokens=batch_tokens, blocks_per_forward=blocks_per_forward,
-                            position_bin=position_bin)
-    cfg = EvalConfig(store=store, checkpoints=list(checkpoints), settings=settings, **options)
+    settings = EvalSettings(**{name: options.pop(name) for name in SETTINGS_OPTIONS})
+    cfg = EvalConfig(checkpoints=list(checkpoints), settings=settings, **options)
     with reported_as_one_line():
         outcome = run_eval(cfg, echo=lambda line: click.echo(line, err=True))
     if as_json:

@@ -60,6 +60,11 @@ def info(path: str, as_json: bool) -> None:
                "top1_agreement": list(agreement) if isinstance(agreement, tuple) else None}
         click.echo(json.dumps(out, indent=2))
         return
+    click.echo("\n".join(_info_lines(path, meta, summary, agreement)))
+
+
+def _info_lines(path: str, meta, summary, agreement) -> list[str]:
+    """`store info`'s text: provenance, sizes, parts, top-1 agreement, the frozen unit."""
     t = meta.target
     state = "DAMAGED" if summary.parts_damaged or summary.frozen_damaged else "complete" \
         if not (summary.parts_incomplete or summary.parts_missing
@@ -103,7 +108,7 @@ def info(path: str, as_json: bool) -> None:
     if summary.frozen_damaged:
         lines.append(f"DAMAGED        {', '.join(summary.frozen_damaged)} (run `dflash store "
                      f"validate {path}`)")
-    click.echo("\n".join(lines))
+    return lines
 
 
 @store.command("validate")

@@ -211,10 +211,7 @@ class ShardCodec:
         is checked and decoded once on the pool and copied to every span that needs it.
         ShardDamage for a missing shard, a failed checksum or a chunk that does not decode."""
         rows, per_shard = self.chunk_shape[0], self.shard_shape[0] // self.chunk_shape[0]
-        users: dict[int, list[int]] = {}  # inner-chunk row -> the spans that need it
-        for i, (start, stop) in enumerate(spans):
-            for b in range(start // rows, -(-stop // rows)):
-                users.setdefault(b, []).append(i)
+        users = _chunk_users(spans, rows)
         shards = sorted({b // per_shard for b in users})
         store, proto = self.array.store_path.store, default_buffer_prototype()
         rest = list(product(*map(range, self.chunks_per_shard[1:])))
@@ -239,13 +236,7 @@ class ShardCodec:
                 int(o), int(o + n))) for b, _, (o, n) in stored))
             return wanted, dict(zip([(b, r) for b, r, _ in stored], data, strict=True))
 
-        dtype = np.dtype(self.array.dtype)
-        shapes = [(stop - start, *self.shard_shape[1:]) for start, stop in spans]
-        if outs is None:
-            outs = [np.empty(shape, dtype) for shape in shapes]
-        else:
-            for out, shape in zip(outs, shapes, strict=True):
-                check_buffer(out, shape, dtype)
+        outs = self._span_buffers(spans, outs)
         wanted, data = sync(fetch_all())
         fill = self.array.metadata.fill_value
 
@@ -264,6 +255,17 @@ class ShardCodec:
                 outs[i][target] = fill if chunk is None else chunk[lo - b * rows:hi - b * rows]
 
         list(_executor().map(place, wanted))
+        return outs
+
+    def _span_buffers(self, spans: list[tuple[int, int]],
+                      outs: list[np.ndarray] | None) -> list[np.ndarray]:
+        """One array per span, shaped [stop - start, *rest]: `outs` checked, or new ones."""
+        dtype = np.dtype(self.array.dtype)
+        shapes = [(stop - start, *self.shard_shape[1:]) for start, stop in spans]
+        if outs is None:
+            return [np.empty(shape, dtype) for shape in shapes]
+        for out, shape in zip(outs, shapes, strict=True):
+            check_buffer(out, shape, dtype)
         return outs
 
     def _remember(self, index: dict[int, np.ndarray]) -> None:
@@ -295,3 +297,13 @@ class ShardCodec:
         except Exception as e:
             raise ShardDamage(f"an inner chunk of '{key}' does not decode: {e}") from e
         return buffer[:nbytes].view(dtype).reshape(self.chunk_shape)
+
+
+def _chunk_users(spans: list[tuple[int, int]], rows: int) -> dict[int, list[int]]:
+    """Inner-chunk row (along axis 0, `rows` rows each) -> the spans [start, stop) that
+    need it."""
+    users: dict[int, list[int]] = {}
+    for i, (start, stop) in enumerate(spans):
+        for b in range(start // rows, -(-stop // rows)):
+            users.setdefault(b, []).append(i)
+    return users
