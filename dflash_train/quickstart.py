@@ -249,13 +249,13 @@ def save_untrained(train_cfg, out: Path) -> str:
     """The drafter train starts from: same config, same seed, no step taken."""
     import torch
 
-    from dflash_train.drafter import DFlashDrafter, save_drafter
+    from dflash_train.drafter import save_drafter
     from dflash_train.store_schema import open_store
-    from dflash_train.train.drafter_shape import drafter_config
+    from dflash_train.train.drafter_shape import new_drafter
 
-    dcfg = drafter_config(train_cfg, open_store(train_cfg.stores[0]))
+    store = open_store(train_cfg.stores[0])
     torch.manual_seed(train_cfg.run.seed)
-    return str(save_drafter(DFlashDrafter(dcfg), out, overwrite=True))
+    return str(save_drafter(new_drafter(train_cfg, store), out, overwrite=True))
 
 
 def _train_config(cfg: QuickstartConfig, store: str, run_dir: Path):

@@ -11,6 +11,9 @@ the published checkpoint's (`fc`, `hidden_norm`, `layers.N.*`, `norm`). A DFlash
 The target's `embed_tokens` and `lm_head` are borrowed, frozen: attached as non-persistent
 buffers, so they are never in the state_dict, never trained, never saved.
 
+Init (`reset_parameters`): HF's (linears ~ N(0, 0.02), norms at 1) except the final norm, which
+starts at 1/sqrt(hidden) (`FinalNormInit`, why there).
+
 `decode_blocks` is that one pass, over the projected context (training `forward`) or over a
 context KV cache (`extend_context`; replay at any anchors, live `draft_block` at its end).
 Blocks never see each other, so the multi-block forward may run them in chunks
@@ -54,6 +57,22 @@ AttentionBackend = Literal["auto", "flex", "dense", "split"]
 KeysValues = tuple[torch.Tensor, torch.Tensor]
 Attend = Callable[[torch.Tensor, KeysValues, KeysValues], torch.Tensor]
 """attend(queries, context (keys, values), the blocks' own (keys, values)) -> outputs."""
+FinalNormInit = Literal["unit", "ones"]
+"""How a new drafter's final norm weight starts (`reset_parameters`).
+
+unit (the default): every channel at 1/sqrt(hidden), so a slot's output starts as a unit
+vector and no logit starts further from 0 than the norm of its lm_head row: the first loss is
+near ln V. ones: HF's init, every channel at 1. Why it matters: a fresh drafter's residual
+stream is still mostly its block's input embeddings (its layers' outputs start small), the
+mask token's on every slot but the anchor, and a real target's embedding rows share one large
+common direction (SmolLM2-135M: rows of norm ~3.2, their mean of norm 2.2). At 1 a slot's
+output has norm sqrt(hidden) and points mostly along the mask row (cosine 0.6 on SmolLM2),
+so its logits spread with a std of ~11 there and the first loss is 57-81 nats (ln V: 10.8,
+or 8.3 over a 4,096-word draft vocabulary), which the first steps only unlearn. The scale
+is positive and the same for every channel, so a fresh drafter's drafts (each slot's argmax,
+or DFlash 2's walk over them) are the same under both; only the probabilities, and so the
+loss, differ."""
+FINAL_NORM_INITS: tuple[FinalNormInit, ...] = ("unit", "ones")
 PROPOSE_CHUNK_BLOCKS = 64
 """Blocks whose full logits [S, V] `propose` holds at once (64 x 15 x 248K fp32 is ~1 GB)."""
 SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -225,6 +244,8 @@ class DFlashDrafter(nn.Module):
         config: DrafterConfig,
         embed_tokens: torch.Tensor | None = None,
         lm_head: torch.Tensor | None = None,
+        *,
+        final_norm_init: FinalNormInit = "unit",
     ):
         super().__init__()
         config.validate()
@@ -256,19 +277,26 @@ class DFlashDrafter(nn.Module):
         gradients, so activation memory follows this, not the batch. None: all at once.
         Not under FSDP2: it gathers weights per layer call, so ranks would have to agree on
         their number of chunks."""
-        self.reset_parameters()
+        self.reset_parameters(final_norm=final_norm_init)
         if embed_tokens is not None or lm_head is not None:
             self.attach_target_head(embed_tokens, lm_head)
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """HF-style init: linears ~ N(0, std), norms at 1; then DFlash 2's convs as the
-        identity and its selector's pairwise term 0 (dflash2.py), so a fresh DFlash 2
-        drafter computes what the DFlash one with the same backbone weights computes."""
+    def reset_parameters(self, std: float = 0.02, final_norm: FinalNormInit = "unit") -> None:
+        """HF-style init: linears ~ N(0, std), norms at 1, the final norm as `final_norm`
+        says (FinalNormInit); then DFlash 2's convs as the identity and its selector's
+        pairwise term 0 (dflash2.py), so a fresh DFlash 2 drafter computes what the DFlash
+        one with the same backbone weights computes."""
+        if final_norm not in FINAL_NORM_INITS:
+            raise DrafterError(f"final_norm {final_norm!r}: must be one of "
+                               f"{', '.join(FINAL_NORM_INITS)}")
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        if final_norm == "unit":
+            with torch.no_grad():
+                self.norm.weight.fill_(self.config.hidden_size ** -0.5)
         for module in self.modules():
             if isinstance(module, GroupedDynamicCausalConv):
                 module.reset_parameters()

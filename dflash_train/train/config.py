@@ -22,6 +22,7 @@ from dflash_train.drafter.config import (
     MIN_DRAFT_VOCAB,
     max_conv_kernel_size,
 )
+from dflash_train.drafter.model import FinalNormInit
 from dflash_train.train.data import LoaderConfig
 from dflash_train.train.errors import TrainError
 from dflash_train.train.loss import LossConfig
@@ -79,6 +80,12 @@ class ModelConfig:
     shrinks by vocab / N, and a label outside them is a miss the drafter cannot make. The
     export carries vLLM's d2t map; SGLang and z-lab's package ignore it. None: the whole
     vocabulary. DFlash drafters with loss.kind ce only."""
+    final_norm_init: FinalNormInit = "unit"
+    """How a new drafter's final norm starts: unit (1/sqrt(hidden): the first loss is near
+    ln V) or ones (HF's init, what trained before: each slot's output starts along the mask
+    token's embedding, and on SmolLM2 the first loss is 57-81 nats). The drafts of the fresh
+    drafter are the same under both (drafter.model.FinalNormInit). Not read by a resume or
+    init_from: they start from given weights."""
 
     def __post_init__(self) -> None:
         require(self.draft_vocab_size is None or self.draft_vocab_size >= MIN_DRAFT_VOCAB,

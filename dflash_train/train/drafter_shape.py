@@ -2,7 +2,8 @@
 store's target (the fields `model.*` sets, else a published target's released drafter, else
 the target's own heads; shape_drafter), read back from a built drafter (drafter_settings, so
 a resume or init_from compares settings with the shape it really has), and the drafter a run
-starts from when `model.init_from` names one, warm-started to DFlash 2 where asked.
+starts from: a new one (new_drafter), or the one `model.init_from` names, warm-started to
+DFlash 2 where asked.
 
 Reads the store's target config and the init drafter; never writes, never trains.
 """
@@ -85,6 +86,12 @@ def shape_drafter(target: dict, mask_token_id: int, layer_ids: list[int],
         overrides["draft_vocab_size"] = m.draft_vocab_size
     return DrafterConfig.for_target(target, mask_token_id, target_layer_ids=layer_ids,
                                     **overrides, **dflash2_settings(m))
+
+
+def new_drafter(cfg: TrainConfig, store: Store) -> DFlashDrafter:
+    """A drafter of random weights (torch's current seed) for the store's target, shaped and
+    initialised as `cfg.model` says."""
+    return DFlashDrafter(drafter_config(cfg, store), final_norm_init=cfg.model.final_norm_init)
 
 
 def initial_drafter(m: ModelConfig) -> DFlashDrafter:

@@ -37,9 +37,9 @@ from dflash_train.train.checkpoint import (
 from dflash_train.train.config import OptimConfig, TrainConfig, resolve_chunk_blocks, to_toml
 from dflash_train.train.data import StoreLoader, weights_text
 from dflash_train.train.drafter_shape import (
-    drafter_config,
     initial_drafter,
     most_frequent_labels,
+    new_drafter,
     shape_conflicts,
 )
 from dflash_train.train.errors import TrainError
@@ -369,7 +369,7 @@ def _starting_drafter(cfg: TrainConfig, point: Checkpoint | None,
     if point is not None:  # its store checked in build_run
         return point.drafter
     if not cfg.model.init_from:
-        return DFlashDrafter(drafter_config(cfg, store))
+        return new_drafter(cfg, store)
     model = initial_drafter(cfg.model)
     conflicts = shape_conflicts(cfg.model, model.config)
     if conflicts:

@@ -38,10 +38,11 @@ def tiny_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
     config = tiny_config(**overrides)
     embed = torch.randn(VOCAB, HIDDEN)
     head = torch.randn(VOCAB, HIDDEN) / HIDDEN**0.5
-    # std 0.2 (not the 0.02 training init) so attention is far from uniform and every
-    # visibility change moves the logits well above float32 noise.
+    # std 0.2 (not the 0.02 training init) so attention is far from uniform, and the final
+    # norm at 1 (not 1/sqrt(hidden)), so every visibility change moves the logits well
+    # above float32 noise.
     model = DFlashDrafter(config, embed_tokens=embed, lm_head=head)
-    model.reset_parameters(std=0.2)
+    model.reset_parameters(std=0.2, final_norm="ones")
     return model.eval()
 
 

@@ -21,9 +21,12 @@ def next_token(x: torch.Tensor) -> torch.Tensor:
 
 
 def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: str = "tiny",
-                unfinished: int = 0, weights: str | None = None):
+                unfinished: int = 0, weights: str | None = None,
+                tied_embedding: torch.Tensor | None = None):
     """`unfinished`: the last parts are written but never finished (extraction cut short);
-    `weights`: the target's weights fingerprint (None: a store made before them)."""
+    `weights`: the target's weights fingerprint (None: a store made before them);
+    `tied_embedding`: [VOCAB, HIDDEN] rows the target uses as both its embedding and its
+    lm_head (None: two random matrices)."""
     meta = store_meta(
         target={"name_or_path": name, "model_type": "qwen3", "num_hidden_layers": 4,
                 "hidden_size": HIDDEN, "vocab_size": VOCAB, "config_sha256": "c" * 64,
@@ -37,8 +40,11 @@ def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: s
     store = create_store(url, meta, shard_tokens=64)
     gen = torch.Generator().manual_seed(seed)
     code = torch.randn(VOCAB, LAYERS, HIDDEN, generator=gen)
-    store.write_target_rows(torch.randn(VOCAB, HIDDEN, generator=gen),
-                            torch.randn(VOCAB, HIDDEN, generator=gen), torch.ones(HIDDEN))
+    embed = torch.randn(VOCAB, HIDDEN, generator=gen)
+    head = torch.randn(VOCAB, HIDDEN, generator=gen)
+    if tied_embedding is not None:
+        embed = head = tied_embedding
+    store.write_target_rows(embed, head, torch.ones(HIDDEN))
     target_cfg = {"model_type": "qwen3", "hidden_size": HIDDEN, "vocab_size": VOCAB,
                   "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
@@ -65,6 +71,15 @@ def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: s
         if p < parts - unfinished:
             writer.finish()
     return store
+
+
+def smollm2_like_rows(seed: int = 0) -> torch.Tensor:
+    """[VOCAB, HIDDEN] rows with SmolLM2-135M's embedding geometry: norm ~3.2, of which a
+    direction shared by every row has norm 2.2 (drafter.model.FinalNormInit)."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(HIDDEN, generator=gen)
+    own = torch.randn(VOCAB, HIDDEN, generator=gen)
+    return 2.2 * shared / shared.norm() + 2.3 * own / HIDDEN**0.5
 
 
 @pytest.fixture(scope="session")

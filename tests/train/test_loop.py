@@ -235,11 +235,13 @@ def test_padding_batches_and_blocks_leaves_the_loss_unchanged(synthetic_store, t
 
 
 def _assert_same_weights(a_checkpoint, b_checkpoint) -> None:
-    """Two runs' drafters agree up to float rounding, tensor by tensor."""
+    """Two runs' drafters agree up to float rounding, tensor by tensor. Adam divides each
+    gradient by its own RMS, so an entry whose gradients are near 0 turns reordered sums into
+    up to ~2e-6 of weight after 3 steps; a real difference moves a weight by ~lr (3e-3)."""
     a, b = load_drafter(a_checkpoint).state_dict(), load_drafter(b_checkpoint).state_dict()
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_blocks_train_what_one_pass_trains(synthetic_store, tmp_path):
