@@ -584,6 +584,18 @@ PREFETCH_JOIN_S = 60.0
 """How long closing the loader waits for the batch its thread is building."""
 
 
+def _put_unless_stopped(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put `item` on a bounded queue, giving up once the consumer has stopped reading: a
+    plain blocking put would hold the thread (and the consumer's join) on a full queue."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:
     """Run the iterator in a background thread, `depth` items ahead; re-raise its errors."""
     if depth <= 0:
@@ -596,17 +608,11 @@ def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:
     def work():
         try:
             for item in batches:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not _put_unless_stopped(q, item, stop):
                     return
-            q.put(done)
+            _put_unless_stopped(q, done, stop)
         except BaseException as e:  # surfaced in the consumer, not lost in the thread
-            q.put(e)
+            _put_unless_stopped(q, e, stop)
 
     thread = threading.Thread(target=work, daemon=True)
     thread.start()

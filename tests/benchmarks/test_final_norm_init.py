@@ -24,15 +24,7 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("final_norm_init")
     store = str(tmp / "hs.zarr")
     build_store(store, rows=8, tied_embedding=smollm2_like_rows())
-    preset_config = bench.train_config
-
-    def without_prefetch(*args):  # a 4-step run need not wait on a loader thread
-        tc = preset_config(*args)
-        return replace(tc, loader=replace(tc.loader, prefetch_batches=0))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bench, "train_config", without_prefetch)
-        return bench.compare(TINY, {"train": store, "held_out": store}, tmp / "out")
+    return bench.compare(TINY, {"train": store, "held_out": store}, tmp / "out")
 
 
 def test_both_inits_train_on_the_same_store_and_report_the_same_steps(results):

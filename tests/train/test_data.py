@@ -3,12 +3,19 @@
 import platform
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from dflash_train.store_schema import create_store
-from dflash_train.train.data import LoaderConfig, StoreLoader, pin_mmap_threshold
+from dflash_train.train.data import (
+    PREFETCH_JOIN_S,
+    LoaderConfig,
+    StoreLoader,
+    _prefetch,
+    pin_mmap_threshold,
+)
 from tests.store_schema.conftest import make_meta, random_sample
 
 
@@ -196,3 +203,14 @@ def test_a_loader_closed_mid_epoch_leaves_no_prefetch_thread_working(store_url):
     assert started, "the loader prefetches in a thread of its own"
     batches.close()
     assert not any(t.is_alive() for t in started)
+
+
+def test_closing_the_prefetch_after_its_source_ended_does_not_wait_out_the_join():
+    """The source ends while the queue is full (a run stopping at max_steps near an epoch's
+    end): the thread must not block on putting its end marker while the consumer closes."""
+    batches = _prefetch(iter(range(2)), depth=1)
+    assert next(batches) == 0
+    time.sleep(0.5)  # the thread has put item 1 and waits to put its end marker
+    start = time.monotonic()
+    batches.close()
+    assert time.monotonic() - start < PREFETCH_JOIN_S / 10
