@@ -6,6 +6,7 @@ and the drafter directory each checkpoint (and each export) holds.
       config.toml                 the resolved training config
       log.jsonl                   one StepRecord per step (train.record)
       skipped.jsonl               damaged samples skipped under loader.skip_corrupt
+      best.json                   the checkpoint best on the validation stores (train.best)
       tb/                         TensorBoard events (run.tensorboard)
       checkpoints/step_00000100/  a training checkpoint (train.checkpoint):
         drafter/                    a drafter directory, below
@@ -70,11 +71,14 @@ CHECKPOINTS = "checkpoints"
 LOG = "log.jsonl"
 SKIPPED = "skipped.jsonl"
 """Each damaged sample skipped under loader.skip_corrupt, one JSON line per sample."""
+BEST = "best.json"
+"""Which checkpoint scored best on the validation stores (--val-store), and by what figure:
+never rotated out by run.keep_checkpoints; `dflash export RUN` and `dflash eval RUN` take it."""
 TENSORBOARD = "tb"
 LOCK_FILE = ".lock"
 """Held (flock) by rank 0 of the run using the directory; the kernel drops it when that
 process dies, so a crashed run never leaves a stale lock."""
-RUN_FILES = (CHECKPOINTS, LOG, CONFIG, SKIPPED, TENSORBOARD)
+RUN_FILES = (CHECKPOINTS, LOG, CONFIG, SKIPPED, TENSORBOARD, BEST)
 """What a run leaves in its directory; any of them means the directory holds a run."""
 ABORTED_PREFIX = "aborted-"
 """A run that stopped before its first checkpoint leaves files a new run moves to

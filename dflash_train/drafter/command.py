@@ -1,5 +1,5 @@
-"""`dflash export`: a training checkpoint -> the directory vLLM / SGLang / z-lab load, or the
-one GGUF file llama.cpp loads (`--format gguf`)."""
+"""`dflash export`: a training checkpoint (or a run directory: its best checkpoint) -> the
+directory vLLM / SGLang / z-lab load, or the one GGUF file llama.cpp loads (`--format gguf`)."""
 
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.gguf_export import export_gguf
 from dflash_train.drafter.hf_config import read_config
 from dflash_train.errors import reported_as_one_line
+from dflash_train.train.best import is_run_dir, run_checkpoint
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "keep": None}
 FORMATS = ("hf", "gguf")
@@ -40,9 +41,10 @@ FORMATS = ("hf", "gguf")
                    "file (gguf); anything else is refused.")
 def export_command(checkpoint: str, out: str, fmt: str, target_gguf: str | None, dtype: str,
                    overwrite: bool) -> None:
-    """Write CHECKPOINT (a training checkpoint or drafter dir) as a DFlash drafter at OUT: a
-    directory (config.json + model.safetensors) that vLLM, SGLang and z-lab's code load, or
-    with --format gguf one GGUF file llama.cpp loads. A drafter with a draft vocabulary
+    """Write CHECKPOINT (a training checkpoint, a drafter dir, or a run directory: its best
+    checkpoint on validation, else its newest) as a DFlash drafter at OUT: a directory
+    (config.json + model.safetensors) that vLLM, SGLang and z-lab's code load, or with
+    --format gguf one GGUF file llama.cpp loads. A drafter with a draft vocabulary
     (model.draft_vocab_size) is served by vLLM and llama.cpp only."""
     from dflash_train.dtypes import torch_dtype as named_dtype
 
@@ -50,6 +52,10 @@ def export_command(checkpoint: str, out: str, fmt: str, target_gguf: str | None,
     name = _DTYPES[dtype]
     torch_dtype = named_dtype(name) if name else None
     with reported_as_one_line():
+        if is_run_dir(checkpoint):
+            chosen, why = run_checkpoint(checkpoint)
+            click.echo(f"{checkpoint}: exporting {why}, {chosen}")
+            checkpoint = str(chosen)
         if fmt == "gguf":
             written = export_gguf(checkpoint, out, target_gguf, dtype=torch_dtype,
                                   overwrite=overwrite, flag="--overwrite")

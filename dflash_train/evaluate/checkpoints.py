@@ -7,7 +7,9 @@ model.safetensors). A checkpoint is refused, naming both values, when its target
 or vocabulary differ from the store's: a training checkpoint by its provenance (the rule
 training applies on resume, StoreMeta.target_mismatches), every checkpoint by what its
 config.json carries (hidden, vocab, target layer count, layer ids; a drafter reading a subset
-of the store's layers takes them by id). This module never runs a model.
+of the store's layers takes them by id). A training run directory stands for its best
+checkpoint on validation, else its newest (train.best.run_checkpoint). This module never
+runs a model.
 """
 
 import json
@@ -22,6 +24,8 @@ from dflash_train.drafter.files import training_checkpoint_root
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.run_layout import PROVENANCE
 from dflash_train.store_schema import StoreError, StoreMeta
+from dflash_train.train.best import is_run_dir, run_checkpoint
+from dflash_train.train.errors import TrainError
 
 
 @dataclass
@@ -88,7 +92,15 @@ def load_checkpoint(
     """Load `path` (training checkpoint, its drafter/, or a drafter dir) and check it
     against the store. A training checkpoint must be whole (load_drafter refuses a half-copied
     one) and hold its provenance: without it, another target's drafter of the same shape
-    would be evaluated without a word."""
+    would be evaluated without a word. A run directory loads the checkpoint it stands for,
+    named `RUN/step_N`."""
+    name = Path(path.rstrip("/")).name or path
+    if is_run_dir(path):
+        try:
+            chosen, _ = run_checkpoint(path)
+        except TrainError as e:
+            raise EvalError(f"checkpoint {path}: {e}") from e
+        path, name = str(chosen), f"{name}/{chosen.name}"
     try:
         # Every kind: drafting.BlockDrafter follows a DFlash 2 drafter's selector walk. A
         # factorised one loads as the codebooks it exports (E W), what an engine would run.
@@ -105,8 +117,7 @@ def load_checkpoint(
     if problems:
         raise EvalError(f"checkpoint {path} does not fit the store:\n  " + "\n  ".join(problems))
     model.eval().requires_grad_(False)
-    return Checkpoint(name=Path(path.rstrip("/")).name or path, path=path, model=model,
-                      provenance=provenance)
+    return Checkpoint(name=name, path=path, model=model, provenance=provenance)
 
 
 def unique_names(checkpoints: list[Checkpoint]) -> None:

@@ -69,6 +69,13 @@ class TrainState:
     """[store, part, samples] of every part the batches are planned over (StoreLoader
     .plan_inputs): a resume over other parts would replay another plan. Empty in
     checkpoints written before it was recorded."""
+    best_step: int | None = None
+    """The step whose checkpoint scored best on the validation stores so far (train.validation;
+    None: no validation yet)."""
+    best_value: float | None = None
+    """Its figure (validation.best_by)."""
+    evaluations_since_best: int = 0
+    """Validations since that one that did not beat it: run.patience counts these."""
 
 
 def save_checkpoint(
@@ -81,8 +88,10 @@ def save_checkpoint(
     provenance: StoreMeta,
     config_toml: str,
     keep: int = 3,
+    spare: Path | None = None,
 ) -> Path:
-    """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest.
+    """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest,
+    `spare` (the run's best, train.best) apart.
 
     model_state / optimizer_state: full (gathered) states, see parallel.full_states.
     Either holding NaN or Inf is refused before anything is written."""
@@ -110,9 +119,16 @@ def save_checkpoint(
         _retire(final)
     tmp.rename(final)
     _fsync_dir(final.parent)
-    for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        _retire(old)
+    prune_checkpoints(run_dir, keep, spare)
     return final
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int, spare: Path | None = None) -> None:
+    """Delete complete checkpoints older than the `keep` newest (0 keeps all), never
+    `spare`."""
+    for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        if spare is None or old.name != Path(spare).name:
+            _retire(old)
 
 
 def _retire(checkpoint: Path) -> None:
