@@ -5,6 +5,7 @@ import click
 from dflash_train.devices import DEVICE_HELP, RANKS_HELP
 from dflash_train.errors import reported_as_one_line
 from dflash_train.run_layout import LOG
+from dflash_train.train.best import read_best
 from dflash_train.train.config import TrainConfig, load_config
 from dflash_train.train.drafter_shape import DRAFTER_LAYERS
 from dflash_train.train.errors import TrainError
@@ -15,6 +16,16 @@ from dflash_train.train.options import CLI_OPTIONS
 _FLAGS = {option[2:].replace("-", "_"): key for key, option in CLI_OPTIONS.items()}
 
 _DEFAULTS = TrainConfig()
+
+
+def _budgets(ctx, param, value: str | None) -> list[int] | None:
+    """--tree-budget's comma list ('' : none), or None when not given."""
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers") from e
 
 
 def _default(key: str, when_none: object = None) -> str:
@@ -71,9 +82,20 @@ def _default(key: str, when_none: object = None) -> str:
 @click.option("--skip-corrupt", is_flag=True, default=None,
               help="Skip samples of a damaged store (missing shard, failed checksum, torn part "
                    "metadata) and list them in RUN/skipped.jsonl, instead of refusing it.")
+@click.option("--val-store", "val_stores", multiple=True,
+              help="Store of the same target never trained on (repeatable): at every "
+                   "checkpoint the drafter is replayed on it offline (chain tau and DDTree tau, "
+                   "as dflash eval computes them); the best checkpoint is marked in the run "
+                   "directory and kept. A store sharing a sample with a --store is refused.")
+@click.option("--val-limit", type=click.IntRange(1),
+              help="Samples of each --val-store replayed per validation (drawn once)."
+              + _default("validation.limit", "all"))
+@click.option("--tree-budget", callback=_budgets,
+              help="DDTree node budgets validation measures (comma list; '' for the chain "
+                   "only)." + _default("validation.tree_budgets"))
 @click.option("--progress/--no-progress", default=_DEFAULTS.run.progress,
               help="Show a progress bar.")
-def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
+def train_command(stores, val_stores, config_file, resume, sets, progress, **flags) -> None:
     """Train a DFlash (or DFlash 2) drafter from feature stores; no target model is loaded.
 
     Labels are the stored verifier argmax; noise touches only the fc input; the loss is
@@ -83,6 +105,8 @@ def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
     from dflash_train.train.loop import train
 
     overrides = {"stores": list(stores), "run.progress": progress}
+    if val_stores:  # else a --config file's validation stores stand
+        overrides["validation.stores"] = list(val_stores)
     for name, value in flags.items():
         if value is not None:
             overrides[_FLAGS[name]] = value
@@ -98,8 +122,14 @@ def train_command(stores, config_file, resume, sets, progress, **flags) -> None:
         click.echo(f"{result.run_dir} is already complete (step {result.steps} of "
                    f"{result.steps}); nothing to train; checkpoint {result.checkpoint}")
         return
+    if result.stopped:
+        click.echo(result.stopped)
     click.echo(f"trained {result.steps} steps, final loss {result.final_loss:.4f}; "
                f"checkpoint {result.checkpoint}; log {result.run_dir / LOG}")
+    best = read_best(result.run_dir)
+    if best is not None:
+        click.echo(f"best on validation: {best.checkpoint(result.run_dir)} ({best.figure} "
+                   f"{best.value:.4f}); dflash export / eval {result.run_dir} take it")
 
 
 @click.group("log")

@@ -2,7 +2,8 @@
 
 Sections mirror what a reader meets in the loop: where the data comes from (`loader`), what the
 drafter looks like (`model`), what it minimises (`loss`), the regulariser (`noise`), how it
-steps (`optim`) and how the run is kept (`run`). Unknown keys are errors, never ignored.
+steps (`optim`), how the run is kept (`run`) and what it is measured on at each checkpoint
+(`validation`). Unknown keys are errors, never ignored.
 """
 
 import dataclasses
@@ -217,7 +218,11 @@ class RunConfig:
     checkpoint_every: int = 500
     """Optimiser steps between checkpoints (one is always written at the end)."""
     keep_checkpoints: int = 3
-    """Most recent checkpoints kept; older ones are deleted (0: keep every one)."""
+    """Most recent checkpoints kept; older ones are deleted (0: keep every one), except the
+    best on the validation stores (--val-store), which is kept too."""
+    patience: int | None = None
+    """Stop the run once this many validations in a row have not beaten the best one
+    (validation.best_by); None: never. Needs --val-store."""
     log_every: int = 10
     """Steps between log lines with per-slot accuracy."""
     fsdp: bool = False
@@ -260,6 +265,59 @@ class RunConfig:
         require(self.keep_checkpoints >= 0, "run.keep_checkpoints", ">= 0 (0 keeps all)",
                 self.keep_checkpoints)
         require(self.log_every >= 1, "run.log_every", ">= 1", self.log_every)
+        require(self.patience is None or self.patience >= 1, "run.patience",
+                ">= 1 (unset: never stop early)", self.patience)
+
+
+DEFAULT_VAL_LIMIT = 64
+"""Samples per validation store (--val-limit) when unset: the long SmolLM2 preset's
+validation set, ~3 % of its checkpoint interval (docs/real_target.md)."""
+DEFAULT_VAL_TREE_BUDGETS = (16, 64)
+"""DDTree budgets validation measures unless told (--tree-budget)."""
+
+
+@dataclass
+class ValidationConfig:
+    """The drafter replayed offline on held-back stores at every checkpoint (train.validation),
+    as `dflash eval --store V --limit N --seed S --tree-budget B` would replay it there."""
+
+    stores: list[str] = field(default_factory=list)
+    """Stores of the train stores' target never trained on (--val-store, repeatable); empty:
+    no validation. A store sharing a sample (the same token ids) with a train store, or with
+    another validation store, is refused."""
+    limit: int | None = DEFAULT_VAL_LIMIT
+    """Samples of each validation store replayed (--val-limit): drawn once with `seed`, the
+    same at every checkpoint; None: all. Bounds what validation costs."""
+    tree_budgets: tuple[int, ...] = DEFAULT_VAL_TREE_BUDGETS
+    """DDTree node budgets whose tau is measured (--tree-budget), each its own replay walk;
+    () for the chain only."""
+    best_by: Literal["tau", "tree_tau"] = "tau"
+    """The figure that picks the best checkpoint and that run.patience watches, pooled over
+    the validation stores: `tau`, the chain's mean tokens per block (what `dflash eval`
+    reports first); `tree_tau`, the DDTree's at the largest of `tree_budgets` (a drafter
+    served with DDTree at that budget)."""
+    seed: int = 0
+    """Seed of the `limit` draw (eval's --seed)."""
+    batch_tokens: int = 16384
+    """Sequences per replay batch: count x longest <= this. The figures do not depend on it
+    (nor on the number of ranks): counts are summed, never per-batch means averaged."""
+
+    def __post_init__(self) -> None:
+        require(self.limit is None or self.limit >= 1, "validation.limit",
+                ">= 1 (unset: every sample)", self.limit)
+        budgets = tuple(self.tree_budgets)
+        require(all(b >= 1 for b in budgets) and len(set(budgets)) == len(budgets),
+                "validation.tree_budgets", "distinct node budgets >= 1", budgets)
+        self.tree_budgets = tuple(sorted(budgets))
+        require(self.best_by != "tree_tau" or bool(budgets), "validation.best_by",
+                "tau when validation.tree_budgets is empty (no tree is measured)", self.best_by)
+        require(self.seed >= 0, "validation.seed", ">= 0", self.seed)
+        require(self.batch_tokens >= 1, "validation.batch_tokens", ">= 1", self.batch_tokens)
+
+    @property
+    def best_figure(self) -> str:
+        """The best_by figure as logs and best.json name it: tau, or tree_tau@B."""
+        return "tau" if self.best_by == "tau" else f"tree_tau@{self.tree_budgets[-1]}"
 
 
 @dataclass
@@ -274,6 +332,7 @@ class TrainConfig:
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def __post_init__(self) -> None:
         # Checked here, across sections, so the run is refused before its directory exists.
@@ -281,6 +340,11 @@ class TrainConfig:
             raise TrainError("loss.kind kl-topk does not train a DFlash 2 selector (its term "
                              "is a hard CE over each slot's top-K); use loss.kind ce with "
                              "model.kind dflash2")
+        if self.run.fsdp and self.validation.stores:
+            # FSDP2 gathers a layer's weights only inside its forward; replay reads them
+            # outside it (the context cache), and ranks replay different samples.
+            raise TrainError("--val-store does not validate under --fsdp (run.fsdp) yet; use "
+                             "DDP (drop --fsdp), or validate the checkpoints with dflash eval")
         for rule in ACTS_ONLY_WHEN:
             rule.refuse_if_inert(self)
 
@@ -331,6 +395,9 @@ ACTS_ONLY_WHEN = (
                  lambda c: c.noise.std_end is not None),
     ActsOnlyWhen(("noise.stats_max_tokens",), "noise.absolute is false (relative noise "
                   "needs each layer's RMS)", lambda c: not c.noise.absolute),
+    ActsOnlyWhen(("run.patience", "validation.limit", "validation.tree_budgets",
+                  "validation.best_by", "validation.seed", "validation.batch_tokens"),
+                 "--val-store is given", lambda c: bool(c.validation.stores)),
 )
 """Every setting that acts only under another: the one place such refusals are made."""
 

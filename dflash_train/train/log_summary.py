@@ -129,6 +129,36 @@ def record_problem(record, slots: tuple[int, int] | None = None) -> str | None:
     if acc is not None and slots is not None and len(acc) != slots[0]:
         return (f"'slot_acc' has {len(acc)} slots, line {slots[1]}'s has {slots[0]} (one run "
                 "has one block size)")
+    if record.get("validation") is not None:
+        return _validation_problem(record["validation"])
+    return None
+
+
+def _validation_problem(figures) -> str | None:
+    """What makes a record's `validation` object not what train.validation writes."""
+    def figures_problem(f, where: str) -> str | None:
+        if not isinstance(f, dict):
+            return f"{where} is {_show(f)}, not an object"
+        if f.get("tau") is not None and not _is_number(f["tau"]):
+            return f"{where}'s 'tau' is {_show(f['tau'])}, not a number"
+        trees = f.get("tree_tau") or {}
+        if not isinstance(trees, dict) or not all(
+                b.isdigit() and (t is None or _is_number(t)) for b, t in trees.items()):
+            return f"{where}'s 'tree_tau' is {_show(trees)}, not numbers by node budget"
+        return None
+
+    problem = figures_problem(figures, "'validation'")
+    if problem:
+        return problem
+    stores = figures.get("stores") or {}
+    if not isinstance(stores, dict):
+        return f"'validation' 'stores' is {_show(stores)}, not an object"
+    for url, f in stores.items():
+        if (problem := figures_problem(f, f"'validation' store {url!r}")):
+            return problem
+    best = figures.get("best_step")
+    if best is not None and not (isinstance(best, int) and not isinstance(best, bool)):
+        return f"'validation' 'best_step' is {_show(best)}, not a step"
     return None
 
 
@@ -215,7 +245,24 @@ def summarize_log(records: list[StepRecord], parts: int = 5) -> dict:
         "batch_samples": _percentiles([r.samples or 0 for r in records]),
         "tokens_per_s": speed,
         "data_wait_share": waits / (waits + busy) if waits + busy > 0 else None,
+        "validation": validation_curve(records),
     }
+
+
+def validation_curve(records: list[StepRecord]) -> dict | None:
+    """The validation figures step by step (pooled over the stores) and the best step the
+    run chose (validation.best_by), or None for a run without validation stores."""
+    validated = [r for r in records if r.validation is not None]
+    if not validated:
+        return None
+    curve = [{"step": r.step, "tau": r.validation.pooled.tau,
+              "tree_tau": {str(b): t for b, t in r.validation.pooled.tree_tau.items()},
+              "blocks": r.validation.pooled.blocks, "seconds": r.validation.seconds}
+             for r in validated]
+    best_step = validated[-1].validation.best_step
+    best = next((point for point in curve if point["step"] == best_step), None)
+    return {"curve": curve, "best_step": best_step, "best": best,
+            "stores": sorted(validated[-1].validation.stores)}
 
 
 def _fmt(v, spec=".4g") -> str:
@@ -251,4 +298,23 @@ def format_summary(s: dict) -> str:
                      f"(variation {t['cv']:.0%})")
     if s["data_wait_share"] is not None:
         lines.append(f"data wait: {s['data_wait_share']:.1%} of step time")
+    if s.get("validation"):
+        lines += ["", *_format_validation(s["validation"])]
     return "\n".join(lines)
+
+
+def _format_validation(v: dict) -> list[str]:
+    budgets = sorted({b for p in v["curve"] for b in p["tree_tau"]}, key=int)
+    lines = [f"validation on {', '.join(v['stores'])} (pooled):",
+             f"  {'step':>8} {'tau':>7} " + " ".join(f"{'tree@' + b:>9}" for b in budgets)
+             + f" {'blocks':>8} {'seconds':>8}"]
+    for p in v["curve"]:
+        lines.append(f"  {p['step']:>8} {_fmt(p['tau'], '.4f'):>7} "
+                     + " ".join(f"{_fmt(p['tree_tau'].get(b), '.4f'):>9}" for b in budgets)
+                     + f" {p['blocks']:>8} {p['seconds']:>8.1f}")
+    best = v["best"]
+    lines.append("best: none yet" if best is None else
+                 f"best: step {best['step']} (tau {_fmt(best['tau'], '.4f')}"
+                 + "".join(f", tree@{b} {_fmt(t, '.4f')}" for b, t in best["tree_tau"].items())
+                 + ")")
+    return lines

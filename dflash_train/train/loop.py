@@ -1,9 +1,10 @@
 """The training loop: store -> batches -> blocks -> noised fc input -> drafter -> loss -> step.
 
 Reads top to bottom: build the run (train.run), then one step per batch, epoch after epoch:
-step, record, health, checkpoint. `train_step` needs only a Run (train.run.assemble_run
-makes one in memory) and a batch. Everything random is keyed by (seed, epoch, sample), so a
-resumed run continues bit-for-bit and W ranks train what one process trains.
+step, validation (on a checkpoint step), record, health, checkpoint. `train_step` needs only
+a Run (train.run.assemble_run makes one in memory) and a batch. Everything random is keyed
+by (seed, epoch, sample), so a resumed run continues bit-for-bit and W ranks train what one
+process trains; validation draws nothing from the training RNG.
 """
 
 import math
@@ -17,17 +18,19 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.run_layout import checkpoint_dir
-from dflash_train.train.checkpoint import latest_checkpoint, save_checkpoint
+from dflash_train.train.best import mark_best, read_best
+from dflash_train.train.checkpoint import latest_checkpoint, prune_checkpoints, save_checkpoint
 from dflash_train.train.config import TrainConfig, to_toml
 from dflash_train.train.data import Batch, empty_batch
 from dflash_train.train.errors import TrainError
 from dflash_train.train.health import StepHealth
 from dflash_train.train.noise import noise_std_at
 from dflash_train.train.parallel import barrier, full_states, global_norm, sum_over_ranks
-from dflash_train.train.record import StepRecord
+from dflash_train.train.record import StepRecord, ValidationFigures
 from dflash_train.train.run import AlreadyComplete, Run, build_run
 from dflash_train.train.rundir import local_paths_absolute, run_lock
 from dflash_train.train.step import batch_accuracy, block_loss, make_blocks, noised_context
+from dflash_train.train.validation import follow_best, patience_spent
 
 
 @dataclass
@@ -40,6 +43,8 @@ class TrainResult:
     """Distinct damaged samples (or parts) this process skipped (loader.skip_corrupt)."""
     already_complete: bool = False
     """A --resume found the run finished: nothing was trained or written."""
+    stopped: str | None = None
+    """Why the run stopped before its last step (run.patience), else None."""
 
 
 def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
@@ -53,26 +58,54 @@ def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
 
 def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
     # recorded absolute in config.toml: a resume from another cwd names the same stores
-    cfg = replace(cfg, stores=local_paths_absolute(cfg.stores))
+    cfg = replace(cfg, stores=local_paths_absolute(cfg.stores), validation=replace(
+        cfg.validation, stores=local_paths_absolute(cfg.validation.stores)))
     run = build_run(cfg, resume, echo)
     if isinstance(run, AlreadyComplete):
         return TrainResult(run.step, float("nan"), run.checkpoint, Path(cfg.run.out_dir),
                            already_complete=True)
     health = StepHealth(run.run_dir, run.model.config.vocab_size, cfg.optim.lr)
     sinks, last_loss, checkpoint = run.sinks, float("nan"), None
-    for batch, waited in _batches(run):
+    stopped = stop_early(run)  # a resumed run that run.patience had stopped already
+    for batch, waited in _batches(run) if stopped is None else ():
         batch = batch if batch is not None else empty_batch(run.store)
         for damage in batch.skipped:
             sinks.skipped.record(damage, run.state.step + 1)
         record = train_step(run, batch, waited)
+        at_checkpoint = record.step % cfg.run.checkpoint_every == 0 or run.at_last_step()
+        if at_checkpoint and run.validation is not None:
+            record.validation = validate(run)  # every rank: the same figures everywhere
         last_loss = record.loss
         sinks.log.write(record)
         health.check(record.step, record.loss, record.grad_norm)  # every rank agrees
         sinks.bar.update(1)
         sinks.bar.set_postfix(loss=f"{record.loss:.3f}", epoch=record.epoch)
-        if record.step % cfg.run.checkpoint_every == 0:
+        if at_checkpoint:
             checkpoint = save_run(run)
-    return _finish(run, checkpoint, last_loss)
+            stopped = stop_early(run)
+            if stopped is not None:
+                break
+    return _finish(run, checkpoint, last_loss, stopped)
+
+
+def validate(run: Run) -> ValidationFigures:
+    """The drafter replayed on the validation stores (train.validation), and the run's best
+    so far moved to this step if it beats it. A collective under torchrun."""
+    figures = run.validation.evaluate(run.model)
+    follow_best(run.state, figures, run.cfg.validation)
+    return figures
+
+
+def stop_early(run: Run) -> str | None:
+    """Why the run stops before its last step: run.patience validations in a row without a
+    better one (every rank's state agrees), else None."""
+    state = run.state
+    if not patience_spent(state, run.cfg.run.patience):
+        return None
+    return (f"validation {run.cfg.validation.best_figure} has not beaten step "
+            f"{state.best_step}'s {state.best_value:.4f} in {state.evaluations_since_best} "
+            f"validations (run.patience {run.cfg.run.patience}); stopped at step {state.step}"
+            f". --resume --set run.patience=N with a larger N trains on")
 
 
 def _batches(run: Run) -> Iterator[tuple[Batch | None, float]]:
@@ -143,18 +176,25 @@ def train_step(run: Run, batch: Batch, data_wait: float = 0.0) -> StepRecord:
 
 def save_run(run: Run) -> Path | None:
     """Checkpoint the run where it is: every rank gathers (a collective under FSDP); rank 0
-    writes. Returns the checkpoint on rank 0, None elsewhere."""
+    writes, then marks the best checkpoint (train.best). Rotation never deletes the marked
+    one: the old best is spared until the marker has moved off it. Returns the checkpoint
+    on rank 0, None elsewhere."""
     model_state, optimizer_state = full_states(run.model, run.optimizer)
     path = None
     if run.placement.rank == 0:
+        keep, marked = run.cfg.run.keep_checkpoints, read_best(run.run_dir)
         path = save_checkpoint(run.run_dir, run.model, model_state, optimizer_state,
                                run.scheduler, run.state, run.store.meta, to_toml(run.cfg),
-                               keep=run.cfg.run.keep_checkpoints)
+                               keep=keep, spare=marked and marked.checkpoint(run.run_dir))
+        if run.validation is not None:
+            best = mark_best(run.run_dir, run.state, run.cfg.validation.best_figure)
+            prune_checkpoints(run.run_dir, keep, spare=best)
     barrier(run.placement.world)
     return path
 
 
-def _finish(run: Run, checkpoint: Path | None, last_loss: float) -> TrainResult:
+def _finish(run: Run, checkpoint: Path | None, last_loss: float,
+            stopped: str | None = None) -> TrainResult:
     """The last checkpoint (unless the last step just wrote it), sinks closed, the summary."""
     run.sinks.bar.close()
     if latest_checkpoint(run.run_dir) != checkpoint_dir(run.run_dir, run.state.step):
@@ -163,4 +203,4 @@ def _finish(run: Run, checkpoint: Path | None, last_loss: float) -> TrainResult:
     barrier(run.placement.world)
     run.sinks.skipped.summarise()
     return TrainResult(run.state.step, last_loss, checkpoint or latest_checkpoint(run.run_dir),
-                       run.run_dir, run.sinks.skipped.count)
+                       run.run_dir, run.sinks.skipped.count, stopped=stopped)

@@ -28,6 +28,9 @@ CLI_OPTIONS = {
     "run.fsdp": "--fsdp",
     "loader.skip_corrupt": "--skip-corrupt",
     "run.progress": "--progress",
+    "validation.stores": "--val-store",
+    "validation.limit": "--val-limit",
+    "validation.tree_budgets": "--tree-budget",
 }
 """Config field (section.field) -> the `dflash train` option that sets it."""
 

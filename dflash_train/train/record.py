@@ -3,7 +3,8 @@
 
 The line's keys and their order are a contract with users' scripts and older logs: the
 fields below are written in this order, the accuracy ones only on the steps that measure
-them, selector_recall only for a DFlash 2 drafter. Never computes anything from tensors.
+them, selector_recall only for a DFlash 2 drafter, `validation` (one object) only on the
+checkpoint steps of a run with validation stores. Never computes anything from tensors.
 """
 
 from dataclasses import dataclass
@@ -28,6 +29,56 @@ class BatchAccuracy:
         if self.selector_recall is not None:
             out["selector_recall"] = self.selector_recall
         return out
+
+
+@dataclass
+class StoreFigures:
+    """The drafter replayed offline on one validation store (or on all of them pooled):
+    the figures `dflash eval` reports first, from the same code."""
+
+    tau: float | None
+    """Mean tokens committed per block of the chain's replay walk (None: no block)."""
+    tree_tau: dict[int, float | None]
+    """Per DDTree node budget: mean tokens committed per round of that budget's walk."""
+    blocks: int
+    """Blocks the chain's walk drafted: the figures' sample size."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tau": self.tau, "tree_tau": {str(b): t for b, t in self.tree_tau.items()},
+                "blocks": self.blocks}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "StoreFigures":
+        return cls(raw.get("tau"), {int(b): t for b, t in (raw.get("tree_tau") or {}).items()},
+                   raw.get("blocks") or 0)
+
+
+@dataclass
+class ValidationFigures:
+    """The drafter evaluated on the validation stores at a checkpoint step (train.validation):
+    every store's blocks pooled, each store's own, and where the best stands after it."""
+
+    pooled: StoreFigures
+    """Over every validation store's blocks together: what chooses the best checkpoint."""
+    tau_ci95: list[float] | None
+    """95 % interval of the pooled tau (blocks treated as independent)."""
+    stores: dict[str, StoreFigures]
+    """Per validation store, by its location as the run records it."""
+    seconds: float
+    """Wall-clock seconds the validation took (not part of step_s)."""
+    best_step: int | None = None
+    """The run's best checkpoint after this validation (validation.best_by)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.pooled.to_json(), "tau_ci95": self.tau_ci95,
+                "best_step": self.best_step, "seconds": self.seconds,
+                "stores": {url: f.to_json() for url, f in self.stores.items()}}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "ValidationFigures":
+        return cls(StoreFigures.from_json(raw), raw.get("tau_ci95"),
+                   {url: StoreFigures.from_json(f) for url, f in (raw.get("stores") or {}).items()},
+                   raw.get("seconds") or 0.0, raw.get("best_step"))
 
 
 @dataclass
@@ -57,6 +108,8 @@ class StepRecord:
     step_s: float | None = None
     tokens_per_s: float | None = None
     accuracy: BatchAccuracy | None = None
+    validation: ValidationFigures | None = None
+    """On a checkpoint step of a run with validation stores: the drafter's figures there."""
 
     def to_json(self) -> dict[str, Any]:
         """The log line's object, keys in the order the loop has always written them."""
@@ -65,7 +118,9 @@ class StepRecord:
                "skipped": self.skipped, "blocks": self.blocks, "noise_std": self.noise_std,
                "data_wait_s": self.data_wait_s, "step_s": self.step_s,
                "tokens_per_s": self.tokens_per_s}
-        return out | (self.accuracy.to_json() if self.accuracy is not None else {})
+        out |= self.accuracy.to_json() if self.accuracy is not None else {}
+        return out | ({"validation": self.validation.to_json()}
+                      if self.validation is not None else {})
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "StepRecord":
@@ -76,7 +131,9 @@ class StepRecord:
             accuracy = BatchAccuracy(raw.get("slot_acc"), raw.get("train_tau"),
                                      raw.get("selector_recall"))
         known = {name: raw.get(name) for name in _SCALARS}
-        return cls(**known, accuracy=accuracy)
+        validation = raw.get("validation")
+        return cls(**known, accuracy=accuracy, validation=None if validation is None
+                   else ValidationFigures.from_json(validation))
 
 
 _SCALARS = ("step", "epoch", "loss", "lr", "tokens", "grad_norm", "samples", "skipped",

@@ -27,6 +27,7 @@ from dflash_train.store_schema import Store, StoreError
 from dflash_train.store_schema.errors import one_line
 from dflash_train.store_schema.integrity import SKIP_HINT
 from dflash_train.store_schema.stats import store_stats
+from dflash_train.train.best import mark_best
 from dflash_train.train.checkpoint import (
     Checkpoint,
     TrainState,
@@ -61,6 +62,7 @@ from dflash_train.train.rundir import (
     set_aside_leftovers,
 )
 from dflash_train.train.sinks import NullLog, RunLog, Sinks, SkipLedger, progress_bar
+from dflash_train.train.validation import Validation, open_validation
 
 Echo = Callable[[str], None]
 
@@ -128,6 +130,23 @@ class Run:
     """checkpoints/, log.jsonl, config.toml; None for a run in memory, never saved."""
     sinks: Sinks = field(default_factory=Sinks)
     """Where the loop's records go; ones that do nothing unless build_run opened them."""
+    validation: Validation | None = None
+    """The stores the drafter is replayed on at every checkpoint (--val-store); None: none."""
+    _last_epoch_batches: int | None = field(default=None, init=False, repr=False)
+
+    def at_last_step(self) -> bool:
+        """Whether the run has taken its last step (its last epoch may hold fewer batches
+        than its first, so the step count alone cannot tell)."""
+        def last_epoch_batches() -> int:
+            if self._last_epoch_batches is None:
+                self._last_epoch_batches = self.loader.batches_per_epoch(
+                    self.cfg.optim.epochs - 1)
+            return self._last_epoch_batches
+
+        if self.loader is None:
+            return self.state.step >= self.total_steps
+        return run_finished(self.state, self.cfg.optim.epochs, self.total_steps,
+                            last_epoch_batches)
 
     @property
     def pad_blocks_to(self) -> int:
@@ -142,12 +161,14 @@ class Run:
 
 def assemble_run(cfg: TrainConfig, model: DFlashDrafter, *, placement: Placement,
                  total_steps: int, loader: StoreLoader | None = None,
-                 layer_rms: torch.Tensor | None = None, run_dir: Path | None = None) -> Run:
+                 layer_rms: torch.Tensor | None = None, run_dir: Path | None = None,
+                 validation: Validation | None = None) -> Run:
     """A run of `model` (its target head attached) as `cfg` configures it, at step 0, with
     sinks that do nothing, touching no file: the drafter set to train on the placement's
     device and wrapped for its ranks, the optimiser and the learning-rate schedule over
     `total_steps` built. `loader` is where the loop reads batches (and what checkpoints
-    record the plan of); `layer_rms` scales relative noise (noise_layer_rms)."""
+    record the plan of); `layer_rms` scales relative noise (noise_layer_rms); `validation`
+    measures the drafter at every checkpoint (open_validation)."""
     device = placement.device
     model.to(device)
     model.gradient_checkpointing = cfg.run.gradient_checkpointing
@@ -160,7 +181,8 @@ def assemble_run(cfg: TrainConfig, model: DFlashDrafter, *, placement: Placement
                model=model, forward=forward, optimizer=optimizer,
                scheduler=_scheduler(optimizer, cfg.optim, total_steps),
                state=TrainState(plan=loader.plan_inputs() if loader is not None else []),
-               total_steps=total_steps, layer_rms=layer_rms, loader=loader, run_dir=run_dir)
+               total_steps=total_steps, layer_rms=layer_rms, loader=loader, run_dir=run_dir,
+               validation=validation)
 
 
 def build_run(cfg: TrainConfig, resume: bool, echo: Echo = print) -> Run | AlreadyComplete:
@@ -181,14 +203,22 @@ def build_run(cfg: TrainConfig, resume: bool, echo: Echo = print) -> Run | Alrea
                          str(point.path), same_data=True)
         done = TrainState(**point.trainer["state"])
         check_same_plan(done.plan, loader.plan_inputs(), point.path)
-        if _finished(done, loader, cfg, total_steps):
+        last = cfg.optim.epochs - 1
+        if run_finished(done, cfg.optim.epochs, total_steps,
+                        lambda: loader.batches_per_epoch(last)):
             return AlreadyComplete(done.step, point.path)
     model = _drafter(cfg, point, loader.stores, placement, say)
+    validation = open_validation(cfg.validation, loader.stores, loader.parts, model.config,
+                                 placement.rank, placement.world, say)
     run = assemble_run(cfg, model, placement=placement, total_steps=total_steps, loader=loader,
-                       layer_rms=noise_layer_rms(cfg, loader, placement.device), run_dir=run_dir)
+                       layer_rms=noise_layer_rms(cfg, loader, placement.device), run_dir=run_dir,
+                       validation=validation)
     if point is not None:
         _restore(point, run)
         say(f"resumed from {point.path} (step {run.state.step}, epoch {run.state.epoch})")
+        if validation is not None and placement.rank == 0:
+            # a crash between a save and its marking, or a damaged best stepped over
+            mark_best(run_dir, run.state, cfg.validation.best_figure)
     # The optimizer holds its state now: the checkpoint as read (trainer.pt with a second
     # copy of the Adam moments) is let go when this returns, before the first step.
     if placement.rank == 0:
@@ -325,12 +355,13 @@ def _nothing_to_train(cfg: TrainConfig) -> str:
             "consecutive loss-mask tokens after the first)")
 
 
-def _finished(done: TrainState, loader: StoreLoader, cfg: TrainConfig, total_steps: int) -> bool:
-    """Whether a checkpoint's position is the end of the run (its last epoch's last batch
-    may have been saved before the epoch counter moved on)."""
-    last = cfg.optim.epochs - 1
+def run_finished(done: TrainState, epochs: int, total_steps: int,
+                 last_epoch_batches: Callable[[], int]) -> bool:
+    """Whether a position is the end of the run (its last epoch's last batch may have been
+    saved before the epoch counter moved on); last_epoch_batches() counts that epoch's."""
+    last = epochs - 1
     return (done.step >= total_steps or done.epoch > last
-            or (done.epoch == last and done.batch_in_epoch >= loader.batches_per_epoch(last)))
+            or (done.epoch == last and done.batch_in_epoch >= last_epoch_batches()))
 
 
 def _drafter(cfg: TrainConfig, point: Checkpoint | None, stores: list[Store],

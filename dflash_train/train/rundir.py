@@ -48,6 +48,7 @@ RUN_MANAGEMENT_FIELDS = frozenset({
     "run.log_every",
     "run.checkpoint_every",
     "run.keep_checkpoints",
+    "run.patience",  # when a run gives up, not what it computes: raised to train on
     "run.tensorboard",
     "run.fsdp",  # shards the same computation; proven equal to DDP / one process
     "run.gradient_checkpointing",  # recomputes activations in backward, same values

@@ -84,8 +84,25 @@ def _board_write(board, line: dict) -> None:
             for slot, acc in enumerate(value, 1):
                 if acc is not None:
                     board.add_scalar(f"slot_acc/{slot:02d}", acc, step)
+        elif key == "validation":
+            _board_validation(board, value, step)
         elif isinstance(value, (int, float)) and value is not None:
             board.add_scalar(key, value, step)
+
+
+def _board_validation(board, figures: dict, step: int) -> None:
+    """The validation figures as val/tau, val/tree_tau_B (pooled over the stores) and, with
+    several stores, val/<store>/... each; val/seconds what it took."""
+    stores = figures["stores"]
+    tags = [("val", figures)] + ([(f"val/{Path(url).name}", f) for url, f in stores.items()]
+                                 if len(stores) > 1 else [])
+    for tag, figure in tags:
+        if figure["tau"] is not None:
+            board.add_scalar(f"{tag}/tau", figure["tau"], step)
+        for budget, tau in figure["tree_tau"].items():
+            if tau is not None:
+                board.add_scalar(f"{tag}/tree_tau_{budget}", tau, step)
+    board.add_scalar("val/seconds", figures["seconds"], step)
 
 
 class NullLog:

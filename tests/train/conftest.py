@@ -22,11 +22,13 @@ def next_token(x: torch.Tensor) -> torch.Tensor:
 
 def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: str = "tiny",
                 unfinished: int = 0, weights: str | None = None,
-                tied_embedding: torch.Tensor | None = None):
+                tied_embedding: torch.Tensor | None = None, first_sample: int = 0):
     """`unfinished`: the last parts are written but never finished (extraction cut short);
     `weights`: the target's weights fingerprint (None: a store made before them);
     `tied_embedding`: [VOCAB, HIDDEN] rows the target uses as both its embedding and its
-    lm_head (None: two random matrices)."""
+    lm_head (None: two random matrices);
+    `first_sample`: where the sequences start (rows r of stores with different
+    first_sample hold other token ids, up to 63 apart: a store of other prompts)."""
     meta = store_meta(
         target={"name_or_path": name, "model_type": "qwen3", "num_hidden_layers": 4,
                 "hidden_size": HIDDEN, "vocab_size": VOCAB, "config_sha256": "c" * 64,
@@ -54,9 +56,10 @@ def build_store(url: str, rows: int = 24, parts: int = 2, seed: int = 0, name: s
     for p in range(parts):
         writer = store.part_writer(p, p * per_part, (p + 1) * per_part)
         for row in range(p * per_part, (p + 1) * per_part):
-            length = 20 + (row * 7) % 30
+            n = row + first_sample
+            length = 20 + (n * 7) % 30
             x = torch.empty(length, dtype=torch.long)
-            x[0] = row % (VOCAB - 1)
+            x[0] = n % (VOCAB - 1)
             for t in range(1, length):
                 x[t] = next_token(x[t - 1])
             top1 = next_token(x)

@@ -203,12 +203,11 @@ def test_export_writes_the_serving_directory(synthetic_store, tmp_path):
     assert again.exit_code == 1 and "Traceback" not in again.output
 
 
-def test_tensorboard_events_carry_the_logged_scalars(synthetic_store, tmp_path):
+def tensorboard_tags(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar a run wrote to TensorBoard: tag -> [(step, value)]."""
     from tensorboardX.proto import event_pb2
 
-    train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 3,
-                                                  "run.tensorboard": True}))
-    (events,) = (tmp_path / "r" / "tb").glob("events.out.tfevents.*")
+    (events,) = (run_dir / "tb").glob("events.out.tfevents.*")
     tags = {}
     data = events.read_bytes()
     pos = 0
@@ -218,6 +217,13 @@ def test_tensorboard_events_carry_the_logged_scalars(synthetic_store, tmp_path):
         pos += 16 + length
         for v in event.summary.value:
             tags.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return tags
+
+
+def test_tensorboard_events_carry_the_logged_scalars(synthetic_store, tmp_path):
+    train(_cfg(synthetic_store, tmp_path / "r", **{"optim.max_steps": 3,
+                                                  "run.tensorboard": True}))
+    tags = tensorboard_tags(tmp_path / "r")
     log = [json.loads(line) for line in (tmp_path / "r" / "log.jsonl").open()]
     assert [s for s, _ in tags["loss"]] == [1, 2, 3]
     assert [v for _, v in tags["loss"]] == pytest.approx([r["loss"] for r in log])

@@ -1,0 +1,293 @@
+"""Validation during training: at every checkpoint the drafter is replayed offline on stores
+held back from training (--val-store) by evaluate.replay, the code `dflash eval` runs, and
+its figures join that step's record; the best checkpoint so far follows them (train.best).
+
+Owns what a validation store is refused for (another target or layer set, a sample shared
+with a train store or with another validation store, nothing to draft at) and how the ranks'
+replays become one figure: each rank replays its share of the samples, and the ranks' tau
+histograms are merged (integer counts summed) before any mean is taken, so a figure is the
+same whatever the batch size or the number of ranks. Never trains, never writes a file,
+never loads the target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dflash_train.blocks import eligible_anchors
+from dflash_train.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.evaluate.checkpoints import layer_selection
+from dflash_train.evaluate.damage import DamagePolicy, check_store
+from dflash_train.evaluate.drafting import BlockDrafter
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.replay import (
+    CheckpointResults,
+    EvalSettings,
+    evaluate_offline,
+    pick_samples,
+    read_samples,
+    sample_keys,
+)
+from dflash_train.store_schema import Part, Store, StoreError, open_store
+from dflash_train.store_schema.part import sample_spans
+from dflash_train.train.config import ValidationConfig
+from dflash_train.train.errors import TrainError
+from dflash_train.train.parallel import gather_objects
+from dflash_train.train.record import StoreFigures, ValidationFigures
+
+if TYPE_CHECKING:
+    from dflash_train.train.checkpoint import TrainState
+
+Echo = Callable[[str], None]
+SampleKey = tuple[int, int]
+"""(part, sample index) of a sample in its store."""
+
+_READ_TOKENS = 1 << 20
+"""Tokens of input_ids (and loss_mask) read at a time by the sample-identity pass."""
+
+
+@dataclass
+class ValidationStore:
+    """One validation store, opened and checked, and the samples this rank replays."""
+
+    url: str
+    store: Store
+    damage: DamagePolicy
+    mine: list[SampleKey]
+    """This rank's share of the chosen samples (every W-th), in store order."""
+
+
+class Validation:
+    """The validation stores of a run and how its drafter is measured on them."""
+
+    def __init__(self, stores: list[ValidationStore], settings: EvalSettings,
+                 layer_index: list[int] | None, world: int):
+        self.stores = stores
+        self.settings = settings
+        self.layer_index = layer_index
+        """The drafter's context layers among the stores' (all of them share the train
+        stores' layer set)."""
+        self.world = world
+
+    def evaluate(self, model: DFlashDrafter) -> ValidationFigures:
+        """Replay `model` (its target head attached) on every store; a collective under
+        torchrun: every rank calls it and gets the same figures. `model` is left in the
+        mode it was in."""
+        start = time.perf_counter()
+        training = model.training
+        model.eval()
+        try:
+            drafter = BlockDrafter(model, self.layer_index)
+            mine, failure = [self._replay(drafter, s) for s in self.stores], None
+        except TrainError as e:  # told to the other ranks first, so that none waits forever
+            mine, failure = None, str(e)
+        finally:
+            model.train(training)
+        ranks = gather_objects((mine, failure), self.world)
+        _raise_first_failure(failure for _, failure in ranks)
+        per_store = [self._merged(shares)  # [rank][store] -> (stats, tree)
+                     for shares in zip(*(replays for replays, _ in ranks), strict=True)]
+        pooled = self._merged([(r.stats, r.tree) for r in per_store])
+        summary = pooled.summary()
+        return ValidationFigures(
+            pooled=_figures(summary), tau_ci95=summary["tau_ci95"],
+            stores={s.url: _figures(r.summary()) for s, r in zip(self.stores, per_store,
+                                                                   strict=True)},
+            seconds=time.perf_counter() - start)
+
+    def _replay(self, drafter: BlockDrafter, store: ValidationStore):
+        try:
+            results, _ = evaluate_offline({store.url: drafter},
+                                          read_samples(store.store, store.mine, store.damage),
+                                          self.settings)
+        except (StoreError, EvalError) as e:
+            raise TrainError(f"--val-store {store.url}: {e}") from e
+        replayed = results[store.url]
+        return replayed.stats, replayed.tree
+
+    def _merged(self, shares: Sequence[tuple]) -> CheckpointResults:
+        """One result whose counts are the sum of every share's (a rank's, or a store's)."""
+        out = CheckpointResults("validation", shares[0][0].block_size, self.settings)
+        for stats, tree in shares:
+            out.stats.merge(stats)
+            for budget, hist in tree.items():
+                out.tree[budget].merge(hist)
+        return out
+
+
+def _raise_first_failure(failures) -> None:
+    """Raise, on every rank alike, the first rank's refusal (None: that rank had none)."""
+    for failure in failures:
+        if failure is not None:
+            raise TrainError(failure)
+
+
+def _figures(summary: dict) -> StoreFigures:
+    """The figures kept of CheckpointResults.summary(): the chain's and each tree's tau."""
+    return StoreFigures(tau=summary["mean_tau"], blocks=summary["n_blocks"],
+                        tree_tau={int(b): t["mean_tau"] for b, t in summary["tree"].items()})
+
+
+def best_value(figures: ValidationFigures, cfg: ValidationConfig) -> float | None:
+    """The figure validation.best_by follows, pooled over the stores."""
+    if cfg.best_by == "tau":
+        return figures.pooled.tau
+    return figures.pooled.tree_tau[cfg.tree_budgets[-1]]
+
+
+def follow_best(state: TrainState, figures: ValidationFigures, cfg: ValidationConfig) -> bool:
+    """Count the validation of `state.step` in the run's best so far: True when it beats
+    every earlier one (a tie keeps the earlier, less trained checkpoint)."""
+    value = best_value(figures, cfg)
+    improved = value is not None and (state.best_value is None or value > state.best_value)
+    if improved:
+        state.best_step, state.best_value, state.evaluations_since_best = state.step, value, 0
+    else:
+        state.evaluations_since_best += 1
+    figures.best_step = state.best_step
+    return improved
+
+
+def patience_spent(state: TrainState, patience: int | None) -> bool:
+    """run.patience validations in a row have not beaten the best one."""
+    return patience is not None and state.evaluations_since_best >= patience
+
+
+def open_validation(cfg: ValidationConfig, train_stores: list[Store], train_parts,
+                    drafter: DrafterConfig, rank: int, world: int, say: Echo
+                    ) -> Validation | None:
+    """The run's validation stores, refused here (on every rank, before anything is written)
+    when one is of another target or layer set than the train stores, holds nothing to
+    draft at, or shares a sample with a train store or another validation store.
+    train_parts: the (store index, Part) the run trains on (StoreLoader.parts)."""
+    if not cfg.stores:
+        return None
+    reference = train_stores[0]
+    stores, seen = [], {}
+    for url in cfg.stores:
+        opened = _open(url, reference, say)
+        chosen = _chosen_samples(opened, cfg)
+        _hash_validation_samples(opened, chosen, seen)
+        stores.append(ValidationStore(url, opened.store, opened.damage, chosen[rank::world]))
+    _refuse_shared_with_training(seen, train_stores, train_parts, rank, world)
+    settings = EvalSettings(mode="replay", tree_budgets=cfg.tree_budgets, recall_at=(1,),
+                            batch_tokens=cfg.batch_tokens)
+    index = layer_selection(drafter, reference.meta)
+    return Validation(stores, settings, index, world)
+
+
+@dataclass
+class _Opened:
+    url: str
+    store: Store
+    damage: DamagePolicy
+
+
+def _open(url: str, reference: Store, say: Echo) -> _Opened:
+    """The store at `url`, refused unless it holds the train stores' target and layers
+    (the rule a resume and eval apply: StoreMeta.target_mismatches) and reads whole."""
+    try:
+        store = open_store(url)
+        damage = check_store(store, skip=False)
+    except (StoreError, EvalError) as e:
+        raise TrainError(f"--val-store {url}: {e}") from e
+    diffs = reference.meta.target_mismatches(store.meta)
+    if diffs:
+        raise TrainError(f"--val-store {url} is a store of another target or layer set than "
+                         f"--store {reference.url} (train != validation): {'; '.join(diffs)}")
+    if damage.unfinished:
+        say(f"--val-store {url}: leaving out unfinished parts {damage.unfinished} (extraction "
+            "has not completed them)")
+    return _Opened(url, store, damage)
+
+
+def _chosen_samples(opened: _Opened, cfg: ValidationConfig) -> list[SampleKey]:
+    """The samples every validation replays: validation.limit of them drawn with its seed
+    (eval's --limit / --seed draw), else all; refused when there is none."""
+    keys = sample_keys(opened.store, opened.damage)
+    if not keys:
+        raise TrainError(f"--val-store {opened.url} holds no sample in a complete part: "
+                         "nothing to validate on; extract it first, or drop it")
+    return pick_samples(opened.store, cfg.limit, cfg.seed, opened.damage) or keys
+
+
+def _hash_validation_samples(opened: _Opened, chosen: list[SampleKey],
+                             seen: dict[bytes, str]) -> None:
+    """Record the identity of every sample of the store in `seen` (token ids' digest ->
+    where), refusing one another validation store holds too, and a store whose chosen
+    samples have no response token to draft at."""
+    chosen_set, draftable = set(chosen), 0
+    parts = [p for p in opened.store.parts() if not opened.damage.part_is_left_out(p.index)]
+    try:
+        for part, i, ids, mask in _samples(parts, ("input_ids", "loss_mask")):
+            digest = _digest(ids)
+            where = _where(opened.url, part, i)
+            if digest in seen:
+                raise TrainError(f"--val-store {where} holds the same token ids as "
+                                 f"--val-store {seen[digest]}: a sample counted twice; give "
+                                 "each validation store once, with samples of its own")
+            seen[digest] = where
+            if (part.index, i) in chosen_set and eligible_anchors(torch.from_numpy(mask)).numel():
+                draftable += 1
+    except StoreError as e:
+        raise TrainError(f"--val-store {opened.url}: {e}") from e
+    if not draftable:
+        raise TrainError(f"--val-store {opened.url}: none of the {len(chosen)} samples chosen "
+                         "has a response token to draft at (empty loss masks?): nothing to "
+                         "validate on")
+
+
+def _refuse_shared_with_training(seen: dict[bytes, str], train_stores: list[Store],
+                                 train_parts, rank: int, world: int) -> None:
+    """Refuse (on every rank alike) when a train sample has the token ids of a validation
+    sample: the figures would reward memorising it. Rank r reads every W-th train part."""
+    found: list[tuple[str, str]] = []
+    failure = None
+    mine = [(i, p) for n, (i, p) in enumerate(train_parts) if n % world == rank]
+    for store_index, part in mine:
+        url = train_stores[store_index].url
+        try:
+            for p, i, ids in _samples([part], ("input_ids",)):
+                if (where := seen.get(_digest(ids))) is not None:
+                    found.append((where, _where(url, p, i)))
+        except StoreError as e:  # told to the other ranks first, so that none waits forever
+            failure = f"--store {url}: {e}"
+            break
+    ranks = gather_objects((found, failure), world)
+    _raise_first_failure(failure for _, failure in ranks)
+    shared = [pair for rank_found, _ in ranks for pair in rank_found]
+    if shared:
+        val, train = shared[0]
+        raise TrainError(f"--val-store {val} has the same token ids as --store {train} "
+                         f"({len(shared)} validation sample(s) shared with the train stores): "
+                         "validate on samples never trained on (another store, from other "
+                         "prompts)")
+
+
+def _samples(parts: list[Part], names: tuple[str, ...]) -> Iterator[tuple]:
+    """(part, index, *arrays) of every committed sample of `parts`, read a span at a time."""
+    for part in parts:
+        offsets = part.offsets()
+        for start, stop in sample_spans(np.diff(offsets), _READ_TOKENS):
+            base = int(offsets[start])
+            arrays = part.read_tokens(base, int(offsets[stop]), names)
+            for i in range(start, stop):
+                a, b = int(offsets[i]) - base, int(offsets[i + 1]) - base
+                yield part, i, *(arrays[n][a:b] for n in names)
+
+
+def _digest(ids: np.ndarray) -> bytes:
+    """A sample's identity: its token ids (int32, as every store holds them), hashed."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes(),
+                           digest_size=16).digest()
+
+
+def _where(url: str, part: Part, index: int) -> str:
+    return f"{url} part {part.index} sample {index} (source row {int(part.sources()[index])})"
