@@ -15,11 +15,12 @@ Stages, each the entry point its CLI command calls (run_extract, train, run_eval
 3. extract --regenerate of both (the stored responses are the target's own greedy text, so
    offline replay equals live decoding);
 4. per drafter depth: the untrained drafter, then training for a fixed step budget with a
-   checkpoint every `eval_every` steps;
-5. eval of every checkpoint on the held-out store, or with a validation store, of every
-   checkpoint on it and of the untrained, the best and the last on the held-out store (tau
-   and DDTree tau against training seconds, per-slot acceptance); then the fidelity check:
-   offline replay == eval --online, prompt by prompt, on a sample.
+   checkpoint every `eval_every` steps; with a validation store, `train --val-store`
+   replays each checkpoint on it as it is written and marks the best (RUN/best.json);
+5. eval of every checkpoint on the held-out store, or with a validation store, of the
+   untrained, the best on validation and the last on the held-out store (tau and DDTree tau
+   against training seconds, per-slot acceptance); then the fidelity check: offline replay
+   == eval --online, prompt by prompt, on a sample.
 
 Writes results.json, results.md and tau_vs_time.png into --out and prints the table.
 Every stage resumes on a re-run with the same settings: stores are kept in --out and extract
@@ -204,10 +205,25 @@ def loss_config(cfg: RealTargetConfig):
     return LossConfig(position_weights=cfg.position_weights)
 
 
-def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int):
-    from dflash_train.train.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
+VAL_TREE_BUDGETS = (16, 32, 64)
+"""The DDTree budgets validated on: the ones eval reports on the held-out store."""
+
+
+def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int,
+                 val: str | None = None):
+    """The run of one drafter depth; with `val`, validated on every sample of that store at
+    every checkpoint (train --val-store), the best chosen by chain tau."""
+    from dflash_train.train.config import (
+        ModelConfig,
+        OptimConfig,
+        RunConfig,
+        TrainConfig,
+        ValidationConfig,
+    )
     from dflash_train.train.data import LoaderConfig
 
+    validation = ValidationConfig(stores=[val], limit=None, tree_budgets=VAL_TREE_BUDGETS) \
+        if val else ValidationConfig()
     return TrainConfig(
         stores=[store],
         loader=LoaderConfig(batch_tokens=cfg.batch_tokens, seed=cfg.seed),
@@ -218,20 +234,40 @@ def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int):
         run=RunConfig(out_dir=str(run_dir), seed=cfg.seed, device="cpu",
                       anchors_per_seq=cfg.anchors_per_seq, checkpoint_every=cfg.eval_every,
                       keep_checkpoints=10**6, log_every=25),
+        validation=validation,
     )
 
 
-def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int) -> dict:
-    """Untrained drafter + a run with a checkpoint every eval_every steps; their paths. A run
+def validation_of(run_dir: Path) -> tuple[dict, int | None]:
+    """({step: the validation figures train logged}, the best step it marked) of a run."""
+    from dflash_train.train.best import read_best
+    from dflash_train.train.log_summary import read_log
+
+    by_step = {}
+    for record in read_log(run_dir):
+        v = record.validation
+        if v is not None:
+            by_step[record.step] = {"tau": v.pooled.tau, "tau_ci95": v.tau_ci95,
+                                    "tree_tau": {str(b): t for b, t in
+                                                 v.pooled.tree_tau.items()},
+                                    "blocks": v.pooled.blocks, "seconds": v.seconds}
+    best = read_best(run_dir)
+    return by_step, best.step if best is not None else None
+
+
+def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
+                  val: str | None = None) -> dict:
+    """Untrained drafter + a run with a checkpoint every eval_every steps (validated on
+    `val` as it trains); their paths, and the validation figures and best step. A run
     stopped midway is resumed (`train --resume`: settings that differ are refused, naming
     them), a finished one is only read back. Its seconds are the sum of its logged step
-    times: the real training seconds, however many sittings it took."""
+    times: the real training seconds, however many sittings it took (validation apart)."""
     from dflash_train.quickstart import save_untrained
     from dflash_train.train.checkpoint import checkpoint_dir
     from dflash_train.train.loop import train
 
     run_dir = out / f"run_{layers}L"
-    train_cfg = train_config(cfg, store, run_dir, layers)
+    train_cfg = train_config(cfg, store, run_dir, layers, val)
     untrained = out / f"untrained_{layers}L"
     if not (untrained / "config.json").is_file():
         save_untrained(train_cfg, untrained)
@@ -244,8 +280,10 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int) -> 
         saved.append(steps)
     checkpoints = {0: str(untrained), **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}
     final_loss = json.loads(log.read_text().splitlines()[-1])["loss"]
+    validation, best = validation_of(run_dir)
     return {"checkpoints": checkpoints, "train_seconds": elapsed[steps], "steps": steps,
-            "seconds_at": {0: 0.0, **{s: elapsed[s] for s in saved}}, "final_loss": final_loss}
+            "seconds_at": {0: 0.0, **{s: elapsed[s] for s in saved}}, "final_loss": final_loss,
+            "validation": validation, "best_step": best}
 
 
 def evaluate(held: str, checkpoints: dict[int, str]) -> tuple[dict, float]:
@@ -265,20 +303,22 @@ def evaluate(held: str, checkpoints: dict[int, str]) -> tuple[dict, float]:
     return by_step, time.perf_counter() - start
 
 
-def evaluate_drafter(trained: dict, held: str, val: str | None) -> tuple[dict, float]:
+def evaluate_drafter(trained: dict, held: str) -> tuple[dict, float]:
     """({"eval": held-out evals by step, "validation": ..., "chosen_step": ...}, seconds).
-    Without a validation store every checkpoint is evaluated on the held-out one and none is
-    chosen; with one, every checkpoint on it, then the untrained, the best there and the
-    last on the held-out store: the held-out set never picks a checkpoint."""
-    checkpoints = trained["checkpoints"]
-    if val is None:
+    Without validation every checkpoint is evaluated on the held-out store and none is
+    chosen; with it (the run validated every checkpoint as it trained and marked the best),
+    the untrained, the best on validation and the last on the held-out store: the held-out
+    set never picks a checkpoint. The seconds are held-out eval's plus training's
+    validations'."""
+    checkpoints, best = trained["checkpoints"], trained.get("best_step")
+    if best is None:
         held_out, seconds = evaluate(held, checkpoints)
         return {"eval": held_out, "validation": {}, "chosen_step": None}, seconds
-    validation, seconds = evaluate(val, checkpoints)
-    best = max((s for s in validation if s), key=lambda s: validation[s]["tau"])
-    held_out, more = evaluate(held, {s: checkpoints[s] for s in sorted({0, best,
-                                                                        trained["steps"]})})
-    return {"eval": held_out, "validation": validation, "chosen_step": best}, seconds + more
+    validation = trained["validation"]
+    held_out, seconds = evaluate(held, {s: checkpoints[s] for s in sorted({0, best,
+                                                                           trained["steps"]})})
+    spent = sum(v["seconds"] for v in validation.values())
+    return {"eval": held_out, "validation": validation, "chosen_step": best}, seconds + spent
 
 
 def fidelity(held: str, model: Path, checkpoint: str, prompts: int) -> dict:
@@ -403,10 +443,9 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
                                              stores[name], cfg, out / "extract_seconds.json")
     drafters = {}
     for layers in cfg.drafter_layers:
-        trained = train_drafter(cfg, stores["train"], out, layers)
+        trained = train_drafter(cfg, stores["train"], out, layers, stores.get("validation"))
         seconds[f"train_{layers}L"] = trained["train_seconds"]
-        evals, seconds[f"eval_{layers}L"] = evaluate_drafter(trained, stores["held_out"],
-                                                             stores.get("validation"))
+        evals, seconds[f"eval_{layers}L"] = evaluate_drafter(trained, stores["held_out"])
         reported = evals["chosen_step"] or trained["steps"]
         drafters[f"{layers}L"] = {"eval": by_key(evals["eval"]),
                                   "validation": by_key(evals["validation"]),

@@ -1,5 +1,6 @@
 """The real-target benchmark's presets build train configs the trainer accepts."""
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -18,16 +19,22 @@ from benchmarks.real_target import (  # noqa: E402
     prompt_sets,
     recipe,
     train_config,
+    validation_of,
 )
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_builds_a_train_config_the_trainer_accepts(preset, tmp_path):
     cfg = PRESETS[preset]
-    tc = train_config(cfg, "store.zarr", tmp_path / "run", cfg.drafter_layers[0])
+    val = "val.zarr" if cfg.val_prompts else None
+    tc = train_config(cfg, "store.zarr", tmp_path / "run", cfg.drafter_layers[0], val)
     assert tc.loss.position_weights == cfg.position_weights
     assert tc.model.draft_vocab_size == cfg.draft_vocab_size
     assert tc.optim.optimizer == cfg.optimizer
+    # the long preset's checkpoints are validated by train itself, on every sample
+    assert tc.validation.stores == ([val] if val else [])
+    if val:
+        assert tc.validation.limit is None and tc.validation.best_by == "tau"
 
 
 def test_gamma_reaches_the_loss_only_under_decay(tmp_path):
@@ -60,28 +67,57 @@ def fake_evaluate(taus_by_store: dict, calls: list):
     return evaluate
 
 
-TRAINED = {"checkpoints": {0: "u", 10: "c10", 20: "c20", 30: "c30"}, "steps": 30}
+TRAINED = {"checkpoints": {0: "u", 10: "c10", 20: "c20", 30: "c30"}, "steps": 30,
+           "validation": {}, "best_step": None}
 
 
 def test_the_checkpoint_is_chosen_on_validation_never_on_held_out(monkeypatch):
-    # held-out would prefer step 30, validation prefers 20: validation must win
-    taus = {"val": {0: 1.0, 10: 1.2, 20: 1.5, 30: 1.4},
-            "held": {0: 1.0, 10: 1.1, 20: 1.3, 30: 1.9}}
+    # held-out would prefer step 30; training's validation marked 20: validation must win,
+    # and held-out eval sees only the untrained, the chosen and the last
+    validated = {s: {"tau": t, "tau_ci95": None, "tree_tau": {}, "blocks": 9, "seconds": 2.5}
+                 for s, t in {10: 1.2, 20: 1.5, 30: 1.4}.items()}
+    trained = {**TRAINED, "validation": validated, "best_step": 20}
+    taus = {"held": {0: 1.0, 10: 1.1, 20: 1.3, 30: 1.9}}
     calls = []
     monkeypatch.setattr(real_target, "evaluate", fake_evaluate(taus, calls))
-    evals, seconds = evaluate_drafter(TRAINED, "held", "val")
-    assert evals["chosen_step"] == 20
-    assert calls == [("val", [0, 10, 20, 30]), ("held", [0, 20, 30])]
-    assert sorted(evals["eval"]) == [0, 20, 30] and seconds == 2.0
+    evals, seconds = evaluate_drafter(trained, "held")
+    assert evals["chosen_step"] == 20 and evals["validation"] == validated
+    assert calls == [("held", [0, 20, 30])]
+    assert sorted(evals["eval"]) == [0, 20, 30] and seconds == 1.0 + 3 * 2.5
 
 
 def test_without_validation_every_checkpoint_is_evaluated_held_out(monkeypatch):
     taus = {"held": {0: 1.0, 10: 1.1, 20: 1.3, 30: 1.2}}
     calls = []
     monkeypatch.setattr(real_target, "evaluate", fake_evaluate(taus, calls))
-    evals, _ = evaluate_drafter(TRAINED, "held", None)
+    evals, _ = evaluate_drafter(TRAINED, "held")
     assert evals["chosen_step"] is None and evals["validation"] == {}
     assert calls == [("held", [0, 10, 20, 30])]
+
+
+def test_the_validation_curve_and_the_chosen_step_are_read_from_the_run(tmp_path):
+    from dflash_train.run_layout import LOG
+    from dflash_train.train.best import BestMark, write_best
+    from dflash_train.train.record import StepRecord, StoreFigures, ValidationFigures
+
+    def record(step, tau=None):
+        r = StepRecord(step=step, epoch=0, loss=1.0, lr=1e-3, tokens=10)
+        if tau is not None:
+            f = StoreFigures(tau=tau, tree_tau={16: tau + 0.25}, blocks=40)
+            r.validation = ValidationFigures(f, [tau - 0.1, tau + 0.1], {"v.zarr": f}, 3.0,
+                                             best_step=2)
+        return json.dumps(r.to_json())
+
+    (tmp_path / LOG).write_text("\n".join([record(1), record(2, 1.5), record(3),
+                                           record(4, 1.25)]) + "\n")
+    assert validation_of(tmp_path) == ({2: {"tau": 1.5, "tau_ci95": [1.4, 1.6],
+                                            "tree_tau": {"16": 1.75}, "blocks": 40,
+                                            "seconds": 3.0},
+                                        4: {"tau": 1.25, "tau_ci95": [1.15, 1.35],
+                                            "tree_tau": {"16": 1.5}, "blocks": 40,
+                                            "seconds": 3.0}}, None)
+    write_best(tmp_path, BestMark(step=2, figure="tau", value=1.5))
+    assert validation_of(tmp_path)[1] == 2
 
 
 def test_the_report_marks_the_chosen_step_and_its_training_seconds(tmp_path):
