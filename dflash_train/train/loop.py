@@ -82,7 +82,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
         sinks.bar.set_postfix(loss=f"{record.loss:.3f}", epoch=record.epoch)
         if at_checkpoint:
             checkpoint = save_run(run)
-            stopped = stop_early(run)
+            stopped = None if run.at_last_step() else stop_early(run)
             if stopped is not None:
                 break
     return _finish(run, checkpoint, last_loss, stopped)
