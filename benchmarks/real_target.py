@@ -205,14 +205,11 @@ def loss_config(cfg: RealTargetConfig):
     return LossConfig(position_weights=cfg.position_weights)
 
 
-VAL_TREE_BUDGETS = (16, 32, 64)
-"""The DDTree budgets validated on: the ones eval reports on the held-out store."""
-
-
 def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int,
                  val: str | None = None):
     """The run of one drafter depth; with `val`, validated on every sample of that store at
-    every checkpoint (train --val-store), the best chosen by chain tau."""
+    every checkpoint (train --val-store; the default tree budget), the best chosen by chain
+    tau."""
     from dflash_train.train.config import (
         ModelConfig,
         OptimConfig,
@@ -222,8 +219,7 @@ def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int,
     )
     from dflash_train.train.data import LoaderConfig
 
-    validation = ValidationConfig(stores=[val], limit=None, tree_budgets=VAL_TREE_BUDGETS) \
-        if val else ValidationConfig()
+    validation = ValidationConfig(stores=[val], limit=None) if val else ValidationConfig()
     return TrainConfig(
         stores=[store],
         loader=LoaderConfig(batch_tokens=cfg.batch_tokens, seed=cfg.seed),

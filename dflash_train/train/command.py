@@ -92,7 +92,8 @@ def _default(key: str, when_none: object = None) -> str:
               + _default("validation.limit", "all"))
 @click.option("--tree-budget", callback=_budgets,
               help="DDTree node budgets validation measures (comma list; '' for the chain "
-                   "only)." + _default("validation.tree_budgets"))
+                   "only).  [default: "
+                   + ",".join(map(str, _DEFAULTS.validation.tree_budgets)) + "]")
 @click.option("--progress/--no-progress", default=_DEFAULTS.run.progress,
               help="Show a progress bar.")
 def train_command(stores, val_stores, config_file, resume, sets, progress, **flags) -> None:

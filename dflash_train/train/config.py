@@ -271,9 +271,12 @@ class RunConfig:
 
 DEFAULT_VAL_LIMIT = 64
 """Samples per validation store (--val-limit) when unset: the long SmolLM2 preset's
-validation set, ~3 % of its checkpoint interval (docs/real_target.md)."""
-DEFAULT_VAL_TREE_BUDGETS = (16, 64)
-"""DDTree budgets validation measures unless told (--tree-budget)."""
+validation set."""
+DEFAULT_VAL_TREE_BUDGETS = (16,)
+"""DDTree budgets validation measures unless told (--tree-budget). Each budget is one more
+replay walk, about as dear as the chain's whatever the budget: with the defaults a
+validation took 9.0 % of a 400-step checkpoint interval at the long SmolLM2 preset's shape
+for an untrained drafter (the most rounds), a second budget 14.3 % (docs/benchmarks.md)."""
 
 
 @dataclass
