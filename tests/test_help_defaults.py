@@ -38,12 +38,15 @@ def _option(command: click.Command, name: str) -> click.Option:
 
 def _check(command: click.Command, option: str, default: object, shown: dict[str, str]):
     """A non-None default is shown as itself (an on/off flag: click's default is it); a None
-    default is free to be described in words."""
+    default, or an empty list (a repeatable option given no times), is free to be described
+    in words."""
     param = _option(command, option)
     if isinstance(default, bool):
         on = param.get_default(click.Context(command))
         assert on in (None, default), option  # None: a --config file decides
-    elif default is not None:
+    elif isinstance(default, (list, tuple)) and default:  # a comma list, as the option reads
+        assert shown.get(option) == ",".join(map(str, default)), option
+    elif default not in (None, [], ()):
         assert shown.get(option) == str(default), option
 
 
