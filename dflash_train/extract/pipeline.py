@@ -11,11 +11,13 @@ Never knows zarr paths: the store is reached only through dflash_train.store_sch
 
 import tempfile
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import torch
 import transformers
 from tqdm import tqdm
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 import dflash_train
 from dflash_train.devices import resolve_device
@@ -126,11 +128,56 @@ def _listed(where: list[str], limit: int = 5) -> str:
     return f"{'; '.join(where[:limit])}{more}"
 
 
-def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
-                echo=print) -> Summary:
-    """Run extract for this rank; returns what it did."""
-    if not 0 <= rank < world_size:
-        raise ExtractError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+@dataclass(kw_only=True)
+class ExtractPlan:
+    """What this rank extracts, every input row checked, all known before the model loads or
+    a file is written: the dry run prints it, build_extract loads the target to carry it out."""
+
+    cfg: ExtractConfig
+    """The settings, with the embedded prompts as `data` when none was given."""
+    rank: int
+    world: int
+    """Processes extracting together (WORLD_SIZE); rank r takes parts r, r + world, ..."""
+    source: ChatSource
+    tokenizer: PreTrainedTokenizerBase
+    model_config: PretrainedConfig
+    """The target's config as read, before any weight is loaded."""
+    info: TargetInfo
+    layer_ids: list[int]
+    """Target layers whose states are stored as context."""
+    parts: list[PartPlan]
+    """Every part of the store."""
+    mine: list[PartPlan]
+    """The parts this rank fills (a dry run plans them all)."""
+    scanned: list[Item]
+    """The rows of `mine` the length policy keeps, rendered (prompts, with regenerate)."""
+    dtype: torch.dtype
+    """Compute and storage dtype of the hidden states."""
+
+    @property
+    def fp8(self) -> bool:
+        return self.cfg.context_dtype == FP8_CONTEXT
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Uncompressed store bytes per token (with fp8: one byte a value, plus its scales)."""
+        layers = len(self.layer_ids)
+        hidden = 1 if self.fp8 else self.dtype.itemsize
+        return (bytes_per_token(layers, self.info.hidden_size, hidden, self.cfg.top_k)
+                + (4 * layers if self.fp8 else 0))
+
+    @cached_property
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer as saved files: hashed into the provenance, copied into the store."""
+        with tempfile.TemporaryDirectory() as tmp:
+            return tokenizer_files(self.tokenizer, tmp)
+
+
+def plan_extract(cfg: ExtractConfig, rank: int, world: int, echo=print) -> ExtractPlan:
+    """Rank `rank` of `world`'s share of the extract `cfg` describes. Input errors surface
+    here, in a scan of every row, before the store is created or the model loaded."""
+    if not 0 <= rank < world:
+        raise ExtractError(f"RANK={rank} is outside WORLD_SIZE={world}")
     cfg = with_default_data(cfg, echo)
     source = open_source(cfg.data, allow_truncated=cfg.allow_truncated)
     for note in source.notes:
@@ -143,47 +190,60 @@ def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
                            f"({info.vocab_size} tokens)")
     tokenizer = load_tokenizer(cfg.model)
     parts = plan_parts(source.num_rows, cfg.rows_per_part)
-    mine = parts if cfg.dry_run else parts_of_rank(parts, rank, world_size)
+    mine = parts if cfg.dry_run else parts_of_rank(parts, rank, world)
     dtype = resolve_dtype(cfg.dtype, cfg.device)
-    fp8 = cfg.context_dtype == FP8_CONTEXT
-    bpt = bytes_per_token(len(layer_ids), info.hidden_size, 1 if fp8 else dtype.itemsize,
-                          cfg.top_k) + (4 * len(layer_ids) if fp8 else 0)  # + fp8 scales
     scanned = _scan(source, tokenizer, mine, cfg)
     if not scanned and len(mine) == len(parts):
         _refuse_all_skipped(source, cfg)
-    if cfg.dry_run:
-        _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, dtype.itemsize,
-                    world_size)
-        return Summary(cfg.out, bytes_per_token=bpt)
+    return ExtractPlan(cfg=cfg, rank=rank, world=world, source=source, tokenizer=tokenizer,
+                       model_config=config, info=info, layer_ids=layer_ids, parts=parts,
+                       mine=mine, scanned=scanned, dtype=dtype)
 
-    device = resolve_device(cfg.device, ExtractError, rank)
-    with tempfile.TemporaryDirectory() as tmp:
-        tok_files = tokenizer_files(tokenizer, tmp)
-    meta = StoreMeta(
-        target=info, tokenizer=tokenizer_info(tok_files, tokenizer, cfg.enable_thinking),
-        source=SourceInfo(paths=source.paths, sha256=source.sha256, max_length=cfg.max_length,
-                          regenerated=cfg.regenerate, num_rows=source.num_rows),
+
+def store_meta(plan: ExtractPlan, device: torch.device, kernels: str) -> StoreMeta:
+    """The provenance of the store `plan` fills on `device` with the target's `kernels`."""
+    cfg, info = plan.cfg, plan.info
+    tokenizer = tokenizer_info(plan.tokenizer_files, plan.tokenizer, cfg.enable_thinking)
+    return StoreMeta(
+        target=info, tokenizer=tokenizer,
+        source=SourceInfo(paths=plan.source.paths, sha256=plan.source.sha256,
+                          max_length=cfg.max_length, regenerated=cfg.regenerate,
+                          num_rows=plan.source.num_rows),
         created_with=CreatedWith(dflash=dflash_train.__version__, torch=torch.__version__,
                                  transformers=transformers.__version__, device=device.type,
-                                 kernels="not loaded yet"),
-        context_layer_ids=layer_ids, top_k=cfg.top_k, hidden_dtype=dtype_name(dtype),
-        context_dtype=FP8_CONTEXT if fp8 else None, num_parts=len(parts),
-        extra={"mask_token_id": _mask_token_id(cfg, info, tokenizer),
-               "rows_per_part": cfg.rows_per_part, "overlong": cfg.overlong,
+                                 kernels=kernels),
+        context_layer_ids=plan.layer_ids, top_k=cfg.top_k, hidden_dtype=dtype_name(plan.dtype),
+        context_dtype=FP8_CONTEXT if plan.fp8 else None, num_parts=len(plan.parts),
+        extra={"mask_token_id": _mask_token_id(plan), "rows_per_part": cfg.rows_per_part,
+               "overlong": cfg.overlong,
                "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None, **cfg.extra},
     )
-    _refuse_different_store(cfg.out, meta, echo if rank == 0 else lambda *_: None)
-    servers = _checked_servers(cfg, info, scanned)
 
-    target = load_target(cfg.model, device=str(device), dtype=dtype, load_as=cfg.load_as,
+
+def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
+                echo=print) -> Summary:
+    """Run extract for this rank; returns what it did."""
+    plan = plan_extract(cfg, rank, world_size, echo)
+    cfg = plan.cfg
+    if cfg.dry_run:
+        _print_plan(plan, echo)
+        return Summary(cfg.out, bytes_per_token=plan.bytes_per_token)
+
+    device = resolve_device(cfg.device, ExtractError, rank)
+    meta = store_meta(plan, device, kernels="not loaded yet")
+    _refuse_different_store(cfg.out, meta, echo if rank == 0 else lambda *_: None)
+    servers = _checked_servers(cfg, plan.info, plan.scanned)
+
+    target = load_target(cfg.model, device=str(device), dtype=plan.dtype, load_as=cfg.load_as,
                          revision=cfg.revision, progress=cfg.progress)
     meta.created_with.kernels = target.kernels
-    note = missing_kernels_note(config, device)
+    note = missing_kernels_note(plan.model_config, device)
     if note and rank == 0:
         echo(note)
     try:
-        summary = _fill_store(cfg, meta, target, tok_files, source, tokenizer, layer_ids,
-                              mine, scanned, bpt, rank, world_size, servers)
+        summary = _fill_store(cfg, meta, target, plan.tokenizer_files, plan.source,
+                              plan.tokenizer, plan.layer_ids, plan.mine, plan.scanned,
+                              plan.bytes_per_token, rank, world_size, servers)
     except OSError as e:
         raise ExtractError(_write_failure(cfg.out, e)) from e
     if servers:  # a server of another model answers fluently, only the forward can tell
@@ -301,25 +361,25 @@ def _refuse_all_skipped(source: ChatSource, cfg: ExtractConfig) -> None:
         f"{source.where(0)}); raise --max-length")
 
 
-def _print_plan(echo, cfg, info, layer_ids, parts, scanned, bpt, hidden_bytes, world_size
-                ) -> None:
+def _print_plan(plan: ExtractPlan, echo) -> None:
+    cfg, info, scanned, parts = plan.cfg, plan.info, plan.scanned, plan.parts
     tokens = sum(len(i.input_ids) for i in scanned)
     note = " (prompts only; up to max-new-tokens more each)" if cfg.regenerate else ""
     if cfg.regenerate:
         tokens += cfg.max_new_tokens * len(scanned)
-    frozen = (2 * info.vocab_size + 1) * info.hidden_size * hidden_bytes
+    frozen = (2 * info.vocab_size + 1) * info.hidden_size * plan.dtype.itemsize
     echo(f"target: {info.name_or_path} ({info.model_type}, {info.num_hidden_layers} layers, "
          f"hidden {info.hidden_size}, vocab {info.vocab_size})")
-    echo(f"context layers: {layer_ids}; top-k: {cfg.top_k}")
-    echo(f"bytes/token: {bpt}")
+    echo(f"context layers: {plan.layer_ids}; top-k: {cfg.top_k}")
+    echo(f"bytes/token: {plan.bytes_per_token}")
     echo(f"samples: {len(scanned)}; tokens: {tokens}{note}")
-    echo(f"total: {tokens * bpt / 2**30:.3f} GiB of samples + {frozen / 2**30:.3f} GiB of "
-         "frozen rows, before compression")
-    echo(f"parts: {len(parts)} of {cfg.rows_per_part} rows; with WORLD_SIZE={world_size} "
-         f"rank r takes parts r, r+{world_size}, ...")
+    echo(f"total: {tokens * plan.bytes_per_token / 2**30:.3f} GiB of samples + "
+         f"{frozen / 2**30:.3f} GiB of frozen rows, before compression")
+    echo(f"parts: {len(parts)} of {cfg.rows_per_part} rows; with WORLD_SIZE={plan.world} "
+         f"rank r takes parts r, r+{plan.world}, ...")
     for part in parts[:8]:
         echo(f"  part {part.index}: rows {part.row_start}..{part.row_stop - 1} -> rank "
-             f"{part.index % world_size}")
+             f"{part.index % plan.world}")
     if len(parts) > 8:
         echo(f"  ... {len(parts) - 8} more")
 
@@ -359,8 +419,10 @@ def _refuse_other_weights(out: str, stored: TargetInfo, wanted: TargetInfo, echo
             "resume with the original weights, or extract into another --out")
 
 
-def _mask_token_id(cfg: ExtractConfig, info, tokenizer) -> int | None:
-    mask = cfg.mask_token_id
+def _mask_token_id(plan: ExtractPlan) -> int | None:
+    """--mask-token-id, else the default for the target; refused outside its vocabulary."""
+    info, tokenizer = plan.info, plan.tokenizer
+    mask = plan.cfg.mask_token_id
     if mask is None:
         mask = default_mask_token_id(info.model_type, info.vocab_size,
                                      getattr(tokenizer, "mask_token_id", None),
