@@ -10,8 +10,10 @@ Never knows zarr paths: the store is reached only through dflash_train.store_sch
 """
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -49,6 +51,7 @@ from dflash_train.extract.server_generate import Server, check_agreement, check_
 from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
 from dflash_train.store_schema import (
     CreatedWith,
+    PartWriter,
     Sample,
     SourceInfo,
     Store,
@@ -93,6 +96,11 @@ class Summary:
     skipped: list[str] = field(default_factory=list)
     """Where each row skipped by the length policy came from (file:line (row))."""
 
+    def count(self, counts: Counts, source: ChatSource) -> None:
+        """Add what the length policy did, each skipped row named where it came from."""
+        self.counts.add(counts)
+        self.skipped += [source.where(row) for row in counts.skipped_rows]
+
     def lines(self) -> list[str]:
         c = self.counts
         return [
@@ -119,6 +127,10 @@ class Bars:
         for bar in (self.generate, self.forward):
             if bar is not None:
                 bar.close()
+
+
+def _silent(*_) -> None:
+    pass
 
 
 def _listed(where: list[str], limit: int = 5) -> str:
@@ -167,10 +179,69 @@ class ExtractPlan:
                 + (4 * layers if self.fp8 else 0))
 
     @cached_property
+    def budgets(self) -> dict[int, int]:
+        """The most tokens each kept row can take: its rendering, and with regenerate the
+        answer's max-new-tokens (the progress bars' totals)."""
+        answer = self.cfg.max_new_tokens if self.cfg.regenerate else 0
+        return {i.row: len(i.input_ids) + answer for i in self.scanned}
+
+    def budget(self, part: PartPlan) -> int:
+        return sum(self.budgets.get(row, 0) for row in range(part.row_start, part.row_stop))
+
+    @cached_property
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer as saved files: hashed into the provenance, copied into the store."""
         with tempfile.TemporaryDirectory() as tmp:
             return tokenizer_files(self.tokenizer, tmp)
+
+
+@dataclass(kw_only=True)
+class ExtractRun:
+    """A plan with what carries it out, built once by build_extract: the provenance its store
+    is made with, the loaded target and the servers that generate for it."""
+
+    plan: ExtractPlan
+    meta: StoreMeta
+    """The store's provenance (a store already at --out holds the same)."""
+    target: Target
+    servers: list[Server]
+    """--server URLs checked to serve the target; empty: the target itself generates."""
+
+
+def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
+                echo=print) -> Summary:
+    """Run extract for this rank; returns what it did."""
+    if cfg.dry_run:
+        plan = plan_extract(cfg, rank, world_size, echo)
+        _print_plan(plan, echo)
+        return Summary(cfg.out, bytes_per_token=plan.bytes_per_token)
+    run = build_extract(cfg, rank, world_size, echo)
+    try:
+        summary = _fill_store(run)
+    except OSError as e:
+        raise ExtractError(_write_failure(cfg.out, e)) from e
+    if run.servers:  # a server of another model answers fluently, only the forward can tell
+        check_agreement(open_store(cfg.out), run.servers, echo)
+    return summary
+
+
+def build_extract(cfg: ExtractConfig, rank: int, world: int, echo=print) -> ExtractRun:
+    """Rank `rank` of `world`'s extract, ready to fill its parts: every refusal that needs no
+    weights (input rows, another store at --out, a server of another model) made before the
+    target loads; nothing written. Rank 0 says what every rank would."""
+    plan = plan_extract(cfg, rank, world, echo)
+    cfg = plan.cfg
+    say = echo if rank == 0 else _silent
+    device = resolve_device(cfg.device, ExtractError, rank)
+    _refuse_different_store(cfg.out, store_meta(plan, device, "not loaded yet"), say)
+    servers = _checked_servers(plan)
+    target = load_target(cfg.model, device=str(device), dtype=plan.dtype, load_as=cfg.load_as,
+                         revision=cfg.revision, progress=cfg.progress)
+    note = missing_kernels_note(plan.model_config, device)
+    if note:
+        say(note)
+    return ExtractRun(plan=plan, meta=store_meta(plan, device, target.kernels), target=target,
+                      servers=servers)
 
 
 def plan_extract(cfg: ExtractConfig, rank: int, world: int, echo=print) -> ExtractPlan:
@@ -220,50 +291,20 @@ def store_meta(plan: ExtractPlan, device: torch.device, kernels: str) -> StoreMe
     )
 
 
-def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
-                echo=print) -> Summary:
-    """Run extract for this rank; returns what it did."""
-    plan = plan_extract(cfg, rank, world_size, echo)
-    cfg = plan.cfg
-    if cfg.dry_run:
-        _print_plan(plan, echo)
-        return Summary(cfg.out, bytes_per_token=plan.bytes_per_token)
-
-    device = resolve_device(cfg.device, ExtractError, rank)
-    meta = store_meta(plan, device, kernels="not loaded yet")
-    _refuse_different_store(cfg.out, meta, echo if rank == 0 else lambda *_: None)
-    servers = _checked_servers(cfg, plan.info, plan.scanned)
-
-    target = load_target(cfg.model, device=str(device), dtype=plan.dtype, load_as=cfg.load_as,
-                         revision=cfg.revision, progress=cfg.progress)
-    meta.created_with.kernels = target.kernels
-    note = missing_kernels_note(plan.model_config, device)
-    if note and rank == 0:
-        echo(note)
-    try:
-        summary = _fill_store(cfg, meta, target, plan.tokenizer_files, plan.source,
-                              plan.tokenizer, plan.layer_ids, plan.mine, plan.scanned,
-                              plan.bytes_per_token, rank, world_size, servers)
-    except OSError as e:
-        raise ExtractError(_write_failure(cfg.out, e)) from e
-    if servers:  # a server of another model answers fluently, only the forward can tell
-        check_agreement(open_store(cfg.out), servers, echo)
-    return summary
-
-
-def _checked_servers(cfg: ExtractConfig, info: TargetInfo, scanned: list[Item]
-                     ) -> list[Server]:
+def _checked_servers(plan: ExtractPlan) -> list[Server]:
     """--server URLs checked to serve the target before the model loads or a sample is
     written; a server must hold a prompt and its completion up to max_length + 1 tokens, so
     an answer that runs past max_length reaches --overlong as the built-in path's does
     (skipped or truncated there, never silently kept at exactly max_length)."""
+    cfg = plan.cfg
     if not cfg.servers:
         return []
     if not cfg.regenerate:
         raise ExtractError("--server generates answers: it needs --regenerate")
-    longest = max((len(i.input_ids) for i in scanned), default=0)
+    longest = max((len(i.input_ids) for i in plan.scanned), default=0)
     need = min(cfg.max_length + 1, longest + cfg.max_new_tokens)
-    return check_servers(cfg.servers, [cfg.model, info.name_or_path], need, cfg.server_timeout)
+    return check_servers(cfg.servers, [cfg.model, plan.info.name_or_path], need,
+                         cfg.server_timeout)
 
 
 def _write_failure(out: str, e: OSError) -> str:
@@ -272,56 +313,6 @@ def _write_failure(out: str, e: OSError) -> str:
     at = f" at {e.filename}" if e.filename else ""
     return (f"--out {out}: cannot write the store ({cause}{at}); every committed shard is "
             "intact: fix the cause and re-run the same command to resume")
-
-
-def _fill_store(cfg: ExtractConfig, meta: StoreMeta, target: Target,
-                tok_files: dict[str, bytes], source: ChatSource, tokenizer, layer_ids: list[int],
-                mine: list[PartPlan], scanned: list[Item], bpt: int, rank: int,
-                world_size: int, servers: list[Server]) -> Summary:
-    """Create or reopen the store, copy the frozen rows, extract my parts."""
-    with _exclusive(cfg.out, "create", wait=True):
-        store = create_store(cfg.out, meta, shard_tokens=cfg.shard_tokens)
-    if rank == 0:
-        with _exclusive(cfg.out, "frozen", wait=True):
-            _write_frozen_rows(store, target, tok_files)
-
-    summary = Summary(cfg.out, bytes_per_token=bpt)
-    # Token budgets per row; each bar's total shrinks as rows turn out shorter (eos before
-    # max-new-tokens, truncation) or already committed, so rate and ETA stay true.
-    planned = {i.row: len(i.input_ids) + (cfg.max_new_tokens if cfg.regenerate else 0)
-               for i in scanned}
-    where = f"rank {rank}/{world_size}"
-    bars = Bars(
-        generate=tqdm(total=cfg.max_new_tokens * len(scanned), unit="tok", unit_scale=True,
-                      disable=not cfg.progress, desc=f"generate {where}", position=0)
-        if cfg.regenerate else None,
-        forward=tqdm(total=sum(planned.values()), unit="tok", unit_scale=True,
-                     disable=not cfg.progress, desc=f"extract {where}",
-                     position=1 if cfg.regenerate else 0))
-    writer = BackgroundWriter()
-    ahead = GenerationAhead() if servers else None
-    try:
-        for n, part in enumerate(mine):
-            # not during the first part: its agreement check must refuse another model's
-            # server before any later part is asked for
-            following = mine[n + 1] if ahead and 0 < n < len(mine) - 1 else None
-
-            def start_next(nxt: PartPlan | None = following) -> None:
-                if nxt is not None:
-                    _generate_ahead(ahead, store, nxt, source, tokenizer, target, cfg, bars,
-                                    servers)
-
-            with _exclusive(cfg.out, f"part-{part.index:05d}", wait=False):
-                _extract_part(store, part, source, tokenizer, target, layer_ids, cfg,
-                              writer, bars, planned, summary, servers, ahead, start_next)
-                writer.wait()  # the claim must outlive the part's last write
-            if servers and n == 0:  # another model's answers: refused after one part, not all
-                check_agreement(store, servers)
-    finally:
-        bars.close()
-        writer.close()
-    summary.store_complete = _complete(cfg.out)
-    return summary
 
 
 def with_default_data(cfg: ExtractConfig, echo=print) -> ExtractConfig:
@@ -452,112 +443,211 @@ def _write_frozen_rows(store: Store, target: Target, tok_files: dict[str, bytes]
                          "lm_head": target.lm_head.weight, "final_norm": scale}, files)
 
 
-def _extract_part(store: Store, part: PartPlan, source: ChatSource, tokenizer, target: Target,
-                  layer_ids: list[int], cfg: ExtractConfig, writer: BackgroundWriter,
-                  bars: Bars, planned: dict[int, int], summary: Summary,
-                  servers: list[Server], ahead: GenerationAhead | None = None,
-                  start_next=lambda: None) -> None:
-    """Write the samples of `part` still missing. With servers, `start_next` starts the
-    next part's generation once this part's is done, so it runs during this forward."""
-    pw = store.part_writer(part.index, part.row_start, part.row_stop, FLUSH_SHARDS)
-    budget = sum(planned.get(row, 0) for row in range(part.row_start, part.row_stop))
-    if pw.complete:
-        start_next()
-        summary.parts_already_complete.append(part.index)
-        shrink_total(bars.forward, budget)
-        prompts = sum(row in planned for row in range(part.row_start, part.row_stop))
-        shrink_total(bars.generate, prompts * cfg.max_new_tokens)
-        return
-    first = pw.next_row
-    done = _committed_lengths(store, part.index) if first > part.row_start else []
-    todo = render_rows(source, tokenizer, range(first, part.row_stop), cfg)
-    counts = Counts()
-    if cfg.regenerate:
-        prompts, fitting = _part_prompts(source, tokenizer, part, cfg)
-        for p in prompts:  # count only the skips of rows this run still has to do
-            if p.row >= first:
-                prompt_fits(p, cfg, counts)
-        todo = ahead.take(part.index, first) if ahead else None
-        if todo is None:
-            todo = regenerate_items(target.model, tokenizer, fitting, cfg, first,
-                                    bars.generate, servers, target.info.vocab_size)
-    start_next()
-    todo = [k for i in todo if (k := apply_length_policy(i, cfg, counts)) is not None]
-    shrink_total(bars.forward, budget - sum(len(i.input_ids) for i in todo))
-    summary.counts.add(counts)
-    summary.skipped += [source.where(row) for row in counts.skipped_rows]
-    # plan over done + todo, exactly as an uninterrupted run would batch this part
-    lengths = [n for _, n in done] + [len(i.input_ids) for i in todo]
-    for batch in plan_batches(lengths, cfg.batch_tokens):
-        if batch[-1] < len(done):
-            continue
-        batch_items = [todo[i - len(done)] if i >= len(done) else None for i in batch]
-        samples = _forward_batch(target, layer_ids, batch_items, done, batch, source, cfg)
-        writer.append(pw, samples)
-        n = sum(len(s) for s in samples)
-        summary.samples += len(samples)
-        summary.tokens += n
-        bars.forward.update(n)
-    writer.finish(pw)
-    summary.parts_done.append(part.index)
+@dataclass(kw_only=True)
+class _Filling:
+    """What a rank holds while it fills its parts."""
+
+    store: Store
+    bars: Bars
+    writer: BackgroundWriter
+    """Appends a batch's samples while the next batch's forward runs."""
+    ahead: GenerationAhead | None
+    """With servers: the next part's answers, generated during this part's forward."""
+    summary: Summary
 
 
-def _part_prompts(source: ChatSource, tokenizer, part: PartPlan, cfg: ExtractConfig
-                  ) -> tuple[list[Item], list[Item]]:
-    """(every prompt of the part, those leaving room to generate). Every one, not only the
-    rows still to do, so generation batches equal an uninterrupted run's."""
-    prompts = render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg)
-    return prompts, [k for p in prompts if (k := prompt_fits(p, cfg, Counts())) is not None]
-
-
-def _generate_ahead(ahead: GenerationAhead, store: Store, part: PartPlan, source: ChatSource,
-                    tokenizer, target: Target, cfg: ExtractConfig, bars: Bars,
-                    servers: list[Server]) -> None:
-    """Start the servers on `part`'s rows still to do, unless it is complete. Its claim is
-    not held yet: _extract_part uses what is generated only for rows still missing then."""
+def _fill_store(run: ExtractRun) -> Summary:
+    """Create or reopen the store, copy the frozen rows, extract my parts."""
+    plan = run.plan
+    store = _create_store(run)
+    fill = _Filling(store=store, bars=_bars(plan), writer=BackgroundWriter(),
+                    ahead=GenerationAhead() if run.servers else None,
+                    summary=Summary(plan.cfg.out, bytes_per_token=plan.bytes_per_token))
     try:
-        committed = store.part(part.index)
+        _fill_parts(run, fill)
+    finally:
+        fill.bars.close()
+        fill.writer.close()
+    fill.summary.store_complete = _complete(plan.cfg.out)
+    return fill.summary
+
+
+def _create_store(run: ExtractRun) -> Store:
+    """The store at --out, created or reopened (create_store refuses one made differently);
+    rank 0 then commits the frozen rows, unless a run before it did."""
+    cfg = run.plan.cfg
+    with _exclusive(cfg.out, "create", wait=True):
+        store = create_store(cfg.out, run.meta, shard_tokens=cfg.shard_tokens)
+    if run.plan.rank == 0:
+        with _exclusive(cfg.out, "frozen", wait=True):
+            _write_frozen_rows(store, run.target, run.plan.tokenizer_files)
+    return store
+
+
+def _bars(plan: ExtractPlan) -> Bars:
+    """Bars over the rows' token budgets; each total shrinks as rows turn out shorter (eos
+    before max-new-tokens, truncation) or already committed, so rate and ETA stay true."""
+    cfg, where = plan.cfg, f"rank {plan.rank}/{plan.world}"
+    return Bars(
+        generate=tqdm(total=cfg.max_new_tokens * len(plan.scanned), unit="tok",
+                      unit_scale=True, disable=not cfg.progress, desc=f"generate {where}",
+                      position=0) if cfg.regenerate else None,
+        forward=tqdm(total=sum(plan.budgets.values()), unit="tok", unit_scale=True,
+                     disable=not cfg.progress, desc=f"extract {where}",
+                     position=1 if cfg.regenerate else 0))
+
+
+def _fill_parts(run: ExtractRun, fill: _Filling) -> None:
+    """Extract each of my parts under its claim; with servers, check their answers agree with
+    the target after the first part, and generate each later part ahead."""
+    mine = run.plan.mine
+    for n, part in enumerate(mine):
+        # not during the first part: its agreement check must refuse another model's
+        # server before any later part is asked for
+        following = mine[n + 1] if fill.ahead and 0 < n < len(mine) - 1 else None
+        with _exclusive(run.plan.cfg.out, f"part-{part.index:05d}", wait=False):
+            _extract_part(run, fill, part, partial(_generate_ahead, run, fill, following))
+            fill.writer.wait()  # the claim must outlive the part's last write
+        if run.servers and n == 0:  # another model's answers: refused after one part, not all
+            check_agreement(fill.store, run.servers)
+
+
+def _extract_part(run: ExtractRun, fill: _Filling, part: PartPlan,
+                  start_next: Callable[[], None]) -> None:
+    """Write the samples of `part` still missing: what is already written says where to
+    resume, the rows after it get their items (answers generated ahead, or now), and those
+    are forwarded and written now. `start_next` starts the next part's generation once this
+    part's answers are in, so that it runs during this part's forward."""
+    part_writer = fill.store.part_writer(part.index, part.row_start, part.row_stop,
+                                         FLUSH_SHARDS)
+    if part_writer.complete:
+        start_next()
+        _count_complete(run.plan, fill, part)
+        return
+    first = part_writer.next_row
+    done = _committed_lengths(fill.store, part) if first > part.row_start else []
+    todo = _items_to_write(run, fill, part, first)
+    start_next()
+    _write_now(run, fill, part_writer, done, todo)
+    fill.summary.parts_done.append(part.index)
+
+
+def _count_complete(plan: ExtractPlan, fill: _Filling, part: PartPlan) -> None:
+    """A part an earlier run completed: reported as such, its budget taken off the bars."""
+    fill.summary.parts_already_complete.append(part.index)
+    shrink_total(fill.bars.forward, plan.budget(part))
+    prompts = sum(row in plan.budgets for row in range(part.row_start, part.row_stop))
+    shrink_total(fill.bars.generate, prompts * plan.cfg.max_new_tokens)
+
+
+def _committed_lengths(store: Store, part: PartPlan) -> list[tuple[int, int]]:
+    """(source row, length) of the samples a previous run committed to `part`."""
+    p = store.part(part.index)
+    return list(zip(p.sources().tolist(), p.sample_lengths().tolist(), strict=True))
+
+
+def _items_to_write(run: ExtractRun, fill: _Filling, part: PartPlan, first: int
+                    ) -> list[Item]:
+    """The part's rows from `first` on, rendered (or prompts answered, with regenerate), as
+    the length policy keeps them; the summary counts what it skipped or cut, and the forward
+    bar loses the budget no kept item will use."""
+    plan = run.plan
+    if plan.cfg.regenerate:
+        items, counts = _answered(run, fill, part, first)
+    else:
+        rows = range(first, part.row_stop)
+        items, counts = render_rows(plan.source, plan.tokenizer, rows, plan.cfg), Counts()
+    kept = [k for i in items if (k := apply_length_policy(i, plan.cfg, counts)) is not None]
+    shrink_total(fill.bars.forward, plan.budget(part) - sum(len(i.input_ids) for i in kept))
+    fill.summary.count(counts, plan.source)
+    return kept
+
+
+def _answered(run: ExtractRun, fill: _Filling, part: PartPlan, first: int
+              ) -> tuple[list[Item], Counts]:
+    """Prompt + answer of the part's rows from `first` on, generated ahead (during the
+    previous part's forward) or now; and the prompts of those rows that leave no room to
+    generate, counted."""
+    plan, counts = run.plan, Counts()
+    prompts = _part_prompts(plan, part)
+    for p in prompts:  # count only the skips of rows this run still has to do
+        if p.row >= first:
+            prompt_fits(p, plan.cfg, counts)
+    items = fill.ahead.take(part.index, first) if fill.ahead else None
+    if items is None:
+        items = _generate(run, fill, _fitting(prompts, plan.cfg), first)
+    return items, counts
+
+
+def _part_prompts(plan: ExtractPlan, part: PartPlan) -> list[Item]:
+    """Every prompt of the part, not only the rows still to do, so that generation batches
+    equal an uninterrupted run's."""
+    return render_rows(plan.source, plan.tokenizer, range(part.row_start, part.row_stop),
+                       plan.cfg)
+
+
+def _fitting(prompts: list[Item], cfg: ExtractConfig) -> list[Item]:
+    """The prompts that leave room to generate."""
+    return [k for p in prompts if (k := prompt_fits(p, cfg, Counts())) is not None]
+
+
+def _generate(run: ExtractRun, fill: _Filling, prompts: list[Item], first: int) -> list[Item]:
+    """Prompt + answer of each of `prompts` from row `first` on: by the servers, or the
+    target itself."""
+    return regenerate_items(run.target.model, run.plan.tokenizer, prompts, run.plan.cfg,
+                            first, fill.bars.generate, run.servers,
+                            run.target.info.vocab_size)
+
+
+def _generate_ahead(run: ExtractRun, fill: _Filling, part: PartPlan | None) -> None:
+    """Start the servers on `part`'s rows still to do, unless it is complete (or None). Its
+    claim is not held yet: _extract_part uses what is generated only for rows still missing
+    then."""
+    if part is None:
+        return
+    try:
+        committed = fill.store.part(part.index)
         first = None if committed.complete else committed.next_row()
     except StoreError:  # not started (or its creation torn): nothing committed
         first = part.row_start
     if first is None:
         return
-    _, fitting = _part_prompts(source, tokenizer, part, cfg)
-    ahead.start(part.index, first, lambda: regenerate_items(
-        target.model, tokenizer, fitting, cfg, first, bars.generate, servers,
-        target.info.vocab_size))
+    fitting = _fitting(_part_prompts(run.plan, part), run.plan.cfg)
+    fill.ahead.start(part.index, first, lambda: _generate(run, fill, fitting, first))
 
 
-def _committed_lengths(store: Store, index: int) -> list[tuple[int, int]]:
-    """(source row, length) of the samples a previous run committed to part `index`."""
-    p = store.part(index)
-    return list(zip(p.sources().tolist(), p.sample_lengths().tolist(), strict=True))
+def _write_now(run: ExtractRun, fill: _Filling, part_writer: PartWriter,
+               done: list[tuple[int, int]], todo: list[Item]) -> None:
+    """Forward `todo` and hand its samples to the background writer batch by batch, batched
+    over done + todo exactly as an uninterrupted run would batch this part."""
+    lengths = [n for _, n in done] + [len(i.input_ids) for i in todo]
+    for batch in plan_batches(lengths, run.plan.cfg.batch_tokens):
+        if batch[-1] < len(done):
+            continue
+        items = [todo[i - len(done)] if i >= len(done) else None for i in batch]
+        samples = _forward_batch(run, items, [lengths[i] for i in batch])
+        fill.writer.append(part_writer, samples)
+        tokens = sum(len(s) for s in samples)
+        fill.summary.samples += len(samples)
+        fill.summary.tokens += tokens
+        fill.bars.forward.update(tokens)
+    fill.writer.finish(part_writer)
 
 
-def _forward_batch(target: Target, layer_ids: list[int], items: list[Item | None],
-                   done: list[tuple[int, int]], batch: list[int], source: ChatSource,
-                   cfg: ExtractConfig) -> list[Sample]:
+def _forward_batch(run: ExtractRun, items: list[Item | None], lengths: list[int]
+                   ) -> list[Sample]:
     """Samples for the not-yet-committed items of one batch.
 
     Committed rows in the batch (None items) are re-run with placeholder tokens of their
     stored length only so that the batch's shape equals the uninterrupted run's.
     """
-    lengths = [len(i.input_ids) if i is not None else done[b][1] for i, b in zip(items, batch,
-                                                                                 strict=True)]
-    width = max(lengths)
-    input_ids = torch.zeros((len(items), width), dtype=torch.long)
-    attention = torch.zeros((len(items), width), dtype=torch.long)
-    for b, (item, n) in enumerate(zip(items, lengths, strict=True)):
-        if item is not None:
-            input_ids[b, :n] = torch.tensor(item.input_ids)
-        attention[b, :n] = 1
+    target, layer_ids = run.target, run.plan.layer_ids
+    input_ids, attention = _padded(items, lengths)
     context, final = forward_states(target.decoder, layer_ids, input_ids.to(target.device),
                                     attention.to(target.device))
     valid = attention.bool().to(target.device)
-    ids, logits, lse = verifier_topk(final[valid], target.lm_head, cfg.top_k)
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
+    ids, logits, lse = verifier_topk(final[valid], target.lm_head, run.plan.cfg.top_k)
+    offsets = [0, *accumulate(lengths)]
     samples = []
     for b, item in enumerate(items):
         if item is None:
@@ -566,7 +656,7 @@ def _forward_batch(target: Target, layer_ids: list[int], items: list[Item | None
         # checked where the states are (on the GPU: microseconds; on the host a float copy of a
         # 4096-token sample at 27B width took longer than its share of the forward)
         _check_finite(context[b, :n], logits[lo:hi], lse[lo:hi], layer_ids,
-                      source.where(item.row))
+                      run.plan.source.where(item.row))
         samples.append(Sample(
             input_ids=torch.tensor(item.input_ids, dtype=torch.int32),
             loss_mask=torch.tensor(item.loss_mask, dtype=torch.bool),
@@ -576,6 +666,18 @@ def _forward_batch(target: Target, layer_ids: list[int], items: list[Item | None
             topk_logits=logits[lo:hi].cpu(), lse=lse[lo:hi].cpu(), source_row=item.row,
         ))
     return samples
+
+
+def _padded(items: list[Item | None], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and attention mask [batch, longest], right-padded; a None item's tokens are
+    zeros of its length."""
+    input_ids = torch.zeros((len(items), max(lengths)), dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for b, (item, n) in enumerate(zip(items, lengths, strict=True)):
+        if item is not None:
+            input_ids[b, :n] = torch.tensor(item.input_ids)
+        attention[b, :n] = 1
+    return input_ids, attention
 
 
 def _check_finite(context: torch.Tensor, topk_logits: torch.Tensor, lse: torch.Tensor,
