@@ -208,12 +208,21 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
             on_done(len(new))
         return row, new
 
+    return _on_daemon_threads(one, list(enumerate(prompts)), in_flight, waiting)
+
+
+def _on_daemon_threads(one: Callable[[int, int, list[int]], tuple[int, list[int]]],
+                       jobs: list[tuple[int, tuple[int, list[int]]]], threads: int,
+                       waiting: _InFlight) -> dict[int, list[int]]:
+    """{row: new tokens} of one(i, row, prompt) for each job (i, (row, prompt)), in job
+    order, on at most `threads` threads; the first error stops the rest and is raised here.
+    Each `waiting.slow_s` without a thread ending, `waiting` may name the oldest request."""
     # Daemon threads, not a ThreadPoolExecutor: after the first failure (or Ctrl-C) the
     # error is raised at once and the process may exit while other generations are still
-    # in flight; an executor's threads are joined at exit, up to `timeout` each.
-    jobs: queue.SimpleQueue = queue.SimpleQueue()
-    for job in enumerate(prompts):
-        jobs.put(job)
+    # in flight; an executor's threads are joined at exit, up to the timeout each.
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for job in jobs:
+        todo.put(job)
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
     stop, ended = threading.Event(), threading.Semaphore(0)
@@ -222,7 +231,7 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
         try:
             while not stop.is_set():
                 try:
-                    i, (row, prompt) = jobs.get_nowait()
+                    i, (row, prompt) = todo.get_nowait()
                 except queue.Empty:
                     return
                 row, new = one(i, row, prompt)
@@ -234,7 +243,7 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
             ended.release()
 
     workers = [threading.Thread(target=worker, daemon=True, name=f"dflash-server-{n}")
-               for n in range(max(1, min(in_flight, len(prompts))))]
+               for n in range(max(1, min(threads, len(jobs))))]
     for w in workers:
         w.start()
     try:
@@ -247,7 +256,7 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
         stop.set()
     if errors:
         raise errors[0]
-    return {row: results[row] for row, _ in prompts}
+    return {row: results[row] for _, (row, _) in jobs}
 
 
 AGREEMENT_FLOOR = 0.5
