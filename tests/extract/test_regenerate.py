@@ -95,9 +95,9 @@ class _Recorded(tqdm):
 
 def test_the_bars_count_generated_and_extracted_tokens_up_to_their_true_totals(
         qwen3_dir, chats_jsonl, tmp_path, monkeypatch):
-    from dflash_train.extract import pipeline
+    from dflash_train.extract import fill
 
-    monkeypatch.setattr(pipeline, "tqdm", _Recorded)
+    monkeypatch.setattr(fill, "tqdm", _Recorded)
     _Recorded.made = []
     out = str(tmp_path / "hs.zarr")
     run_extract_cfg(qwen3_dir, chats_jsonl, out, regenerate=True, max_new_tokens=NEW,

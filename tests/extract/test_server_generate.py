@@ -152,9 +152,9 @@ def test_the_next_part_is_generated_while_this_part_runs_its_forward(target, dat
     """Part 1's first forward waits until the server is asked for a prompt past part 1's
     rows (5 a part): only generating ahead gets there; one-part-at-a-time extract times out.
     (Part 0 generates nothing ahead: the agreement check after it comes first.)"""
-    from dflash_train.extract import pipeline
+    from dflash_train.extract import fill
 
-    forward, overlapped = pipeline._forward_batch, []
+    forward, overlapped = fill._forward_batch, []
 
     def forward_once_overlapped(*args, **kwargs):
         if not overlapped and len(server.prompts) >= 10:  # in part 1
@@ -164,7 +164,7 @@ def test_the_next_part_is_generated_while_this_part_runs_its_forward(target, dat
             overlapped.append(len(server.prompts) > 10)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "_forward_batch", forward_once_overlapped)
+    monkeypatch.setattr(fill, "_forward_batch", forward_once_overlapped)
     out = str(tmp_path / "hs.zarr")
     run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=NEW, rows_per_part=5,
                     servers=[server.url])
