@@ -18,7 +18,6 @@ less than two ranks, and far less whenever anything else ran beside them.
 
 import os
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from dflash_train.assets.embedded import prompt_file, target_dir
 from dflash_train.assets.stdlib_corpus import repeated_ngram_share
 from dflash_train.blocks import MAX_SEED
 from dflash_train.errors import reported_as_one_line
+from dflash_train.ports import free_port
 
 REAL_MODEL_COMMANDS = """\
 The same on a real target (one GPU machine for extract; any GPU for train and eval):
@@ -135,12 +135,6 @@ def stage_ranks() -> int:
     return max(1, min(MAX_RANKS, usable_cores()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, queue, stage, args: tuple) -> None:
     """One rank of a stage (a spawned process): the environment torchrun would give it."""
     import torch
@@ -172,7 +166,7 @@ def in_ranks(stage, *args, echo=print, world: int | None = None):
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(_rank_main, args=(world, _free_port(), queue, stage, args),
+    procs = mp.start_processes(_rank_main, args=(world, free_port(), queue, stage, args),
                                nprocs=world, join=False, start_method="spawn")
     got: dict = {}
 

@@ -13,7 +13,6 @@ so that it logs each verify step ("accepted A/D draft tokens"), which no respons
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.evaluate.errors import EvalError
+from dflash_train.ports import free_port
 
 SERVER_VARIABLE = "DFLASH_LLAMA_SERVER"
 """The llama-server binary, when --llama-server is not given."""
@@ -76,13 +76,6 @@ def log_tail(log: Path) -> str:
     except OSError:
         return "(no log)"
     return "\n  ".join(lines[-_LOG_TAIL:])
-
-
-def free_port() -> int:
-    """A local port nothing listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
