@@ -1,16 +1,16 @@
-"""The decode modes of `dflash eval`, beside offline replay: `--online` (our live loop) and
-`--served` (a serving engine: vLLM, or llama.cpp with `--engine llama.cpp`). One interface:
-check the options, prepare everything (load the target, find the engine, check it is the
-store's target) before the first drafter forward, then run on the held-out prompts. A run's
-results have one summary type (summary.py) and one table signature, and are checked by the
-one agreement check (agreement.py); a new mode is one subclass here and one line in
-`decode_modes`, a new engine one ServedMode subclass and one entry in SERVING_ENGINES.
+"""The decode modes of `dflash eval`, beside offline replay: `--online` (our live loop, here)
+and `--served` (a serving engine: vLLM, or llama.cpp with `--engine llama.cpp`; engines/).
+One interface: check the options, prepare everything (load the target, find the engine,
+check it is the store's target) before the first drafter forward, then run on the held-out
+prompts. A run's results have one summary type (summary.py) and one table signature, and are
+checked by the one agreement check (agreement.py); a new mode is one subclass here and one
+line in `decode_modes`, a new engine one module in engines/ and one entry in
+engines.SERVING_ENGINES.
 """
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, Protocol
 
 import torch
@@ -22,13 +22,13 @@ from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule, evaluate_online, load_online_target, prompt_of
 from dflash_train.evaluate.replay import EvalSample, EvalSettings
-from dflash_train.evaluate.served import ServedPlan, likely_causes, run_served
 from dflash_train.evaluate.summary import RunLabel
 from dflash_train.store_schema import Store
 
 
 class RunResults(Protocol):
-    """One checkpoint's results of any run (replay.CheckpointResults, served.ServedResults)."""
+    """One checkpoint's results of any run (replay.CheckpointResults,
+    engines.shared.ServedResults)."""
 
     sequences: dict[tuple[int, int], list[tuple[int, int]]]
 
@@ -161,167 +161,14 @@ class OnlineMode(DecodeMode):
                                      for n, by_budget in trees.items()}}
 
 
-class ServedMode(DecodeMode):
-    """`--served`: a serving engine decodes the prompts; subclasses are the engines."""
-
-    label = "served"
-    flag = "--served"
-
-    @abstractmethod
-    def serve(self, inputs: EvalInputs, samples: list[EvalSample], stop: StopRule) -> dict:
-        """served.ServedResults per checkpoint name."""
-
-    @abstractmethod
-    def causes(self, diff: dict, inputs: EvalInputs, name: str) -> list[str]:
-        """What is known of why checkpoint `name`'s served run differs as `diff` says."""
-
-    def run(self, inputs, samples, stop, earlier):
-        served = self.serve(inputs, samples, stop)
-        for results in served.values():  # an engine counts rounds; the bins are eval's
-            results.position_bin = inputs.settings.position_bin
-        decoded = {n: r.decoded() for n, r in served.items()}
-        checks = check_runs(decoded, samples, earlier)
-        return ModeRun(self.label, served, decoded, check=self.check_json(checks, inputs))
-
-    def check_json(self, checks: dict[str, RunCheck], inputs: EvalInputs) -> dict:
-        out = {"prompts": 0, "against": None, "checkpoints": {}}
-        for name, c in checks.items():
-            entry = {"same_text": c.prompts - len(c.text_differs)}
-            entry |= {f"same_taus_as_{label}": c.prompts - len(keys)
-                      for label, keys in c.taus_differ.items()}
-            entry["first_difference"] = c.first_difference
-            entry["likely_causes"] = None if c.first_difference is None else \
-                self.causes(c.first_difference, inputs, name)
-            out |= {"prompts": c.prompts, "against": c.against}
-            out["checkpoints"][name] = entry
-        return out
-
-
-class VllmMode(ServedMode):
-    """`--served` through vLLM, in its own Python (served.py)."""
-
-    def check_options(self, cfg: EvalConfig) -> None:
-        super().check_options(cfg)
-        if cfg.llama_server:
-            raise EvalError("--llama-server only applies to --served --engine llama.cpp")
-        if not (Path(cfg.model) / "config.json").is_file():
-            raise EvalError(f"--served --model {cfg.model}: vLLM serves a model directory "
-                            "(config.json + safetensors); give the target's directory (for "
-                            "a .gguf target, its float32 safetensors copy is a separate "
-                            "target)")
-
-    def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
-        self.plan = vllm_plan(cfg, store)
-
-    def serve(self, inputs, samples, stop):
-        paths = {c.name: (c.path, c.config.block_size) for c in inputs.checkpoints}
-        return run_served(self.plan, paths, samples, stop, inputs.echo)
-
-    def causes(self, diff, inputs, name):
-        meta = inputs.store.meta
-        config = next(c.config for c in inputs.checkpoints if c.name == name)
-        return likely_causes(diff, served_dtype=self.plan.dtype, store_dtype=meta.hidden_dtype,
-                             regenerated=meta.source.regenerated,
-                             sliding="sliding_attention" in config.layer_types,
-                             drafter_dtype=self.plan.dtype)
-
-
-def checked_target_config(model: str, store: Store):
-    """--model's config, once the same-target rule says it is the store's target (EvalError
-    naming what differs otherwise); the serving engines read their limits from it."""
-    from dflash_train.evaluate.online import check_target
-    from dflash_train.target_model.errors import TargetError
-    from dflash_train.target_model.loading import load_config, target_info
-
-    try:
-        config = load_config(model)
-        info = target_info(model, config)
-    except TargetError as e:
-        raise EvalError(str(e)) from e
-    check_target(model, info, store.meta.target)
-    return config
-
-
-def vllm_plan(cfg: EvalConfig, store: Store) -> ServedPlan:
-    """Find vLLM and check --model is the store's target, before the first forward."""
-    from dflash_train.evaluate.served import find_vllm
-    from dflash_train.target_config import config_field, text_part
-
-    python = find_vllm(cfg.vllm_python)
-    config = checked_target_config(cfg.model, store)
-    return ServedPlan(python=python, target=str(Path(cfg.model).resolve()),
-                      dtype=store.meta.hidden_dtype,
-                      max_position=config_field(text_part(config), "max_position_embeddings"))
-
-
-class LlamaCppMode(ServedMode):
-    """`--served --engine llama.cpp`: llama-server with each checkpoint exported as a DFlash
-    GGUF (served_llama.py)."""
-
-    def check_options(self, cfg: EvalConfig) -> None:
-        from dflash_train.evaluate.llama_server import find_llama_server
-
-        super().check_options(cfg)
-        if cfg.vllm_python:
-            raise EvalError("--vllm-python only applies to --served --engine vllm")
-        model = Path(cfg.model)
-        if model.suffix.lower() != ".gguf" or not model.is_file():
-            raise EvalError(f"--served --engine llama.cpp --model {cfg.model}: llama-server "
-                            "serves a target .gguf file and this is not one (convert the "
-                            "target with llama.cpp's convert_hf_to_gguf.py; float32 for a "
-                            "like-for-like check)")
-        find_llama_server(cfg.llama_server)  # a wrong --llama-server is refused before work
-
-    def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
-        self.plan = llama_plan(cfg, store)
-
-    def serve(self, inputs, samples, stop):
-        from dflash_train.evaluate.served_llama import run_llama_served
-
-        paths = {c.name: (c.path, c.config.block_size) for c in inputs.checkpoints}
-        self.served = run_llama_served(self.plan, paths, samples, stop, inputs.echo)
-        return self.served
-
-    def causes(self, diff, inputs, name):
-        meta = inputs.store.meta
-        config = next(c.config for c in inputs.checkpoints if c.name == name)
-        served = "float32" if self.plan.target_type == "ALL_F32" else self.plan.target_type
-        causes = likely_causes(diff, served_dtype=served, store_dtype=meta.hidden_dtype,
-                               regenerated=meta.source.regenerated,
-                               sliding="sliding_attention" in config.layer_types,
-                               drafter_dtype=self.plan.dtype, engine="llama.cpp")
-        if diff["kind"] == "text" and \
-                diff["prompt"] in self.served[name].info["stopped_on_other_eog"]:
-            causes.insert(1, "llama.cpp stopped on an end-of-generation token of its "
-                             "vocabulary that --online's stop rule does not end on")
-        return causes
-
-
-def llama_plan(cfg: EvalConfig, store: Store):
-    """Find llama-server and check --model is the store's target, before the first forward."""
-    from dflash_train.evaluate.llama_server import find_llama_server
-    from dflash_train.evaluate.served_llama import LlamaPlan, server_version, target_file_type
-    from dflash_train.target_config import config_field, text_part
-
-    binary = find_llama_server(cfg.llama_server)
-    config = checked_target_config(cfg.model, store)
-    return LlamaPlan(binary=binary, version=server_version(binary),
-                     target=str(Path(cfg.model).resolve()),
-                     target_type=target_file_type(Path(cfg.model)),
-                     vocab=config_field(text_part(config), "vocab_size"),
-                     dtype=store.meta.hidden_dtype, threads=torch.get_num_threads())
-
-
-SERVING_ENGINES: dict[str, type[ServedMode]] = {"vllm": VllmMode, "llama.cpp": LlamaCppMode}
-"""--served's engines by --engine name: each one ServedMode subclass."""
-
-
 def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:
     """The modes the options ask for, in the order they run (each checks the ones before)."""
     modes: list[DecodeMode] = []
     if cfg.online:
         modes.append(OnlineMode())
     if cfg.served:
+        from dflash_train.evaluate.engines import SERVING_ENGINES  # they build on this module
+
         modes.append(SERVING_ENGINES[cfg.engine]())
     return modes
 

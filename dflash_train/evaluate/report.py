@@ -280,26 +280,25 @@ def _rates(values: list) -> str:
     return " ".join(_fmt(v, 2) for v in values)
 
 
-SERVING_ENGINES = {"vllm": "vLLM", "llama_cpp": "llama.cpp"}
-"""A served column's key of the engine's own counters -> the engine's name."""
+def _served_by(report: dict):
+    """The mode of the engine that served (the served columns hold its counters under its
+    report key)."""
+    from dflash_train.evaluate.engines import SERVING_ENGINES  # they run engines: only here
 
-
-def _engine_of(report: dict) -> str:
-    """The report key of the engine that served (the served columns hold its counters)."""
+    modes = list(SERVING_ENGINES.values())
     for c in report["checkpoints"]:
-        for key in SERVING_ENGINES:
-            if (c.get("served") or {}).get(key) is not None:
-                return key
-    return "vllm"
+        for mode in modes:
+            if (c.get("served") or {}).get(mode.report_key) is not None:
+                return mode
+    return modes[0]
 
 
-def _engine_line(name: str, key: str, served: dict) -> str:
+def _engine_line(name: str, mode, served: dict) -> str:
     """One checkpoint's counters in the engine's convention."""
-    v, info = served[key], served.get("info") or {}
+    v, info = served[mode.report_key], served.get("info") or {}
     resolved = (info.get("resolved") or {}).get("architectures")
-    engine = SERVING_ENGINES[key]
-    version = (info.get("versions") or {}).get(engine.lower(), "?")
-    return (f"  {name}: {engine.lower()} {version}"
+    version = (info.get("versions") or {}).get(mode.engine, "?")
+    return (f"  {name}: {mode.engine} {version}"
             + (f" as {','.join(resolved)}" if resolved else "")
             + f": drafts {v['num_drafts']}, accepted {v['num_accepted_tokens']}, "
             f"mean acceptance length {_fmt(v['mean_acceptance_length'])}; per "
@@ -312,8 +311,8 @@ def format_served(report: dict) -> list[str]:
     """The engine's own counters (its convention) and the served-vs-offline check, per
     checkpoint."""
     check = report["served_check"]
-    key = _engine_of(report)
-    engine = SERVING_ENGINES[key]
+    mode = _served_by(report)
+    engine = mode.title
     out = [f"served through {engine}, {check['prompts']} prompts; the served columns above "
            f"count committed tokens, like offline. {engine}'s own counters (accepted drafts "
            "per verify step, counted before its stop check; mean acceptance length = 1 + "
@@ -322,7 +321,7 @@ def format_served(report: dict) -> list[str]:
         served = c.get("served")
         if served is None:
             continue
-        out.append(_engine_line(c["name"], key, served))
+        out.append(_engine_line(c["name"], mode, served))
         entry = check["checkpoints"][c["name"]]
         same = [f"text equal to the stored text for {entry['same_text']}"]
         same += [f"taus equal to {k.removeprefix('same_taus_as_')} for {n}"

@@ -6,6 +6,7 @@ import os
 import runpy
 import stat
 import sys
+import tempfile
 import types
 from dataclasses import replace
 
@@ -13,28 +14,27 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dflash_train.evaluate import served as served_mod
 from dflash_train.evaluate.agreement import Decoded, first_difference
 from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.engines import vllm as vllm_mod
+from dflash_train.evaluate.engines.shared import (
+    ServedPrompt,
+    ServedResults,
+    ServeJob,
+    likely_causes,
+    served_prompts,
+    served_run,
+)
+from dflash_train.evaluate.engines.vllm import find_vllm, run_driver, served_results
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.modes import EvalInputs, ServedMode
 from dflash_train.evaluate.online import StopRule, evaluate_online
 from dflash_train.evaluate.replay import EvalSample, EvalSettings
 from dflash_train.evaluate.report import block_rows, format_table
-from dflash_train.evaluate.served import (
-    ServedPrompt,
-    ServedResults,
-    find_vllm,
-    likely_causes,
-    run_driver,
-    served_prompts,
-    served_results,
-    served_run,
-)
 from tests.evaluate.conftest import EOS_ID
 from tests.evaluate.test_online import PROMPT, ScriptedDrafter, ScriptedTarget
 
 SETTINGS = EvalSettings(tree_budgets=(), recall_at=(1,))
+BIN = SETTINGS.position_bin
 
 
 def _sample(tokens: list[int], index: int = 0) -> EvalSample:
@@ -69,11 +69,11 @@ def test_a_cap_inside_the_accepted_drafts_reads_as_the_tokens_committed():
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
     settings = replace(SETTINGS, position_bin=4)
     online, tokens = _online(list(range(20, 40)), {6}, 8, stop, settings)
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8)
+    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
     assert run.committed == [3, 3] and run.anchors == [3, 6] and run.tokens == tokens
     served = ServedResults("s", 8, [run], {"num_drafts": 2, "num_accepted_tokens": 9,
-                                           "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]},
-                           position_bin=4)
+                                           "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]}, 4,
+                           "vllm")
     assert served.sequences == online.sequences == {(0, 0): [(3, 3), (6, 3)]}
     mine, theirs = served.summary(), online.summary()
     for key in ("n_blocks", "mean_tau", "mean_streak", "streak_hist", "cond_accept",
@@ -91,8 +91,8 @@ def test_an_eos_inside_the_accepted_drafts_reads_as_the_tokens_committed():
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
     continuation = [20, 21, 22, 23, 24, 25, EOS_ID, 27, 28, 29, 30, 31]
     online, tokens = _online(continuation, {5}, 8, stop)
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 7], 8), 8)
-    served = ServedResults("s", 8, [run], {})
+    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 7], 8), 8, "vLLM")
+    served = ServedResults("s", 8, [run], {}, BIN, "vllm")
     assert served.sequences == online.sequences == {(0, 0): [(3, 2), (5, 4)]}
     assert served.summary()["cond_accept"] == online.summary()["cond_accept"]
     assert not served.summary()["vllm"]["counters_agree"]  # no Prometheus totals given
@@ -101,17 +101,18 @@ def test_an_eos_inside_the_accepted_drafts_reads_as_the_tokens_committed():
 def test_counts_that_do_not_add_up_to_the_output_are_refused_naming_the_prompt():
     tokens = PROMPT + list(range(20, 27))
     with pytest.raises(EvalError, match="prompt 0/0: 7 tokens generated but the steps"):
-        served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [5, 0], 8), 8)
+        served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [5, 0], 8), 8, "vLLM")
     short = dict(_raw(tokens[len(PROMPT):], [2, 2], 8), per_step_drafted=[7, 3])
     with pytest.raises(EvalError, match="step 1 drafted 3 tokens, not 7"):
-        served_run(_prompt(tokens), short, 8)
+        served_run(_prompt(tokens), short, 8, "vLLM")
     with pytest.raises(EvalError, match="without a verify step"):
-        served_run(_prompt(tokens), _raw([20, 21], [], 8), 8)
+        served_run(_prompt(tokens), _raw([20, 21], [], 8), 8, "vLLM")
 
 
 def test_a_first_token_eos_is_a_prompt_without_rounds():
-    run = served_run(_prompt(PROMPT + [EOS_ID]), _raw([EOS_ID], [], 8), 8)
-    assert run.committed == [] and ServedResults("s", 8, [run], {}).summary()["n_blocks"] == 0
+    run = served_run(_prompt(PROMPT + [EOS_ID]), _raw([EOS_ID], [], 8), 8, "vLLM")
+    served = ServedResults("s", 8, [run], {}, BIN, "vllm")
+    assert run.committed == [] and served.summary()["n_blocks"] == 0
 
 
 def test_prompts_are_capped_by_max_new_tokens_and_the_store_max_length():
@@ -124,9 +125,9 @@ def test_prompts_are_capped_by_max_new_tokens_and_the_store_max_length():
 
 
 def _served(tokens_per_prompt: list[list[int]], accepted: list[list[int]]) -> ServedResults:
-    runs = [served_run(_prompt(t, i), _raw(t[len(PROMPT):], a, 4), 4)
+    runs = [served_run(_prompt(t, i), _raw(t[len(PROMPT):], a, 4), 4, "vLLM")
             for i, (t, a) in enumerate(zip(tokens_per_prompt, accepted, strict=True))]
-    return ServedResults("s", 4, runs, {})
+    return ServedResults("s", 4, runs, {}, BIN, "vllm")
 
 
 def test_the_first_difference_names_the_prompt_and_the_position():
@@ -149,16 +150,23 @@ def test_the_first_difference_names_the_prompt_and_the_position():
 def test_likely_causes_follow_the_kind_of_difference():
     text = {"kind": "text"}
     drift = likely_causes(text, served_dtype="bfloat16", store_dtype="float32",
-                          regenerated=True, sliding=False, drafter_dtype="bfloat16")
+                          regenerated=True, sliding=False, drafter_dtype="bfloat16",
+                          engine="vLLM")
     assert any("vLLM serves the target in bfloat16" in c for c in drift)
     assert any("chat-template" in c for c in drift)
     not_regenerated = likely_causes(text, served_dtype="float32", store_dtype="float32",
-                                    regenerated=False, sliding=False, drafter_dtype="float32")
+                                    regenerated=False, sliding=False, drafter_dtype="float32",
+                                    engine="vLLM")
     assert any("extract --regenerate" in c for c in not_regenerated)
     tau = likely_causes({"kind": "tau"}, served_dtype="float32", store_dtype="float32",
-                        regenerated=True, sliding=True, drafter_dtype="float32")
+                        regenerated=True, sliding=True, drafter_dtype="float32", engine="vLLM")
     assert any("sliding-window" in c for c in tau)
     assert not any("target drift" in c for c in tau)
+
+
+def _job(prompts: list[ServedPrompt], position_bin: int = BIN) -> ServeJob:
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
+    return ServeJob({"s": ("ckpt", 4)}, prompts, stop, position_bin, lambda _: None)
 
 
 def test_served_results_parse_the_driver_result_and_refuse_a_missing_prompt():
@@ -166,11 +174,11 @@ def test_served_results_parse_the_driver_result_and_refuse_a_missing_prompt():
     result = {"prompts": [_raw(tokens[3:], [1], 4)], "versions": {"vllm": "x"},
               "counters": {"num_drafts": 1, "num_accepted_tokens": 1,
                            "accepted_per_pos": [1, 0, 0]}}
-    served = served_results("s", [_prompt(tokens)], result, 4)
+    served = served_results("s", _job([_prompt(tokens)]), result, 4)
     assert served.summary()["vllm"]["counters_agree"]
     assert served.summary()["info"]["versions"] == {"vllm": "x"}
     with pytest.raises(EvalError, match=r"no output for prompts \['0/1'\]"):
-        served_results("s", [_prompt(tokens), _prompt(tokens, 1)], result, 4)
+        served_results("s", _job([_prompt(tokens), _prompt(tokens, 1)]), result, 4)
 
 
 def _report_with_served(served: ServedResults, online) -> dict:
@@ -191,9 +199,10 @@ def _report_with_served(served: ServedResults, online) -> dict:
 def test_the_table_shows_served_columns_and_vllm_counters_in_their_own_convention():
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
     online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8)
+    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
     served = ServedResults("s", 8, [run], {"num_drafts": 2, "num_accepted_tokens": 9,
-                                           "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]})
+                                           "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]}, BIN,
+                           "vllm")
     text = format_table(_report_with_served(served, online))
     header = next(line for line in text.splitlines() if "(served)" in line)
     assert header.split() == ["s", "s", "(served)"]
@@ -208,32 +217,31 @@ def test_the_table_shows_served_columns_and_vllm_counters_in_their_own_conventio
     assert rows["tau"] == [3, 3, 3, 3] and rows["tree_budget"] == [None] * 4
 
 
-class _FixedEngine(ServedMode):
-    """An engine that has already served: its results, as an engine's serve returns them."""
-
-    def __init__(self, served: dict):
-        self.served = served
-
-    def prepare(self, cfg, store, device):
-        pass
-
-    def serve(self, inputs, samples, stop):
-        return self.served
-
-    def causes(self, diff, inputs, name):
-        return []
-
-
-def test_every_engine_bins_its_rounds_by_evals_position_bin():
+def test_an_engine_bins_its_rounds_by_the_jobs_position_bin():
     tokens = PROMPT + list(range(20, 30))
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [3, 1, 2], 4), 4)
-    assert run.anchors == [3, 7, 9]
-    engine = _FixedEngine({"s": ServedResults("s", 4, [run], {})})  # built with the default
-    inputs = EvalInputs(None, replace(SETTINGS, position_bin=5), [], {}, lambda _: None)
-    served = engine.run(inputs, [_sample(tokens)], None, []).results["s"]
+    raw = dict(_raw(tokens[len(PROMPT):], [3, 1, 2], 4), key="0/0")
+    served = served_results("s", _job([_prompt(tokens)], position_bin=5), {"prompts": [raw]}, 4)
+    assert served.runs[0].anchors == [3, 7, 9]
     by_position = served.summary()["tau_by_position"]
     assert by_position["bin_tokens"] == 5
     assert [(b["start"], b["n_blocks"]) for b in by_position["bins"]] == [(0, 1), (5, 2)]
+
+
+def test_the_served_job_carries_evals_position_bin_and_the_prompts():
+    from dflash_train.evaluate.engines.shared import serve_job
+    from dflash_train.evaluate.modes import EvalInputs
+
+    checkpoint = types.SimpleNamespace(name="s", path="ckpt",
+                                       config=types.SimpleNamespace(block_size=4))
+    inputs = EvalInputs(None, replace(SETTINGS, position_bin=5), [checkpoint], {}, print)
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
+    job = serve_job(inputs, [_sample(PROMPT + [20, 21])], stop)
+    assert job.position_bin == 5 and job.checkpoints == {"s": ("ckpt", 4)}
+    assert [(p.key, p.ids, p.max_tokens) for p in job.prompts] == [("0/0", PROMPT, 7)]
+    no_response = EvalSample(0, 1, 1, torch.tensor(PROMPT), torch.zeros(3, dtype=torch.bool),
+                             torch.empty(0), torch.tensor(PROMPT))
+    with pytest.raises(EvalError, match="no held-out sample has a prompt and a response"):
+        serve_job(inputs, [no_response], stop)
 
 
 def _fake_python(tmp_path, body: str) -> str:
@@ -244,8 +252,8 @@ def _fake_python(tmp_path, body: str) -> str:
 
 
 def test_no_vllm_anywhere_is_one_error_saying_how_to_build_the_venv(tmp_path, monkeypatch):
-    monkeypatch.setenv(served_mod.VENV_VARIABLE, str(tmp_path / "no-venv"))
-    monkeypatch.setattr(served_mod, "find_spec", lambda name: None)
+    monkeypatch.setenv(vllm_mod.VENV_VARIABLE, str(tmp_path / "no-venv"))
+    monkeypatch.setattr(vllm_mod, "find_spec", lambda name: None)
     with pytest.raises(EvalError) as e:
         find_vllm(None)
     assert str(tmp_path / "no-venv" / "bin" / "python") + ": no such file" in str(e.value)
@@ -263,17 +271,17 @@ def test_a_python_that_imports_vllm_is_found_and_never_sees_our_pythonpath(tmp_p
     fake = _fake_python(tmp_path, body)
     found = find_vllm(fake)
     assert (found.path, found.vllm, found.torch) == (fake, "9.9", "none")
-    monkeypatch.setenv(served_mod.VENV_VARIABLE, str(tmp_path / "venv"))
+    monkeypatch.setenv(vllm_mod.VENV_VARIABLE, str(tmp_path / "venv"))
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     os.symlink(fake, tmp_path / "venv" / "bin" / "python")
-    monkeypatch.setattr(served_mod, "find_spec", lambda name: None)
+    monkeypatch.setattr(vllm_mod, "find_spec", lambda name: None)
     assert find_vllm(None).path == str(tmp_path / "venv" / "bin" / "python")
 
 
 def test_a_failing_vllm_run_quotes_the_end_of_its_log(tmp_path):
     fake = _fake_python(tmp_path, "echo loading; echo 'ValueError: Unsupported CPU attention'"
                                   "; exit 3")
-    python = served_mod.VllmPython(fake, "9.9", "x")
+    python = vllm_mod.VllmPython(fake, "9.9", "x")
     with pytest.raises(EvalError) as e:
         run_driver(python, {"prompts": []}, tmp_path / "work", "ckpt")
     message = str(e.value)
@@ -297,8 +305,8 @@ def test_served_options_are_checked_before_anything_runs(tmp_path, regen_store,
     gguf.write_bytes(b"GGUF")
     result = _run_cli("--store", regen_store, "--served", "--model", gguf, random_drafter_dir)
     assert result.exit_code == 1 and "vLLM serves a model directory" in result.output
-    monkeypatch.setenv(served_mod.VENV_VARIABLE, str(tmp_path / "none"))
-    monkeypatch.setattr(served_mod, "find_spec", lambda name: None)
+    monkeypatch.setenv(vllm_mod.VENV_VARIABLE, str(tmp_path / "none"))
+    monkeypatch.setattr(vllm_mod, "find_spec", lambda name: None)
     result = _run_cli("--store", regen_store, "--served", "--model", eos_target_dir,
                       "--no-progress", random_drafter_dir)
     assert result.exit_code == 1 and "Traceback" not in result.output
@@ -311,19 +319,17 @@ def test_an_export_that_fails_in_any_way_leaves_no_scratch_directory(tmp_path, m
     def export(*args):
         raise failure
 
-    monkeypatch.setattr(served_mod, "export_for_serving", export)
-    monkeypatch.setattr(served_mod.tempfile, "tempdir", str(tmp_path))
-    plan = served_mod.ServedPlan(served_mod.VllmPython("python", "0", "0"), "target",
-                                 "float32", None)
-    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=4, max_length=64)
+    monkeypatch.setattr(vllm_mod, "export_for_serving", export)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan = vllm_mod.VllmPlan(vllm_mod.VllmPython("python", "0", "0"), "target", "float32",
+                             None)
     with pytest.raises(type(failure) if isinstance(failure, OSError) else failure):
-        served_mod.run_served(plan, {"s": ("ckpt", 4)}, [_sample(PROMPT + [20, 21])], stop,
-                              echo=lambda _: None)
+        vllm_mod.serve_vllm(plan, _job([_prompt(PROMPT + [20, 21])]))
     assert list(tmp_path.iterdir()) == []
 
 
 def _fake_vllm(calls: list[list[list[int]]]):
-    """A stand-in `vllm` module for served_driver.main: generate records the prompt ids of
+    """A stand-in `vllm` module for vllm_driver.main: generate records the prompt ids of
     each call and answers each prompt with its ids reversed (no spec-decode counters)."""
     class LLM:
         def __init__(self, **kwargs):
@@ -356,13 +362,13 @@ def test_the_driver_decodes_prompts_in_waves_so_none_joins_a_running_batch(tmp_p
     prompts = [ServedPrompt(sample=types.SimpleNamespace(part=i // 10, index=i % 10),
                             ids=[7, i, 100 + i], max_tokens=4) for i in range(37)]
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=4, max_length=64)
-    request = served_mod.build_request("target", "drafter", 4, prompts, stop, "float32", None)
-    assert request["max_num_seqs"] == request["wave_size"] == served_mod.WAVE_SIZE == 16
+    request = vllm_mod.build_request("target", "drafter", 4, prompts, stop, "float32", None)
+    assert request["max_num_seqs"] == request["wave_size"] == vllm_mod.WAVE_SIZE == 16
     (tmp_path / "request.json").write_text(json.dumps(request))
     calls: list[list[list[int]]] = []
     for name, module in _fake_vllm(calls).items():
         monkeypatch.setitem(sys.modules, name, module)
-    driver = runpy.run_path(str(served_mod.DRIVER))
+    driver = runpy.run_path(str(vllm_mod.DRIVER))
     driver["main"](str(tmp_path / "request.json"), str(tmp_path / "result.json"))
 
     assert [len(c) for c in calls] == [16, 16, 5]
@@ -370,3 +376,16 @@ def test_the_driver_decodes_prompts_in_waves_so_none_joins_a_running_batch(tmp_p
     result = json.loads((tmp_path / "result.json").read_text())
     assert [r["token_ids"] for r in result["prompts"]] == [p.ids[::-1] for p in prompts]
     assert [r["key"] for r in result["prompts"]] == [p.key for p in prompts]
+
+
+def test_every_engine_the_options_offer_is_one_mode():
+    from typing import get_args, get_type_hints
+
+    from dflash_train.evaluate.config import EvalConfig
+    from dflash_train.evaluate.engines import SERVING_ENGINES
+
+    option = next(p for p in eval_command.params if p.name == "engine")
+    assert list(option.type.choices) == list(SERVING_ENGINES)
+    assert get_args(get_type_hints(EvalConfig)["engine"]) == tuple(SERVING_ENGINES)
+    assert {m.engine for m in SERVING_ENGINES.values()} == set(SERVING_ENGINES)
+    assert len({m.report_key for m in SERVING_ENGINES.values()}) == len(SERVING_ENGINES)

@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_train.cli import main
+from dflash_train.evaluate.engines.llama_server import LlamaServer, ServerSetup, find_llama_server
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.llama_server import LlamaServer, ServerSetup, find_llama_server
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from tests.evaluate.conftest import fit_drafter, random_drafter, regenerated_store
 from tests.extract.tiny_gguf import write_tiny_gguf

@@ -9,14 +9,9 @@ import stat
 import pytest
 from click.testing import CliRunner
 
-from dflash_train.evaluate import llama_server as server_mod
 from dflash_train.evaluate.command import eval_command
-from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.llama_server import LlamaServer, ServerSetup, find_llama_server
-from dflash_train.evaluate.online import StopRule
-from dflash_train.evaluate.report import format_table
-from dflash_train.evaluate.served import ServedResults
-from dflash_train.evaluate.served_llama import (
+from dflash_train.evaluate.engines import llama_server as server_mod
+from dflash_train.evaluate.engines.llama_cpp import (
     check_steps,
     metrics_agree,
     parse_completion,
@@ -26,9 +21,18 @@ from dflash_train.evaluate.served_llama import (
     request_body,
     serve_prompt,
 )
+from dflash_train.evaluate.engines.llama_server import (
+    LlamaServer,
+    ServerSetup,
+    find_llama_server,
+)
+from dflash_train.evaluate.engines.shared import ServedResults
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.online import StopRule
+from dflash_train.evaluate.report import format_table
 from tests.evaluate.conftest import EOS_ID
 from tests.evaluate.test_online import PROMPT
-from tests.evaluate.test_served import _online, _prompt, _report_with_served
+from tests.evaluate.test_served import BIN, _online, _prompt, _report_with_served
 
 VOCAB = 512
 WHERE = "llama-server, prompt 0/0"
@@ -161,7 +165,8 @@ def test_a_cap_is_applied_where_online_applies_it_and_later_steps_are_left_out()
     assert server.bodies[0]["temperature"] == 0 and server.bodies[0]["cache_prompt"] is False
     assert served.run.tokens == tokens and served.run.accepted == [2, 7]
     assert served.run.committed == [3, 3] and len(served.steps) == 3 and not served.early_eog
-    results = ServedResults("s", 8, [served.run], {}, engine="llama_cpp", counters_agree=True)
+    results = ServedResults("s", 8, [served.run], {}, BIN, "llama_cpp",
+                            counters_agree=True)
     assert results.sequences == online.sequences
     assert results.summary()["llama_cpp"]["num_accepted_tokens"] == 9  # its convention
 
@@ -185,8 +190,8 @@ def test_the_table_names_llama_cpp_and_its_counters():
     server = FakeServer(answer(list(range(20, 35)), draft_n=21, draft_n_accepted=11),
                         log_of([(2, 7), (7, 7), (2, 7)]))
     run = serve_prompt(server, _prompt(tokens, max_tokens=7), 8, stop, VOCAB, "s").run
-    served = ServedResults("s", 8, [run], {}, {"versions": {"llama.cpp": "version: 1"}},
-                           engine="llama_cpp", counters_agree=False)
+    served = ServedResults("s", 8, [run], {}, BIN, "llama_cpp",
+                           {"versions": {"llama.cpp": "version: 1"}}, counters_agree=False)
     text = format_table(_report_with_served(served, online))
     assert "served through llama.cpp, 1 prompts" in text
     assert "s: llama.cpp version: 1: drafts 2, accepted 9" in text

@@ -15,8 +15,8 @@ import pytest
 from conftest import assert_same_samples, make_chats, run_extract_cfg, store_samples, write_jsonl
 
 from dflash_train.drafter import save_drafter
+from dflash_train.evaluate.engines.vllm import clean_env
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.served import clean_env
 from dflash_train.store_schema import open_store
 from dflash_train.store_schema.info import top1_agreement
 from tests.evaluate.conftest import LAYERS, fit_drafter, random_drafter, save_eos_target

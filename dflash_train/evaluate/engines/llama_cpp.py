@@ -1,7 +1,8 @@
-"""`eval --served --engine llama.cpp`: llama-server serves the target GGUF with each checkpoint
-exported as a DFlash GGUF (`dflash export --format gguf`), greedy, one prompt at a time, and
-its counts become rounds through served.py's engine-neutral counting, beside offline replay
-and `--online`.
+"""`eval --served --engine llama.cpp`: its mode, its plan, and reading llama-server's answers.
+llama-server (started and asked by llama_server.py) serves the target GGUF with each
+checkpoint exported as a DFlash GGUF (`dflash export --format gguf`), greedy, one prompt at a
+time, and its counts become rounds through shared.served_run, beside offline replay and
+`--online`.
 
 What llama.cpp tells, per request (docs/design.md lists the source lines):
 - the response: the generated token ids (`return_tokens`), why it stopped (`stop_type`), and
@@ -26,29 +27,34 @@ mean acceptance length = 1 + accepted / steps.
 
 import json
 import re
-import shutil
 import subprocess
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dflash_train.dtypes import torch_dtype as named_dtype
-from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.llama_server import LlamaServer, ServerSetup
-from dflash_train.evaluate.online import StopRule
-from dflash_train.evaluate.replay import EvalSample
-from dflash_train.evaluate.served import (
+from dflash_train.evaluate.config import EvalConfig
+from dflash_train.evaluate.engines.llama_server import (
+    LlamaServer,
+    ServerSetup,
+    find_llama_server,
+)
+from dflash_train.evaluate.engines.shared import (
+    ServedMode,
     ServedPrompt,
     ServedResults,
     ServedRun,
-    served_prompts,
+    ServeJob,
+    checked_target_config,
+    in_scratch,
     served_run,
 )
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.online import StopRule
+from dflash_train.store_schema import Store
 
-ENGINE = "llama.cpp"
-REPORT_KEY = "llama_cpp"
 STEP = re.compile(r"\| task (\d+) \| accepted\s+(\d+)/\s*(\d+) draft tokens(.*)$")
 """server-context.cpp logs a verify step so (LLAMA_TRACE > 0); a suffix marks a restore."""
 RELEASE = re.compile(r"\| task (\d+) \| stop processing:")
@@ -128,7 +134,7 @@ _PER_POS = re.compile(
 
 
 def parse_metrics(text: str, where: str) -> dict:
-    """The spec-decode totals of llama-server's Prometheus text, in served.py's names;
+    """The spec-decode totals of llama-server's Prometheus text, in vLLM's names;
     EvalError when one is missing or not a number."""
     out: dict = {}
     per_pos: dict[int, float] = {}
@@ -267,7 +273,8 @@ def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, sto
     text = cut_at_stop(prompt, done.tokens, stop)
     kept = steps_for(steps, len(text))
     run = served_run(prompt, {"token_ids": text, "per_step_accepted": [a for a, _ in kept],
-                              "per_step_drafted": [d for _, d in kept]}, block_size, ENGINE)
+                              "per_step_drafted": [d for _, d in kept]}, block_size,
+                     LlamaCppMode.title)
     ended = len(prompt.ids) + len(text)
     early = (done.stop_type == "eos" and text == done.tokens
              and not stop.done(text[-1], len(text), ended))
@@ -316,6 +323,19 @@ def target_file_type(path: Path) -> str:
         return "unknown"
 
 
+def llama_plan(cfg: EvalConfig, store: Store) -> LlamaPlan:
+    """Find llama-server and check --model is the store's target, before the first forward."""
+    from dflash_train.target_config import config_field, text_part
+
+    binary = find_llama_server(cfg.llama_server)
+    config = checked_target_config(cfg.model, store)
+    return LlamaPlan(binary=binary, version=server_version(binary),
+                     target=str(Path(cfg.model).resolve()),
+                     target_type=target_file_type(Path(cfg.model)),
+                     vocab=config_field(text_part(config), "vocab_size"),
+                     dtype=store.meta.hidden_dtype, threads=torch.get_num_threads())
+
+
 def export_drafters(checkpoints: dict[str, tuple[str, int]], plan: LlamaPlan, workdir: Path
                     ) -> dict[str, Path]:
     """Each checkpoint as a DFlash GGUF beside the target (drafter/gguf_export.py)."""
@@ -339,56 +359,89 @@ def context_size(prompts: list[ServedPrompt], block_size: int) -> int:
     return max(len(p.ids) + p.max_tokens for p in prompts) + 3 * block_size
 
 
-def serve_checkpoint(plan: LlamaPlan, name: str, drafter: Path, block_size: int,
-                     prompts: list[ServedPrompt], stop: StopRule, workdir: Path,
-                     echo: Callable[[str], None] = print) -> ServedResults:
+def serve_checkpoint(plan: LlamaPlan, job: ServeJob, name: str, drafter: Path,
+                     workdir: Path) -> ServedResults:
     """One llama-server with this drafter, every prompt in turn, then its /metrics."""
+    block_size = job.checkpoints[name][1]
     setup = ServerSetup(plan.binary, plan.target, str(drafter), block_size,
-                        context_size(prompts, block_size), plan.threads,
+                        context_size(job.prompts, block_size), plan.threads,
                         workdir / f"{name}.log")
     started = time.monotonic()
-    with LlamaServer(setup, note=lambda line: echo(f"served: {name}: {line}")) as server:
+    with LlamaServer(setup, note=lambda line: job.echo(f"served: {name}: {line}")) as server:
         loaded = time.monotonic()
-        served = [serve_prompt(server, p, block_size, stop, plan.vocab, name) for p in prompts]
+        served = [serve_prompt(server, p, block_size, job.stop, plan.vocab, name)
+                  for p in job.prompts]
         generated = time.monotonic()
         metrics = parse_metrics(server.metrics(), f"llama-server, checkpoint {name}")
     steps = [s for x in served for s in x.steps]
-    info = {"versions": {"llama.cpp": plan.version}, "server": plan.binary,
+    info = {"versions": {LlamaCppMode.engine: plan.version}, "server": plan.binary,
             "target_type": plan.target_type,
             "stopped_on_other_eog": [x.run.prompt.key for x in served if x.early_eog],
             "seconds": {"load": loaded - started, "generate": generated - loaded}}
-    return ServedResults(name, block_size, [x.run for x in served], metrics, info,
-                         engine=REPORT_KEY,
+    return ServedResults(name, block_size, [x.run for x in served], metrics, job.position_bin,
+                         LlamaCppMode.report_key, info,
                          counters_agree=metrics_agree(metrics, steps, block_size))
 
 
-def run_llama_served(plan: LlamaPlan, checkpoints: dict[str, tuple[str, int]],
-                     samples: list[EvalSample], stop: StopRule,
-                     echo: Callable[[str], None] = print) -> dict[str, ServedResults]:
-    """Serve each checkpoint ({name: (path, block_size)}) and decode every prompt.
+def serve_llama(plan: LlamaPlan, job: ServeJob) -> dict[str, ServedResults]:
+    """Serve each checkpoint and decode every prompt. Exports and logs live in a temporary
+    directory, removed when every run succeeded and kept (named in the error) when one
+    failed."""
+    def serve(workdir: Path, drafters: dict[str, Path]) -> dict[str, ServedResults]:
+        results = {}
+        for name in job.checkpoints:
+            job.echo(f"served: {name}: llama-server ({plan.version}) serves {plan.target} "
+                     f"({plan.target_type}) with {len(job.prompts)} prompts (log: "
+                     f"{workdir / name}.log)")
+            try:
+                results[name] = serve_checkpoint(plan, job, name, drafters[name], workdir)
+            except EvalError as e:
+                raise EvalError(f"{e} (exports and logs kept in {workdir})") from e
+            seconds = results[name].info["seconds"]
+            job.echo(f"served: {name}: done (load {seconds['load']:.0f} s, generate "
+                     f"{seconds['generate']:.1f} s)")
+        return results
 
-    Exports and logs live in a temporary directory, removed when every run succeeded and
-    kept (named in the error) when one failed."""
-    prompts = served_prompts(samples, stop)
-    if not prompts:
-        raise EvalError("--served: no held-out sample has a prompt and a response to decode")
-    workdir = Path(tempfile.mkdtemp(prefix="dflash-served-llama-"))
-    try:
-        drafters = export_drafters(checkpoints, plan, workdir)
-    except BaseException:  # Ctrl-C and a full disk too: half-written exports are worth nothing
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
-    results = {}
-    for name, (_, block_size) in checkpoints.items():
-        echo(f"served: {name}: llama-server ({plan.version}) serves {plan.target} "
-             f"({plan.target_type}) with {len(prompts)} prompts (log: {workdir / name}.log)")
-        try:
-            results[name] = serve_checkpoint(plan, name, drafters[name], block_size, prompts,
-                                             stop, workdir, echo)
-        except EvalError as e:
-            raise EvalError(f"{e} (exports and logs kept in {workdir})") from e
-        seconds = results[name].info["seconds"]
-        echo(f"served: {name}: done (load {seconds['load']:.0f} s, generate "
-             f"{seconds['generate']:.1f} s)")
-    shutil.rmtree(workdir, ignore_errors=True)
-    return results
+    return in_scratch("dflash-served-llama-",
+                      lambda workdir: export_drafters(job.checkpoints, plan, workdir), serve)
+
+
+# -- its mode -----------------------------------------------------------------------------
+
+
+class LlamaCppMode(ServedMode):
+    """`--served --engine llama.cpp`: llama-server with each checkpoint exported as a DFlash
+    GGUF."""
+
+    engine = "llama.cpp"
+    report_key = "llama_cpp"
+    title = "llama.cpp"
+
+    def check_options(self, cfg: EvalConfig) -> None:
+        super().check_options(cfg)
+        if cfg.vllm_python:
+            raise EvalError("--vllm-python only applies to --served --engine vllm")
+        model = Path(cfg.model)
+        if model.suffix.lower() != ".gguf" or not model.is_file():
+            raise EvalError(f"--served --engine llama.cpp --model {cfg.model}: llama-server "
+                            "serves a target .gguf file and this is not one (convert the "
+                            "target with llama.cpp's convert_hf_to_gguf.py; float32 for a "
+                            "like-for-like check)")
+        find_llama_server(cfg.llama_server)  # a wrong --llama-server is refused before work
+
+    def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
+        self.plan = llama_plan(cfg, store)
+
+    def serve(self, job):
+        self.served = serve_llama(self.plan, job)
+        return self.served
+
+    def causes(self, diff, inputs, name):
+        served = "float32" if self.plan.target_type == "ALL_F32" else self.plan.target_type
+        causes = self.engine_causes(diff, inputs, name, served_dtype=served,
+                                    drafter_dtype=self.plan.dtype)
+        if diff["kind"] == "text" and \
+                diff["prompt"] in self.served[name].info["stopped_on_other_eog"]:
+            causes.insert(1, "llama.cpp stopped on an end-of-generation token of its "
+                             "vocabulary that --online's stop rule does not end on")
+        return causes

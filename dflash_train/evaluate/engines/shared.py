@@ -1,0 +1,360 @@
+"""What every serving engine of `eval --served` shares: the prompts it gets (`--online`'s,
+with its stop rule), the job a ServedMode hands its engine, an engine's per-step counts read
+as rounds (`served_run`), a checkpoint's results scored as offline scores them
+(`ServedResults`), the served check, and what is known of why a served run differs.
+
+Two counting conventions, both kept, never mixed:
+- committed tokens (ours: offline, `--online`, and `served` columns): a round's tau is the
+  tokens it commits; the last round of a prompt commits no bonus when the text ends inside
+  its accepted drafts. From an engine's per-step accepted counts: every round but the last
+  commits accepted + 1 (it did not stop), the last commits what is left of the output.
+- the engine's (its block of the served summary, `vllm` or `llama_cpp`): accepted drafts
+  per verify step as its scheduler counts them, before its stop check, so the last round
+  counts any drafts accepted past the stop; mean acceptance length = 1 + accepted / drafts.
+
+This module never starts an engine and never loads a model; it only counts.
+"""
+
+import shutil
+import tempfile
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from dflash_train.evaluate.agreement import Decoded, RunCheck
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins
+from dflash_train.evaluate.modes import DecodeMode, EvalInputs, ModeRun, check_runs
+from dflash_train.evaluate.online import StopRule, prompt_of
+from dflash_train.evaluate.replay import ROW_NAMES, EvalSample
+from dflash_train.evaluate.summary import Summary
+from dflash_train.store_schema import Store
+
+_LOG_TAIL = 12
+"""Lines of an engine's log quoted when it fails."""
+
+
+# -- what an engine is asked --------------------------------------------------------------
+
+
+@dataclass
+class ServedPrompt:
+    """One held-out prompt as the engine gets it."""
+
+    sample: EvalSample
+    ids: list[int]
+    max_tokens: int
+    """New tokens --online may generate: its cap, and never past the store's max_length."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.sample.part}/{self.sample.index}"
+
+
+def served_prompts(samples: list[EvalSample], stop: StopRule) -> list[ServedPrompt]:
+    """The prompts `--online` decodes (samples without a response are left out, as there)."""
+    out = []
+    for s in samples:
+        ids = prompt_of(s)
+        if ids is not None:
+            cap = min(stop.max_new_tokens, stop.max_length - len(ids))
+            out.append(ServedPrompt(s, ids, max(cap, 1)))
+    return out
+
+
+@dataclass
+class ServeJob:
+    """What a ServedMode hands its engine: the same for every engine."""
+
+    checkpoints: dict[str, tuple[str, int]]
+    """Per checkpoint name: its path and block size."""
+    prompts: list[ServedPrompt]
+    stop: StopRule
+    position_bin: int
+    """Tokens per bin of the summary's tau by anchor position (EvalSettings.position_bin)."""
+    echo: Callable[[str], None] = print
+
+
+def serve_job(inputs: EvalInputs, samples: list[EvalSample], stop: StopRule) -> ServeJob:
+    """The job of a served run; EvalError when no sample has a prompt to decode."""
+    prompts = served_prompts(samples, stop)
+    if not prompts:
+        raise EvalError("--served: no held-out sample has a prompt and a response to decode")
+    return ServeJob({c.name: (c.path, c.config.block_size) for c in inputs.checkpoints},
+                    prompts, stop, inputs.settings.position_bin, inputs.echo)
+
+
+def in_scratch(prefix: str, export: Callable[[Path], dict[str, Path]],
+               serve: Callable[[Path, dict[str, Path]], dict]) -> dict:
+    """serve(workdir, export(workdir)) in a temporary directory, removed when it succeeds
+    and kept when serving fails (the engine names it in its error: its logs say why)."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        exported = export(workdir)
+    except BaseException:  # Ctrl-C and a full disk too: half-written exports are worth nothing
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    results = serve(workdir, exported)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def log_tail(log: Path) -> str:
+    """The last lines of an engine's log, to quote in an error."""
+    try:
+        lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return "(no log)"
+    return "\n  ".join(lines[-_LOG_TAIL:])
+
+
+# -- counting ---------------------------------------------------------------------------
+
+
+@dataclass
+class ServedRun:
+    """One prompt as the engine decoded it."""
+
+    prompt: ServedPrompt
+    tokens: list[int]
+    """Prompt + generated tokens."""
+    accepted: list[int]
+    """Per verify step, the drafts the engine counted as accepted (its convention)."""
+    committed: list[int]
+    """Per verify step, the tokens it committed (ours)."""
+    anchors: list[int]
+    """Per verify step, the position of the last committed token it drafted at."""
+
+
+def served_run(prompt: ServedPrompt, raw: dict, block_size: int, engine: str) -> ServedRun:
+    """An engine's per-step counts of one prompt as rounds; EvalError when they do not add up
+    to its own output (every step drafts a full block; the generated tokens are the first one
+    plus what the rounds commit)."""
+    generated = list(raw["token_ids"])
+    accepted, drafted = list(raw["per_step_accepted"]), list(raw["per_step_drafted"])
+    where = f"{engine}'s counters for prompt {prompt.key}"
+    if len(accepted) != len(drafted):
+        raise EvalError(f"{where}: {len(accepted)} accepted vs {len(drafted)} drafted steps")
+    short = [i for i, d in enumerate(drafted) if d != block_size - 1]
+    if short:
+        raise EvalError(f"{where}: step {short[0]} drafted {drafted[short[0]]} tokens, not "
+                        f"{block_size - 1} (a shortened draft; our loop never drafts one)")
+    if not generated:
+        raise EvalError(f"{where}: {engine} generated no token")
+    committed = [a + 1 for a in accepted[:-1]]
+    if accepted:
+        committed.append(len(generated) - 1 - sum(committed))
+        if not 1 <= committed[-1] <= accepted[-1] + 1:
+            raise EvalError(f"{where}: {len(generated)} tokens generated but the steps "
+                            f"accepted {accepted}")
+    elif len(generated) != 1:
+        raise EvalError(f"{where}: {len(generated)} tokens generated without a verify step")
+    anchors, at = [], len(prompt.ids)
+    for c in committed:
+        anchors.append(at)
+        at += c
+    return ServedRun(prompt, prompt.ids + generated, accepted, committed, anchors)
+
+
+@dataclass
+class ServedResults:
+    """A checkpoint's served runs, scored as offline results are (committed tokens), plus
+    the engine's own counters (its convention)."""
+
+    name: str
+    block_size: int
+    runs: list[ServedRun]
+    counters: dict
+    """The engine's Prometheus totals: num_drafts, num_draft_tokens, num_accepted_tokens,
+    accepted_per_pos."""
+    position_bin: int
+    """Tokens per bin of the summary's tau by anchor position (ServeJob.position_bin)."""
+    engine: str
+    """The report key of the engine's own counters (ServedMode.report_key)."""
+    info: dict = field(default_factory=dict)
+    """Versions, what the engine resolved the drafter as, timings."""
+    counters_agree: bool | None = None
+    """Whether the per-request counts equal `counters`, when the engine decides it by a rule
+    of its own (llama.cpp: steps past the stop, rounded Prometheus values); None: the
+    per-request steps equal the totals exactly (vLLM)."""
+    stats: AcceptanceStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = AcceptanceStats(self.block_size, recall_at=(1,))
+        for run in self.runs:
+            if run.committed:
+                self.stats.update(*_as_blocks(run, self.block_size))
+
+    @property
+    def sequences(self) -> dict[tuple[int, int], list[tuple[int, int]]]:
+        """Per sample key: (anchor, tau) of its rounds, as CheckpointResults.sequences (a
+        prompt without rounds, its first token an end of turn, has no entry there either)."""
+        return {r.prompt.sample.key: list(zip(r.anchors, r.committed, strict=True))
+                for r in self.runs if r.committed}
+
+    def engine_summary(self) -> dict:
+        """The engine's convention, from its per-step counts (vLLM's and llama.cpp's are the
+        same: accepted drafts per verify step, mean length 1 + accepted / steps);
+        `counters_agree` checks them against its Prometheus totals."""
+        steps = [a for r in self.runs for a in r.accepted]
+        slots = self.block_size - 1
+        per_pos = [sum(a > k for a in steps) for k in range(slots)]
+        drafts, accepted = len(steps), sum(steps)
+        c = self.counters
+        agree = self.counters_agree
+        if agree is None:
+            agree = (c.get("num_drafts") == drafts and c.get("num_accepted_tokens") == accepted
+                     and list(c.get("accepted_per_pos") or []) == per_pos)
+        return {
+            "num_drafts": drafts, "num_accepted_tokens": accepted,
+            "accepted_per_pos": per_pos,
+            "mean_acceptance_length": None if not drafts else 1 + accepted / drafts,
+            "acceptance_rate_per_pos": [None if not drafts else n / drafts for n in per_pos],
+            "prometheus": c, "counters_agree": agree,
+        }
+
+    def summary(self) -> dict:
+        """The served column: committed tokens as offline counts them (drafts past a
+        rejection, top-k and trees are not visible from outside the engine), and the
+        engine's own counters."""
+        positions = PositionBins(self.position_bin, self.block_size)
+        for r in self.runs:
+            positions.update(torch.tensor(r.anchors, dtype=torch.long),
+                             torch.tensor(r.committed, dtype=torch.long))
+        return Summary(self.stats, positions=positions, sees_drafts=False,
+                       engine={self.engine: self.engine_summary(), "info": self.info}).to_json()
+
+    def decoded(self) -> Decoded:
+        """Its text and rounds per prompt, as the agreement check reads them."""
+        return Decoded({r.prompt.sample.key: r.tokens for r in self.runs}, self.sequences,
+                       {r.prompt.sample.key: len(r.prompt.ids) for r in self.runs})
+
+    def table(self) -> dict[str, list]:
+        """Per-block rows in replay.ROW_NAMES' columns, ordered by (part, sample, anchor):
+        chains only (no trees from outside the engine)."""
+        rows: dict[str, list] = {n: [] for n in ROW_NAMES}
+        for r in sorted(self.runs, key=lambda r: r.prompt.sample.key):
+            s = r.prompt.sample
+            for anchor, tau in zip(r.anchors, r.committed, strict=True):
+                for name, value in zip(ROW_NAMES, (s.part, s.index, s.source_row, anchor, None,
+                                                   tau), strict=True):
+                    rows[name].append(value)
+        return rows
+
+
+def _as_blocks(run: ServedRun, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A run's rounds in AcceptanceStats.update's terms: drafts [N, B] that match labels in
+    exactly the first `accepted` slots, slots valid up to the text's end, tokens left."""
+    n = len(run.committed)
+    slots = torch.arange(block_size)
+    accepted = torch.tensor(run.accepted)
+    left = torch.tensor([min(len(run.tokens) - 1 - a, block_size) for a in run.anchors])
+    labels = torch.zeros(n, block_size, dtype=torch.long)
+    draft = (slots[None] > accepted[:, None]).long()  # 0 == label up to `accepted`, then 1
+    valid = slots[None] <= left[:, None]
+    tau = torch.minimum(torch.minimum(accepted, left) + 1, left)
+    if tau.tolist() != run.committed:  # the two readings of the engine's counts must agree
+        raise EvalError(f"the engine's counters for prompt {run.prompt.key}: committed "
+                        f"{run.committed} but accepted {run.accepted} with {left.tolist()} "
+                        "tokens left")
+    return draft, labels, valid, left
+
+
+# -- the served mode ------------------------------------------------------------------------
+
+
+class ServedMode(DecodeMode):
+    """`--served`: a serving engine decodes the prompts; each engine is one subclass, in a
+    module of its own, listed in engines.SERVING_ENGINES."""
+
+    label = "served"
+    flag = "--served"
+    engine: ClassVar[str]
+    """Its --engine name; also its key in the versions of the served summary's `info`."""
+    report_key: ClassVar[str]
+    """The key of its own counters in the served summary."""
+    title: ClassVar[str]
+    """Its name in messages and the table."""
+
+    @abstractmethod
+    def serve(self, job: ServeJob) -> dict[str, ServedResults]:
+        """ServedResults per checkpoint name."""
+
+    @abstractmethod
+    def causes(self, diff: dict, inputs: EvalInputs, name: str) -> list[str]:
+        """What is known of why checkpoint `name`'s served run differs as `diff` says."""
+
+    def engine_causes(self, diff: dict, inputs: EvalInputs, name: str, *, served_dtype: str,
+                      drafter_dtype: str) -> list[str]:
+        """likely_causes for checkpoint `name`, from the store and the checkpoint's config."""
+        meta = inputs.store.meta
+        config = next(c.config for c in inputs.checkpoints if c.name == name)
+        return likely_causes(diff, served_dtype=served_dtype, store_dtype=meta.hidden_dtype,
+                             regenerated=meta.source.regenerated,
+                             sliding="sliding_attention" in config.layer_types,
+                             drafter_dtype=drafter_dtype, engine=self.title)
+
+    def run(self, inputs, samples, stop, earlier):
+        served = self.serve(serve_job(inputs, samples, stop))
+        decoded = {n: r.decoded() for n, r in served.items()}
+        checks = check_runs(decoded, samples, earlier)
+        return ModeRun(self.label, served, decoded, check=self.check_json(checks, inputs))
+
+    def check_json(self, checks: dict[str, RunCheck], inputs: EvalInputs) -> dict:
+        out = {"prompts": 0, "against": None, "checkpoints": {}}
+        for name, c in checks.items():
+            entry = {"same_text": c.prompts - len(c.text_differs)}
+            entry |= {f"same_taus_as_{label}": c.prompts - len(keys)
+                      for label, keys in c.taus_differ.items()}
+            entry["first_difference"] = c.first_difference
+            entry["likely_causes"] = None if c.first_difference is None else \
+                self.causes(c.first_difference, inputs, name)
+            out |= {"prompts": c.prompts, "against": c.against}
+            out["checkpoints"][name] = entry
+        return out
+
+
+def likely_causes(diff: dict, *, served_dtype: str, store_dtype: str, regenerated: bool,
+                  sliding: bool, drafter_dtype: str, engine: str) -> list[str]:
+    """What is known of why a served run differs (the first difference's kind decides)."""
+    causes = [f"no chat-template difference: {engine} got the stored prompt token ids"]
+    if diff["kind"] == "text":
+        if not regenerated:
+            causes.append("the store's responses are not the target's own greedy output "
+                          "(extract --regenerate): the texts are expected to differ")
+        if served_dtype != store_dtype:
+            causes.append(f"target drift: {engine} serves the target in {served_dtype}, the store "
+                          f"was extracted in {store_dtype}")
+        else:
+            causes.append(f"target drift: {engine}'s {served_dtype} kernels differ from "
+                          "transformers' in rounding; greedy flips where two logits nearly "
+                          "tie")
+    else:
+        causes.append(f"drafter numerics: the drafter ({drafter_dtype}) reads target "
+                      f"states {engine} computed with its own kernels and runs on them; where two "
+                      "draft logits nearly tie, the rounding difference flips the draft")
+        if sliding:
+            causes.append("the drafter has sliding-window layers: the window at the block "
+                          "edge is where implementations differ")
+    return causes
+
+
+def checked_target_config(model: str, store: Store):
+    """--model's config, once the same-target rule says it is the store's target (EvalError
+    naming what differs otherwise); the serving engines read their limits from it."""
+    from dflash_train.evaluate.online import check_target
+    from dflash_train.target_model.errors import TargetError
+    from dflash_train.target_model.loading import load_config, target_info
+
+    try:
+        config = load_config(model)
+        info = target_info(model, config)
+    except TargetError as e:
+        raise EvalError(str(e)) from e
+    check_target(model, info, store.meta.target)
+    return config

