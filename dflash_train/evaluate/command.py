@@ -87,6 +87,11 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               show_default=True,
               help="--served's engine: vLLM (--model a directory) or llama.cpp's llama-server "
                    "(--model a .gguf; each checkpoint is exported as a DFlash GGUF).")
+@click.option("--speed/--no-speed", default=True, show_default=True,
+              help="--served also decodes every prompt without the drafter, taking turns "
+                   "with it, and reports decode tokens/s and ms per token with and without "
+                   "it, their ratio and the tau that breaks even (--no-speed: acceptance "
+                   "only, in about half the time).")
 @click.option("--llama-server", default=None,
               help="The llama-server binary for --served --engine llama.cpp. Default: "
                    "$DFLASH_LLAMA_SERVER, else the one scripts/llama_cpp_build.sh builds "

@@ -47,13 +47,17 @@ class EvalConfig:
     skip_corrupt: bool = False
     """Skip damaged samples of the store (listed in the report) instead of refusing it."""
     served: bool = False
-    """Also serve the target (--model) with each checkpoint through vLLM, greedy on the same
-    prompts, and report vLLM's own acceptance counters."""
+    """Also serve the target (--model) with each checkpoint through a serving engine
+    (`engine`), greedy on the same prompts, and report the engine's own acceptance counters."""
     vllm_python: str | None = None
     """The Python that runs vLLM for --served; None: this one when it imports vllm, else the
     venv scripts/vllm_venv.sh builds."""
     engine: Literal["vllm", "llama.cpp"] = "vllm"
     """--served's serving engine."""
+    speed: bool = True
+    """--served also decodes every prompt without the drafter, taking turns with it, and
+    reports decode speed with and without it (tokens/s, ms per token, their ratio, the tau
+    that breaks even)."""
     llama_server: str | None = None
     """The llama-server binary for --served --engine llama.cpp; None: $DFLASH_LLAMA_SERVER,
     else the one scripts/llama_cpp_build.sh builds."""

@@ -295,7 +295,8 @@ def check_options(cfg: EvalConfig) -> list[DecodeMode]:
         mode.check_options(cfg)
     served_only = [name for name, given in (("--vllm-python", cfg.vllm_python),
                                             ("--llama-server", cfg.llama_server),
-                                            (f"--engine {cfg.engine}", cfg.engine != "vllm"))
+                                            (f"--engine {cfg.engine}", cfg.engine != "vllm"),
+                                            ("--no-speed", not cfg.speed))
                    if given]
     if served_only and not cfg.served:
         raise EvalError(f"{served_only[0]} only applies to --served; add --served or drop it")

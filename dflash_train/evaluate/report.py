@@ -307,6 +307,25 @@ def _engine_line(name: str, mode, served: dict) -> str:
             + " its Prometheus totals")
 
 
+def _speed_lines(speed: dict) -> list[str]:
+    """Decode speed with and without the drafter, and the tau that breaks even."""
+    drafted, plain = speed["with_drafter"], speed["without_drafter"]
+    spread = speed["speedup_per_prompt"]
+    per_prompt = "" if spread is None else \
+        f" (per prompt {_fmt(spread['min'], 2)}..{_fmt(spread['max'], 2)}, median " \
+        f"{_fmt(spread['median'], 2)})"
+    return [f"    speed, decode only ({speed['prompts']} prompts, {speed['concurrency']}; "
+            f"same text without the drafter for {speed['same_text']}): "
+            f"{_fmt(drafted['tokens_per_s'], 1)} tokens/s with the drafter, "
+            f"{_fmt(plain['tokens_per_s'], 1)} without ({_fmt(drafted['ms_per_token'], 1)} vs "
+            f"{_fmt(plain['ms_per_token'], 1)} ms per token): x{_fmt(speed['speedup'], 2)}"
+            + per_prompt,
+            f"    break-even: a round (draft + verify) costs {_fmt(speed['break_even_tau'], 2)} "
+            f"decode steps without the drafter, so it pays where tau > "
+            f"{_fmt(speed['break_even_tau'], 2)}; here {_fmt(drafted['tokens_per_round'], 2)} "
+            "tokens per round"]
+
+
 def format_served(report: dict) -> list[str]:
     """The engine's own counters (its convention) and the served-vs-offline check, per
     checkpoint."""
@@ -322,6 +341,8 @@ def format_served(report: dict) -> list[str]:
         if served is None:
             continue
         out.append(_engine_line(c["name"], mode, served))
+        if served.get("speed"):
+            out += _speed_lines(served["speed"])
         entry = check["checkpoints"][c["name"]]
         same = [f"text equal to the stored text for {entry['same_text']}"]
         same += [f"taus equal to {k.removeprefix('same_taus_as_')} for {n}"

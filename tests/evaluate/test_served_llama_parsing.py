@@ -5,11 +5,14 @@ test_served_llama.py (marked llama_cpp)."""
 
 import json
 import stat
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.engines import llama_cpp as llama_mod
 from dflash_train.evaluate.engines import llama_server as server_mod
 from dflash_train.evaluate.engines.llama_cpp import (
     check_steps,
@@ -26,7 +29,7 @@ from dflash_train.evaluate.engines.llama_server import (
     ServerSetup,
     find_llama_server,
 )
-from dflash_train.evaluate.engines.shared import ServedResults
+from dflash_train.evaluate.engines.shared import ServedResults, ServeJob
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.report import format_table
@@ -53,7 +56,8 @@ def answer(tokens, stop="limit", evaluated=3, **timings) -> bytes:
     """A /completion answer as llama-server writes it (the fields we read) to a 3-token
     prompt."""
     return json.dumps({"tokens": tokens, "stop_type": stop, "tokens_evaluated": evaluated,
-                       "timings": {"predicted_n": len(tokens), **timings}}).encode()
+                       "timings": {"predicted_n": len(tokens), "predicted_ms": 1.0,
+                                   **timings}}).encode()
 
 
 def log_of(steps, task=5) -> str:
@@ -259,3 +263,48 @@ def test_llama_cpp_options_are_checked_before_anything_runs(tmp_path, regen_stor
         result = _run_cli("--store", regen_store, "--no-progress", *options, random_drafter_dir)
         assert result.exit_code == 1 and message in result.output, (options, result.output)
         assert "Traceback" not in result.output
+
+
+FAKE_SERVER = Path(__file__).resolve().parents[1] / "reliability" / "fake_llama_server.py"
+"""A stand-in llama-server; in its "serve" mode it answers as its docstring says."""
+
+
+def test_llama_cpp_decodes_with_and_without_the_drafter_taking_turns_prompt_by_prompt(
+        tmp_path, monkeypatch):
+    binary = _executable(tmp_path / "llama-server",
+                         f'exec {sys.executable} {FAKE_SERVER} "$@"')
+    for name, value in (("MODE", "serve"), ("PID", tmp_path / "pid"),
+                        ("ORDER", tmp_path / "order")):
+        monkeypatch.setenv(f"FAKE_LLAMA_{name}", str(value))
+    monkeypatch.setattr(llama_mod, "export_drafters",
+                        lambda checkpoints, plan, workdir: {n: workdir / n for n in checkpoints})
+    plan = llama_mod.LlamaPlan(binary, "1", "t.gguf", "ALL_F32", VOCAB, "float32", 1)
+    prompts = [_prompt(PROMPT + [20], i, max_tokens=6) for i in range(4)]
+    job = ServeJob({"s": ("ckpt", 8)}, prompts, StopRule([EOS_ID], 6, 100), 4, True,
+                   lambda _: None)
+    served = llama_mod.serve_llama(plan, job)["s"]
+    # turns flip each prompt: neither server always answers first
+    assert (tmp_path / "order").read_text().split() == ["drafter", "plain", "plain", "drafter",
+                                                        "drafter", "plain", "plain", "drafter"]
+    # asked for 6 + 8 tokens, 1 accepted draft a step: 7 steps each, 3 kept for 6 tokens
+    assert all(r.committed == [2, 2, 1] and r.anchors == [3, 5, 7] for r in served.runs)
+    assert served.summary()["llama_cpp"]["counters_agree"]  # all 28 steps in /metrics
+    assert [b["start"] for b in served.summary()["tau_by_position"]["bins"]] == [0, 4]
+    speed = served.summary()["speed"]
+    assert speed["prompts"] == speed["same_text"] == 4
+    assert speed["with_drafter"]["decode_tokens"] == 4 * 13  # the whole generation, uncut
+    assert speed["with_drafter"]["rounds"] == 4 * 7
+    assert speed["with_drafter"]["ms_per_round"] == pytest.approx(30)
+    assert speed["without_drafter"]["ms_per_token"] == pytest.approx(10)
+    assert speed["break_even_tau"] == pytest.approx(3)
+    assert speed["speedup"] == pytest.approx((13 / 7) / 3)
+    assert speed["concurrency"] == "one prompt at a time"
+    assert "timings.predicted_ms" in speed["timing"]
+
+
+def test_a_decode_time_that_is_not_a_time_is_refused_naming_the_prompt():
+    with pytest.raises(EvalError, match=r"prompt 0/0: timings.predicted_ms is -3.0, not a "
+                                        r"finite time >= 0"):
+        parse_completion(answer([20, 21], predicted_ms=-3.0), 3, VOCAB, WHERE)
+    assert parse_completion(answer([20, 21], predicted_ms=250.0), 3, VOCAB,
+                            WHERE).decode_seconds == 0.25

@@ -92,11 +92,21 @@ def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["checkpoints"][0]["served"]["mean_tau"] == theirs["mean_tau"]
     assert "d20 (served)" in out.text
+    # vLLM decoded the prompts without the drafter too, taking turns with it
+    speed = report["checkpoints"][0]["served"]["speed"]
+    assert speed["prompts"] == 8 and 0 <= speed["same_text"] <= 8
+    for side in ("with_drafter", "without_drafter"):
+        for key in ("decode_tokens", "decode_seconds", "tokens_per_s", "ms_per_token"):
+            assert speed[side][key] > 0, (side, key)
+    assert speed["with_drafter"]["rounds"] == vllm["num_drafts"]
+    assert speed["speedup"] > 0 and speed["break_even_tau"] > 0
     # ... and the whole report, table and parquet rows are what they were (golden/).
     got = outputs(out, tmp_path / "eval", {store: "<store>", target_dir: "<target>",
                                            drafter_dir: "<d20>"})
     for column in got["report"]["checkpoints"]:
         column["served"]["info"].pop("seconds")  # wall-clock times of this run
+        column["served"].pop("speed")
+    got["text"] = [x for x in got["text"] if not x.startswith(("    speed", "    break-even"))]
     check_or_record("served", got)
 
 
@@ -109,7 +119,8 @@ def test_a_draft_vocabulary_drafter_is_served_as_it_replays(vllm_python, target_
     model = fit_drafter(mapped_drafter(store, VOCAB_SIZE // 2, seed=1, **HEADS), store, steps=20)
     mapped = str(save_drafter(model, tmp_path / "mapped"))
     out = run_eval(EvalConfig(store=store, checkpoints=[mapped], online=True, served=True,
-                              model=target_dir, vllm_python=vllm_python.path, progress=False),
+                              model=target_dir, vllm_python=vllm_python.path, speed=False,
+                              progress=False),
                    echo=lambda line: None)
     served, online, offline = out.served["mapped"], out.online["mapped"], out.offline["mapped"]
     assert served.sequences == online.sequences == offline.sequences

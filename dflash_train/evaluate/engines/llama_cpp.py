@@ -29,6 +29,7 @@ import json
 import re
 import subprocess
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,12 @@ from dflash_train.evaluate.engines.shared import (
     checked_target_config,
     in_scratch,
     served_run,
+)
+from dflash_train.evaluate.engines.speed import (
+    TimedDecode,
+    checked_time,
+    in_turn,
+    speed_summary,
 )
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
@@ -77,6 +84,9 @@ class Completion:
     stop_type: str
     draft_n: int
     draft_accepted: int
+    decode_seconds: float
+    """timings.predicted_ms: from its first generated token to its last (the prompt's
+    processing, which makes the first, is timings.prompt_ms)."""
 
 
 def _int(value, what: str, where: str, low: int = 0) -> int:
@@ -113,7 +123,9 @@ def parse_completion(raw: bytes, prompt_length: int, vocab: int, where: str) -> 
     # draft_n and draft_n_accepted are left out when nothing was drafted (server-common.cpp)
     return Completion(tokens, stop, _int(timings.get("draft_n", 0), "timings.draft_n", where),
                       _int(timings.get("draft_n_accepted", 0), "timings.draft_n_accepted",
-                           where))
+                           where),
+                      checked_time(timings.get("predicted_ms"),
+                                   f"{where}: timings.predicted_ms") / 1000)
 
 
 def _check_prompt_length(body: dict, prompt_length: int, where: str) -> None:
@@ -260,6 +272,8 @@ class Served:
     """Every verify step of the request, past --online's stop too."""
     early_eog: bool
     """It stopped on an end-of-generation token --online does not stop on."""
+    decode: TimedDecode
+    """Its whole generation (past --online's stop too) as llama-server timed it."""
 
 
 def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, stop: StopRule,
@@ -278,7 +292,18 @@ def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, sto
     ended = len(prompt.ids) + len(text)
     early = (done.stop_type == "eos" and text == done.tokens
              and not stop.done(text[-1], len(text), ended))
-    return Served(run, steps, early)
+    return Served(run, steps, early, TimedDecode(done.tokens, done.decode_seconds, len(steps)))
+
+
+def time_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, vocab: int,
+                name: str) -> TimedDecode:
+    """One prompt through the llama-server without a drafter, asked what the drafter's
+    server is asked."""
+    where = f"llama-server without the drafter, checkpoint {name}, prompt {prompt.key}"
+    raw = server.complete(request_body(prompt, block_size),
+                          f"prompt {prompt.key} without the drafter")
+    done = parse_completion(raw, len(prompt.ids), vocab, where)
+    return TimedDecode(done.tokens, done.decode_seconds)
 
 
 # -- a run of every checkpoint -------------------------------------------------------------
@@ -286,7 +311,7 @@ def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, sto
 
 @dataclass
 class LlamaPlan:
-    """What `run_llama_served` needs besides the checkpoints, all checked before it runs."""
+    """What a llama.cpp served run needs besides the job, all checked before it runs."""
 
     binary: str
     version: str
@@ -359,28 +384,62 @@ def context_size(prompts: list[ServedPrompt], block_size: int) -> int:
     return max(len(p.ids) + p.max_tokens for p in prompts) + 3 * block_size
 
 
+SPEED_TIMING = "llama-server's timings.predicted_ms of each request"
+"""What the speed block's decode times are: from the first generated token (made by the
+prompt's processing) to the last (server-common.h, t_gen_ms)."""
+
+
 def serve_checkpoint(plan: LlamaPlan, job: ServeJob, name: str, drafter: Path,
                      workdir: Path) -> ServedResults:
-    """One llama-server with this drafter, every prompt in turn, then its /metrics."""
+    """One llama-server with this drafter (and, for speed, one without it, the two taking
+    turns prompt by prompt), every prompt in turn, then its /metrics."""
     block_size = job.checkpoints[name][1]
-    setup = ServerSetup(plan.binary, plan.target, str(drafter), block_size,
-                        context_size(job.prompts, block_size), plan.threads,
-                        workdir / f"{name}.log")
-    started = time.monotonic()
-    with LlamaServer(setup, note=lambda line: job.echo(f"served: {name}: {line}")) as server:
+    context = context_size(job.prompts, block_size)
+
+    def server(gguf: Path | None, log: str) -> LlamaServer:
+        setup = ServerSetup(plan.binary, plan.target, None if gguf is None else str(gguf),
+                            block_size, context, plan.threads, workdir / log)
+        return LlamaServer(setup, note=lambda line: job.echo(f"served: {name}: {line}"))
+
+    start = time.monotonic()
+    with ExitStack() as running:
+        drafting = running.enter_context(server(drafter, f"{name}.log"))
+        plain = (running.enter_context(server(None, f"{name}.without-drafter.log"))
+                 if job.speed else None)
         loaded = time.monotonic()
-        served = [serve_prompt(server, p, block_size, job.stop, plan.vocab, name)
-                  for p in job.prompts]
-        generated = time.monotonic()
-        metrics = parse_metrics(server.metrics(), f"llama-server, checkpoint {name}")
+        served, timed, generating = _decode_all(drafting, plain, plan, job, name)
+        metrics = parse_metrics(drafting.metrics(), f"llama-server, checkpoint {name}")
     steps = [s for x in served for s in x.steps]
     info = {"versions": {LlamaCppMode.engine: plan.version}, "server": plan.binary,
             "target_type": plan.target_type,
             "stopped_on_other_eog": [x.run.prompt.key for x in served if x.early_eog],
-            "seconds": {"load": loaded - started, "generate": generated - loaded}}
+            "seconds": {"load": loaded - start, "generate": generating}}
+    speed = None if plain is None else speed_summary(
+        [x.decode for x in served], timed, timing=SPEED_TIMING,
+        concurrency="one prompt at a time")
     return ServedResults(name, block_size, [x.run for x in served], metrics, job.position_bin,
                          LlamaCppMode.report_key, info,
-                         counters_agree=metrics_agree(metrics, steps, block_size))
+                         counters_agree=metrics_agree(metrics, steps, block_size), speed=speed)
+
+
+def _decode_all(server: LlamaServer, plain: LlamaServer | None, plan: LlamaPlan, job: ServeJob,
+                name: str) -> tuple[list[Served], list[TimedDecode], float]:
+    """Every prompt through `server` (and `plain`, taking turns with it); the seconds spent
+    in `server`'s turns."""
+    block_size = job.checkpoints[name][1]
+    served: list[Served] = []
+    timed: list[TimedDecode] = []
+    generating = 0.0
+    for turn, prompt in enumerate(job.prompts):
+        for drafting in in_turn([True, False] if plain is not None else [True], turn):
+            if drafting:
+                began = time.monotonic()
+                served.append(serve_prompt(server, prompt, block_size, job.stop, plan.vocab,
+                                           name))
+                generating += time.monotonic() - began
+            else:
+                timed.append(time_prompt(plain, prompt, block_size, plan.vocab, name))
+    return served, timed, generating
 
 
 def serve_llama(plan: LlamaPlan, job: ServeJob) -> dict[str, ServedResults]:
@@ -390,16 +449,17 @@ def serve_llama(plan: LlamaPlan, job: ServeJob) -> dict[str, ServedResults]:
     def serve(workdir: Path, drafters: dict[str, Path]) -> dict[str, ServedResults]:
         results = {}
         for name in job.checkpoints:
+            plain = " and again without it for speed" if job.speed else ""
             job.echo(f"served: {name}: llama-server ({plan.version}) serves {plan.target} "
-                     f"({plan.target_type}) with {len(job.prompts)} prompts (log: "
-                     f"{workdir / name}.log)")
+                     f"({plan.target_type}) with the drafter{plain}, {len(job.prompts)} "
+                     f"prompts (log: {workdir / name}.log)")
             try:
                 results[name] = serve_checkpoint(plan, job, name, drafters[name], workdir)
             except EvalError as e:
                 raise EvalError(f"{e} (exports and logs kept in {workdir})") from e
             seconds = results[name].info["seconds"]
             job.echo(f"served: {name}: done (load {seconds['load']:.0f} s, generate "
-                     f"{seconds['generate']:.1f} s)")
+                     f"{seconds['generate']:.1f} s with the drafter)")
         return results
 
     return in_scratch("dflash-served-llama-",
@@ -429,8 +489,8 @@ class LlamaCppMode(ServedMode):
                             "like-for-like check)")
         find_llama_server(cfg.llama_server)  # a wrong --llama-server is refused before work
 
-    def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
-        self.plan = llama_plan(cfg, store)
+    def plan_for(self, cfg, store):
+        return llama_plan(cfg, store)
 
     def serve(self, job):
         self.served = serve_llama(self.plan, job)

