@@ -78,40 +78,49 @@ class TrainState:
     """Validations since that one that did not beat it: run.patience counts these."""
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    model: torch.nn.Module,
-    model_state: dict,
-    optimizer_state: dict,
-    scheduler,
-    state: TrainState,
-    provenance: StoreMeta,
-    config_toml: str,
-    keep: int = 3,
-    spare: Path | None = None,
-) -> Path:
-    """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest,
-    `spare` (the run's best, train.best) apart.
+@dataclass
+class CheckpointContents:
+    """Everything one checkpoint holds, gathered before the write starts."""
 
-    model_state / optimizer_state: full (gathered) states, see parallel.full_states.
-    Either holding NaN or Inf is refused before anything is written."""
+    model: torch.nn.Module
+    """The drafter whose config and shape are saved (its weights come from model_state)."""
+    model_state: dict
+    """Full (gathered) weights, see parallel.full_states."""
+    optimizer_state: dict
+    """Full (gathered) optimizer state, see parallel.full_states."""
+    scheduler: object
+    """The LR scheduler (its state_dict goes into trainer.pt)."""
+    state: TrainState
+    provenance: StoreMeta
+    """The store it trained on."""
+    config_toml: str
+    """The resolved training config, as written to config.toml."""
+
+
+def save_checkpoint(run_dir: str | Path, contents: CheckpointContents, keep: int = 3,
+                    spare: Path | None = None) -> Path:
+    """Write a complete checkpoint for `contents.state.step` atomically; prune to the `keep`
+    newest, `spare` (the run's best, train.best) apart.
+
+    Weights or optimizer state holding NaN or Inf are refused before anything is written."""
+    state = contents.state
     final = checkpoint_dir(run_dir, state.step)
-    check_finite(model_state, f"{final}: the drafter's weights")
-    check_finite(optimizer_state, f"{final}: the optimizer state")
+    check_finite(contents.model_state, f"{final}: the drafter's weights")
+    check_finite(contents.optimizer_state, f"{final}: the optimizer state")
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     remove_torn_saves(run_dir)
     tmp.mkdir(parents=True)
-    save_drafter(model, tmp / DRAFTER_SUBDIR, state_dict=model_state)
+    save_drafter(contents.model, tmp / DRAFTER_SUBDIR, state_dict=contents.model_state)
     torch.save({
-        "optimizer": optimizer_state,
-        "scheduler": scheduler.state_dict(),
+        "optimizer": contents.optimizer_state,
+        "scheduler": contents.scheduler.state_dict(),
         "state": asdict(state),
         "torch_rng": torch.get_rng_state(),
     }, tmp / TRAINER_STATE)
     if os.environ.get(KILL_IN_SAVE_ENV) == str(state.step):
         os.kill(os.getpid(), signal.SIGKILL)
-    (tmp / PROVENANCE).write_text(json.dumps(provenance.to_dict(), indent=2))
-    (tmp / CONFIG).write_text(config_toml)
+    (tmp / PROVENANCE).write_text(json.dumps(contents.provenance.to_dict(), indent=2))
+    (tmp / CONFIG).write_text(contents.config_toml)
     write_checksums(tmp, list(CHECKSUMMED))
     (tmp / COMPLETE).write_text(f"step {state.step}\n")
     _fsync_tree(tmp)
