@@ -28,11 +28,11 @@ def planned_batches(cfg) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[
     from dflash_train.extract.layers import resolve_layer_ids
     from dflash_train.extract.plan import plan_batches, plan_parts
     from dflash_train.extract.prepare import Counts, apply_length_policy, render_rows
-    from dflash_train.target_model.loading import load_config, load_tokenizer, target_info
+    from dflash_train.target_model.loading import load_target_config, load_tokenizer, target_info
 
     source = open_source(cfg.data)
     tokenizer = load_tokenizer(cfg.model)
-    info = target_info(cfg.model, load_config(cfg.model))
+    info = target_info(cfg.model, load_target_config(cfg.model))
     batches = []
     for part in plan_parts(source.num_rows, cfg.rows_per_part):
         items = render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg)

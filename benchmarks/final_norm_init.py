@@ -73,7 +73,7 @@ def init_config(cfg: RealTargetConfig, store: str, out: Path, init: str):
 def train_init(cfg: RealTargetConfig, store: str, out: Path, init: str) -> dict:
     """Train (or continue) one init's run, its untrained drafter saved beside it first:
     {"loss": {step: loss}, "checkpoints": {step: drafter path}, "ln_v": ln(draft vocab)}."""
-    from dflash_train.drafter import read_config
+    from dflash_train.drafter import read_drafter_config
     from dflash_train.quickstart import save_untrained
     from dflash_train.run_layout import CHECKPOINTS, checkpoint_dir
     from dflash_train.train.log_summary import read_log
@@ -88,7 +88,7 @@ def train_init(cfg: RealTargetConfig, store: str, out: Path, init: str) -> dict:
     losses = {r.step: r.loss for r in read_log(run_dir)}
     steps = max(losses)
     saved = sorted({*range(cfg.eval_every, steps + 1, cfg.eval_every), steps})
-    return {"loss": losses, "ln_v": math.log(read_config(untrained).draft_vocab),
+    return {"loss": losses, "ln_v": math.log(read_drafter_config(untrained).draft_vocab),
             "checkpoints": {0: str(untrained),
                             **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}}
 

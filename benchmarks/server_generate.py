@@ -31,8 +31,8 @@ from dflash_train.extract.prepare import (  # noqa: E402
 )
 from dflash_train.extract.server_generate import check_servers  # noqa: E402
 from dflash_train.target_model.loading import (  # noqa: E402
-    load_config,
     load_target,
+    load_target_config,
     load_tokenizer,
     target_info,
 )
@@ -71,7 +71,7 @@ def main() -> None:
     rows = range(min(args.rows, source.num_rows))
     prompts = [k for p in render_rows(source, tokenizer, rows, cfg)
                if (k := prompt_fits(p, cfg, Counts())) is not None]
-    info = target_info(cfg.model, load_config(cfg.model))
+    info = target_info(cfg.model, load_target_config(cfg.model))
     need = min(cfg.max_length, max(len(p.input_ids) for p in prompts) + cfg.max_new_tokens)
     servers = check_servers(cfg.servers, [cfg.model, info.name_or_path], need)
     target = load_target(cfg.model, device="cpu", dtype=torch.float32, load_as=cfg.load_as,

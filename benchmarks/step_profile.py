@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 
 from dflash_train.train import loop  # noqa: E402
-from dflash_train.train.config import TrainConfig, load_config  # noqa: E402
+from dflash_train.train.config import TrainConfig, load_train_config  # noqa: E402
 from dflash_train.train.data import StoreLoader  # noqa: E402
 from dflash_train.train.run import (  # noqa: E402
     Placement,
@@ -238,7 +238,7 @@ def main() -> None:
         settings = [f"loader.batch_tokens={args.batch_tokens}",
                     f"run.anchors_per_seq={args.anchors}",
                     f"model.num_hidden_layers={args.layers}", "run.device=cpu", *args.overrides]
-        cfg = replace(load_config(None, dict(s.split("=", 1) for s in settings)),
+        cfg = replace(load_train_config(None, dict(s.split("=", 1) for s in settings)),
                       stores=[store])
         results: dict[str, list[dict]] = {a: [] for a in args.arms}
         for r in range(args.rounds):

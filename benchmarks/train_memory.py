@@ -88,7 +88,7 @@ def child(store: str, out: str, steps: int, anchors: int, batch_tokens: int | No
     """Train `steps` steps in this process; print step times and VmHWM (KiB) as JSON."""
     import torch
 
-    from dflash_train.train.config import load_config
+    from dflash_train.train.config import load_train_config
     from dflash_train.train.loop import train
 
     overrides = {"stores": [store], "run.out_dir": out, "run.device": "cpu",
@@ -101,7 +101,7 @@ def child(store: str, out: str, steps: int, anchors: int, batch_tokens: int | No
         overrides[key] = value
     if threads:
         torch.set_num_threads(threads)
-    train(load_config(None, overrides), echo=lambda *_: None)
+    train(load_train_config(None, overrides), echo=lambda *_: None)
     records = [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
     status = Path("/proc/self/status").read_text()
     hwm = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1])

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from dflash_train.drafter import load_drafter  # noqa: E402
 from dflash_train.drafter.config import DRAFTER_KINDS  # noqa: E402
-from dflash_train.train.config import load_config  # noqa: E402
+from dflash_train.train.config import load_train_config  # noqa: E402
 from dflash_train.train.loop import train  # noqa: E402
 from tests.train.conftest import build_store  # noqa: E402
 
@@ -78,7 +78,7 @@ def report(name: str, run_dir: Path) -> None:
 
 
 def run(store: str, out: Path, resume: bool = False, **extra) -> Path:
-    cfg = load_config(None, {"stores": [store], "run.out_dir": str(out), **SETTINGS, **extra})
+    cfg = load_train_config(None, {"stores": [store], "run.out_dir": str(out), **SETTINGS, **extra})
     train(cfg, resume=resume, echo=lambda _: None)
     return out
 

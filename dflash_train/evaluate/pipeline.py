@@ -398,12 +398,12 @@ def _generation_source(model: str):
 
     from transformers import GenerationConfig
 
-    from dflash_train.target_model.loading import load_config
+    from dflash_train.target_model.loading import load_target_config
 
     try:
         generation = GenerationConfig.from_pretrained(model)
     except OSError:
-        generation = GenerationConfig.from_model_config(load_config(model))
+        generation = GenerationConfig.from_model_config(load_target_config(model))
     return SimpleNamespace(generation_config=generation)
 
 

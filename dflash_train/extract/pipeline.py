@@ -40,8 +40,8 @@ from dflash_train.store_schema.layout import FP8_CONTEXT
 from dflash_train.store_schema.store import store_exists
 from dflash_train.target_model.kernels import missing_kernels_note
 from dflash_train.target_model.loading import (
-    load_config,
     load_target,
+    load_target_config,
     load_tokenizer,
     resolve_dtype,
     spare_special_ids,
@@ -95,7 +95,7 @@ def plan_extract(cfg: ExtractConfig, rank: int, world: int, echo=print) -> Extra
     source = open_source(cfg.data, allow_truncated=cfg.allow_truncated)
     for note in source.notes:
         echo(note)
-    config = load_config(cfg.model)
+    config = load_target_config(cfg.model)
     info = target_info(cfg.model, config, cfg.revision)
     layer_ids = resolve_layer_ids(cfg.layers, info.num_hidden_layers)
     if cfg.top_k > info.vocab_size:

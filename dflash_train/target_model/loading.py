@@ -57,7 +57,7 @@ class Target:
         return self.lm_head.weight.dtype
 
 
-def load_config(name_or_path: str):
+def load_target_config(name_or_path: str):
     """The checkpoint's config; TargetError naming the path if it cannot be read."""
     from transformers import AutoConfig
 
@@ -66,7 +66,7 @@ def load_config(name_or_path: str):
     path = gguf.find_gguf(name_or_path)
     try:
         if path is not None:
-            return gguf.read_config(path)
+            return gguf.read_gguf_config(path)
         return AutoConfig.from_pretrained(name_or_path)
     except Exception as e:  # hub / json / unknown model_type all raise different types
         raise _unreadable(name_or_path, "cannot read its config", e) from e
@@ -212,7 +212,7 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
     silence_fallback_notes()  # their advice is wrong on CPU; pipeline says it once on CUDA
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = load_config(name_or_path)
+    config = load_target_config(name_or_path)
     info = target_info(name_or_path, config, revision)
     where, kwargs = from_pretrained_args(name_or_path)
     if kwargs:  # GGUF: no hub revision; its config parsed once (from_pretrained edits a copy)

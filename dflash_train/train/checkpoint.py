@@ -49,7 +49,7 @@ from dflash_train.run_layout import (
 )
 from dflash_train.store_schema import StoreError, StoreMeta
 from dflash_train.store_schema.errors import one_line
-from dflash_train.train.config import TrainConfig, config_from_dict
+from dflash_train.train.config import TrainConfig, train_config_from_dict
 from dflash_train.train.errors import TrainError
 
 KILL_IN_SAVE_ENV = "DFLASH_TRAIN_KILL_IN_SAVE_STEP"
@@ -270,7 +270,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise TrainError(f"{file} is damaged and cannot be read "
                          f"({type(e).__name__}: {one_line(e)})") from e
     try:
-        settings = config_from_dict(config)
+        settings = train_config_from_dict(config)
     except TrainError as e:
         raise SavedConfigError(f"{path / CONFIG}: cannot read the run's saved config: {e}"
                                ) from e

@@ -35,7 +35,7 @@ from dflash_train.train.checkpoint import (
     complete_checkpoints,
     read_checkpoint,
 )
-from dflash_train.train.config import TrainConfig, load_config, to_toml
+from dflash_train.train.config import TrainConfig, load_train_config, to_toml
 from dflash_train.train.drafter_shape import drafter_settings
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import option_name
@@ -258,7 +258,7 @@ def check_run_config_kept(point: Checkpoint, new: TrainConfig) -> None:
         text = path.read_text(encoding="utf-8")
         if text in (to_toml(new), (point.path / CONFIG).read_text(encoding="utf-8")):
             return
-        written = load_config(str(path), {})
+        written = load_train_config(str(path), {})
     except (OSError, UnicodeDecodeError, TrainError) as e:
         raise TrainError(f"--resume: {path} is not the config the run wrote ({e}); a resume "
                          "rewrites it with the run's settings: restore it, or move it away "

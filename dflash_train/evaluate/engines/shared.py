@@ -366,10 +366,10 @@ def checked_target_config(model: str, store: Store):
     naming what differs otherwise); the serving engines read their limits from it."""
     from dflash_train.evaluate.online import check_target
     from dflash_train.target_model.errors import TargetError
-    from dflash_train.target_model.loading import load_config, target_info
+    from dflash_train.target_model.loading import load_target_config, target_info
 
     try:
-        config = load_config(model)
+        config = load_target_config(model)
         info = target_info(model, config)
     except TargetError as e:
         raise EvalError(str(e)) from e
