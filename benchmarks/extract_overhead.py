@@ -96,7 +96,8 @@ def rewrite_samples(src_url: str, dst_url: str) -> float:
 def bench(root: Path, s: EmbeddedSettings) -> list[Row]:
     """Rows of item 4. The process is warmed first (imports, first forward), then the bare
     forward runs before and after run_extract and their mean is the baseline (drift)."""
-    from dflash_train.target_model.loading import load_target, resolve_dtype
+    from dflash_train.dtypes import resolve_dtype
+    from dflash_train.target_model.loading import load_target
     from dflash_train.target_model.verifier import verifier_topk
 
     data = first_rows("train", s.train_prompts, root / "overhead.jsonl")

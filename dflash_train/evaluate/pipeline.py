@@ -20,9 +20,9 @@ from tqdm import tqdm
 
 from dflash_train.blocks import eligible_anchors
 from dflash_train.devices import resolve_device
-from dflash_train.dtypes import torch_dtype
+from dflash_train.dtypes import resolve_dtype
 from dflash_train.evaluate.checkpoints import (
-    Checkpoint,
+    EvalCheckpoint,
     layer_selection,
     load_checkpoint,
     unique_names,
@@ -107,12 +107,6 @@ class EvalOutcome:
         return next(iter(self.runs["online"].decoded.values())).text
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch_dtype(dtype)
-
-
 def _open(url: str) -> Store:
     try:
         return open_store(url)
@@ -121,7 +115,7 @@ def _open(url: str) -> Store:
 
 
 def load_drafters(store: Store, paths: list[str], *, device: torch.device, dtype: torch.dtype
-                  ) -> tuple[list[Checkpoint], dict[str, BlockDrafter]]:
+                  ) -> tuple[list[EvalCheckpoint], dict[str, BlockDrafter]]:
     """Load every checkpoint, refuse misfits, attach the store's frozen embed / lm_head."""
     if not paths:
         raise EvalError("no checkpoint given")
@@ -281,7 +275,7 @@ def _evaluated(cfg: EvalConfig, damage: DamagePolicy, total: int, offline: ModeR
     return total - skipped
 
 
-def _entry(c: Checkpoint, runs: list[ModeRun]) -> CheckpointEntry:
+def _entry(c: EvalCheckpoint, runs: list[ModeRun]) -> CheckpointEntry:
     trained_on = None if c.provenance is None else c.provenance.source.paths
     return CheckpointEntry(c.name, c.path, trained_on,
                            {r.label: r.results[c.name].summary() for r in runs})

@@ -43,7 +43,7 @@ class CheckpointEntry:
     trained_on: list[str] | None
     """The training data of its run (its provenance), when it has one."""
     summaries: dict[RunLabel, dict]
-    """Its summary (summary.Summary as JSON) per run made."""
+    """Its summary (summary.EvalSummary as JSON) per run made."""
 
     def to_json(self) -> dict:
         return {"name": self.name, "path": self.path, "trained_on": self.trained_on,

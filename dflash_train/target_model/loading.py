@@ -19,7 +19,6 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
 from dflash_train.target_config import text_part
 from dflash_train.target_model import gguf, weights
@@ -195,14 +194,6 @@ def kernels_used(model: nn.Module, device: str) -> str:
     if device == "cpu" and linear != "torch":
         raise TargetError("fla kernels are loaded on a CPU run; refusing to continue")
     return f"attention={attention} linear_attention={linear}"
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """auto: bf16 where the target will run on CUDA (`--device auto` included), else fp32."""
-    if dtype == "auto":
-        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-        return torch.bfloat16 if cuda else torch.float32
-    return torch_dtype(dtype)
 
 
 def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: LoadAs,

@@ -173,11 +173,15 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def read_provenance(path: str | Path) -> StoreMeta | None:
     """The store provenance a checkpoint (or its drafter/) was trained on, or None for a
-    bare drafter dir."""
+    bare drafter dir or a checkpoint without provenance.json. One that does not read (not
+    JSON, not a provenance) is a StoreError naming the file."""
     file = (training_checkpoint_root(path) or Path(path)) / PROVENANCE
     if not file.is_file():
         return None
-    return StoreMeta.from_dict(json.loads(file.read_text()))
+    try:
+        return StoreMeta.from_dict(json.loads(file.read_text()))
+    except (ValueError, StoreError) as e:  # JSON and UTF-8 decode errors are ValueErrors
+        raise StoreError(f"{file}: unreadable provenance ({one_line(e)})") from e
 
 
 def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, where: str,
@@ -215,7 +219,7 @@ another checkpoint than its peers."""
 
 
 @dataclass
-class Checkpoint:
+class TrainCheckpoint:
     """A complete checkpoint read back whole: what a resume continues from."""
 
     path: Path
@@ -238,7 +242,7 @@ class SavedConfigError(TrainError):
     not damage (an older checkpoint would not help), so a resume stops on it."""
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
+def read_checkpoint(path: str | Path) -> TrainCheckpoint:
     """Everything a resume needs from a complete checkpoint; a file that does not read back
     whole (truncated, bit rot, a checksum that differs) is a TrainError naming it, a
     config.toml that reads but is refused a SavedConfigError. A checkpoint written before
@@ -274,7 +278,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     except TrainError as e:
         raise SavedConfigError(f"{path / CONFIG}: cannot read the run's saved config: {e}"
                                ) from e
-    return Checkpoint(path, drafter, blob, provenance, settings)
+    return TrainCheckpoint(path, drafter, blob, provenance, settings)
 
 
 def restore_trainer(blob: dict, scheduler) -> tuple[TrainState, dict]:

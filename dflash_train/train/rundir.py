@@ -30,8 +30,8 @@ from dflash_train.run_layout import (
     STEP_PREFIX,
 )
 from dflash_train.train.checkpoint import (
-    Checkpoint,
     SavedConfigError,
+    TrainCheckpoint,
     complete_checkpoints,
     read_checkpoint,
 )
@@ -157,7 +157,7 @@ def incomplete_checkpoints(run_dir: Path) -> list[str]:
         (STEP_PREFIX, DAMAGED_PREFIX)) and not (p / COMPLETE).is_file())
 
 
-def find_resume_point(run_dir: Path) -> Checkpoint:
+def find_resume_point(run_dir: Path) -> TrainCheckpoint:
     """The newest complete checkpoint whose files all read back whole (checksums, weights,
     trainer state, provenance, config), with the newer ones it stepped over as damaged."""
     check_run_dir_path(run_dir)
@@ -234,7 +234,7 @@ def config_changes(saved: TrainConfig, new: TrainConfig,
             and _norm(a.get(k)) != _norm(b.get(k))]
 
 
-def check_resume_config(point: Checkpoint, new: TrainConfig) -> None:
+def check_resume_config(point: TrainCheckpoint, new: TrainConfig) -> None:
     """Refuse a resume whose settings would train other weights than the run's, or that
     would silently rewrite a RUN/config.toml edited since the run wrote it."""
     changes = config_changes(point.config, new, point.drafter.config)
@@ -246,7 +246,7 @@ def check_resume_config(point: Checkpoint, new: TrainConfig) -> None:
     check_run_config_kept(point, new)
 
 
-def check_run_config_kept(point: Checkpoint, new: TrainConfig) -> None:
+def check_run_config_kept(point: TrainCheckpoint, new: TrainConfig) -> None:
     """RUN/config.toml is what the run wrote, never read back: a resume takes its settings
     from the command line and --config, and rewrites it. Refuse one that says otherwise
     than both the checkpoint and this resume (edited by hand, thinking it is read), naming
