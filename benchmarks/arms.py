@@ -1,7 +1,7 @@
 """Held-out tau and step time of training recipes side by side, at an equal step budget or
 an equal training time.
 
-    python benchmarks/arms.py --store TRAIN.zarr --held-out HELD_OUT.zarr --out DIR
+    python -m benchmarks.arms --store TRAIN.zarr --held-out HELD_OUT.zarr --out DIR
         --arm fp32=run.precision=fp32 --arm bf16=run.precision=bf16 [--steps 100]
         [--seconds 600] [--set KEY=VALUE ...]
 
@@ -29,8 +29,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash, median_step_s, train_arms, train_seconds  # noqa: E402
+from benchmarks.runs import dflash, median_step_s, train_arms, train_seconds
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:

@@ -17,14 +17,11 @@ Runs never overlap; on a shared machine the step times are still noisy. Rerun wi
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from benchmarks.runs import dflash, median_step_s, train_arms
 from dflash_train.drafter import load_drafter
 from dflash_train.drafter.config import DRAFTER_KINDS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash, median_step_s, train_arms  # noqa: E402
 
 DFLASH2 = ["--set", "model.kind=dflash2"]
 ARMS = {

@@ -1,6 +1,6 @@
 """Extraction overhead: `run_extract` wall time vs the bare forward passes of the same batches.
 
-    python benchmarks/extract_overhead.py [--prompts 48]
+    python -m benchmarks.extract_overhead [--prompts 48]
 
 The baseline is what any extractor must pay: the target's own forward (CausalLM, logits
 included, output_hidden_states=True) over exactly the batches run_extract forms, same model,
@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import torch
-from embedded_stores import EmbeddedSettings, extract, extract_config, first_rows
-from report import Row
+
+from benchmarks.embedded_stores import EmbeddedSettings, extract, extract_config, first_rows
+from benchmarks.report import Row
 
 GOAL = 1.15
 
@@ -143,7 +144,7 @@ def main() -> None:
         rows = bench(root, EmbeddedSettings(train_prompts=args.prompts))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    from report import format_table
+    from benchmarks.report import format_table
 
     print(format_table(rows))
 

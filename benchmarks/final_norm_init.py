@@ -1,7 +1,7 @@
 """A new drafter's final-norm init before and after, on SmolLM2-135M-Instruct at equal steps.
 
-    python benchmarks/final_norm_init.py             # the quick preset's stores and recipe
-    python benchmarks/final_norm_init.py --steps 300
+    python -m benchmarks.final_norm_init             # the quick preset's stores and recipe
+    python -m benchmarks.final_norm_init --steps 300
 
 Two runs that differ only in `model.final_norm_init` (drafter.model.FinalNormInit): `ones`,
 HF's init, what every drafter trained with before, and `unit`, the default. They start from
@@ -24,15 +24,11 @@ benchmark: it measures, CI does not run it.
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.real_target import (  # noqa: E402
+from benchmarks.real_target import (
     PRESETS,
     RealTargetConfig,
     evaluate,
@@ -43,7 +39,7 @@ from benchmarks.real_target import (  # noqa: E402
     train_config,
     write_prompts,
 )
-from scripts.prepare_smollm2 import default_cache  # noqa: E402
+from scripts.prepare_smollm2 import default_cache
 
 INITS = ("ones", "unit")
 """model.final_norm_init of the two runs: HF's init (before) and the default (after)."""

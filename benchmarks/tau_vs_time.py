@@ -1,6 +1,6 @@
 """Held-out tau against real training seconds, from a run's log and `dflash eval --out` reports.
 
-    python benchmarks/tau_vs_time.py RUN_DIR val64=eval_val/report.json \
+    python -m benchmarks.tau_vs_time RUN_DIR val64=eval_val/report.json \
         held128=eval_held/report.json --out tau_vs_time.png
 
 A checkpoint's training seconds are the logged step times of every step up to it (the last

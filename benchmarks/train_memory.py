@@ -1,6 +1,6 @@
 """Training step time and peak RSS on the CPU, against sequence length and anchors per sequence.
 
-    python benchmarks/train_memory.py [--width tiny|smollm2 ...] [--length 128 512 ...]
+    python -m benchmarks.train_memory [--width tiny|smollm2 ...] [--length 128 512 ...]
         [--anchors 16 64 256 512 ...] [--batch-tokens N] [--steps 3] [--threads N]
         [--set KEY=VALUE ...]
 

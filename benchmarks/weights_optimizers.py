@@ -1,6 +1,6 @@
 """Held-out tau and step time of {decay, D-PACE} x {AdamW, Muon} at an equal step budget.
 
-    python benchmarks/weights_optimizers.py --store TRAIN.zarr --held-out HELD_OUT.zarr
+    python -m benchmarks.weights_optimizers --store TRAIN.zarr --held-out HELD_OUT.zarr
         --out DIR [--steps 60] [--set KEY=VALUE ...]
 
 Trains the four drafters one after another with `dflash train` (same store, seed, lr, anchors
@@ -16,8 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash, median_step_s  # noqa: E402
+from benchmarks.runs import dflash, median_step_s
 
 ARMS = {
     "decay-adamw": [],

@@ -7,29 +7,25 @@ runs on CPU in one intra-op thread (float sums split by thread differ):
   resume     the dflash run with every checkpoint after step 4 deleted, resumed to the end,
 and prints, per run, the sha256 of the final weights (name, dtype, shape and bytes of every
 tensor), of the log.jsonl records without their wall-clock fields, and of each file the
-final checkpoint's drafter/ holds. It fingerprints the tree it lies in (its parent comes
-first on sys.path): run each tree's copy and diff the outputs, e.g.
+final checkpoint's drafter/ holds. It fingerprints the tree it is run from (`python -m`
+imports the package from the current directory): run it in each tree and diff the outputs, e.g.
 
-    cd TREE && OMP_NUM_THREADS=1 python scripts/train_fingerprint.py > fingerprint.txt
+    cd TREE && OMP_NUM_THREADS=1 python -m scripts.train_fingerprint > fingerprint.txt
 """
 
 import hashlib
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dflash_train.drafter import load_drafter  # noqa: E402
-from dflash_train.drafter.config import DRAFTER_KINDS  # noqa: E402
-from dflash_train.train.config import load_train_config  # noqa: E402
-from dflash_train.train.loop import train  # noqa: E402
-from tests.train.conftest import build_store  # noqa: E402
+from dflash_train.drafter import load_drafter
+from dflash_train.drafter.config import DRAFTER_KINDS
+from dflash_train.train.config import load_train_config
+from dflash_train.train.loop import train
+from tests.train.conftest import build_store
 
 WALL_CLOCK = ("data_wait_s", "step_s", "tokens_per_s")
 """Log fields that measure time, not computation: left out of the fingerprint."""

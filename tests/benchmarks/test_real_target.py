@@ -7,11 +7,8 @@ from pathlib import Path
 
 import pytest
 
-# The benchmarks are scripts: they import their siblings by bare name (`from report import`).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import benchmarks.real_target as real_target  # noqa: E402
-from benchmarks.real_target import (  # noqa: E402
+import benchmarks.real_target as real_target
+from benchmarks.real_target import (
     PRESETS,
     evaluate_drafter,
     markdown,
