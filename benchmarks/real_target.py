@@ -100,7 +100,7 @@ PRESETS = {
     "quick": RealTargetConfig(train_prompts=96, held_out_prompts=16, max_new_tokens=64,
                               drafter_layers=(1,), steps=150, eval_every=50,
                               fidelity_prompts=4),
-    # Sized for 3 hours from the 2-hour run's ~1.5 s a step (docs/real_target.md, session 15);
+    # Sized for 3 hours from the 2-hour run's ~1.5 s a step (docs/real_target.md, its long run);
     # measured end to end in 1 h 52 min (extract 62 min, a step 0.82 s, held-out tau 1.603).
     # 64 validation and 128 held-out prompts as there; more answers beat more passes over
     # fewer (1.693 on 7,746 answers vs 1.581 on 2,936).
@@ -258,23 +258,24 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
     them), a finished one is only read back. Its seconds are the sum of its logged step
     times: the real training seconds, however many sittings it took (validation apart)."""
     from dflash_train.quickstart import save_untrained
+    from dflash_train.run_layout import CHECKPOINTS, CONFIG_NAME
     from dflash_train.train.checkpoint import checkpoint_dir
+    from dflash_train.train.log_summary import read_log
     from dflash_train.train.loop import train
 
     run_dir = out / f"run_{layers}L"
     train_cfg = train_config(cfg, store, run_dir, layers, val)
     untrained = out / f"untrained_{layers}L"
-    if not (untrained / "config.json").is_file():
+    if not (untrained / CONFIG_NAME).is_file():
         save_untrained(train_cfg, untrained)
-    train(train_cfg, resume=(run_dir / "checkpoints").is_dir())
-    log = run_dir / "log.jsonl"
-    elapsed = seconds_by_step(log)
+    train(train_cfg, resume=(run_dir / CHECKPOINTS).is_dir())
+    elapsed = seconds_by_step(run_dir)
     steps = max(elapsed)
     saved = list(range(cfg.eval_every, steps + 1, cfg.eval_every))
     if not saved or saved[-1] != steps:
         saved.append(steps)
     checkpoints = {0: str(untrained), **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}
-    final_loss = json.loads(log.read_text().splitlines()[-1])["loss"]
+    final_loss = read_log(run_dir)[-1].loss
     validation, best = validation_of(run_dir)
     return {"checkpoints": checkpoints, "train_seconds": elapsed[steps], "steps": steps,
             "seconds_at": {0: 0.0, **{s: elapsed[s] for s in saved}}, "final_loss": final_loss,

@@ -89,6 +89,7 @@ def child(store: str, out: str, steps: int, anchors: int, batch_tokens: int | No
     import torch
 
     from dflash_train.train.config import load_train_config
+    from dflash_train.train.log_summary import read_log
     from dflash_train.train.loop import train
 
     overrides = {"stores": [store], "run.out_dir": out, "run.device": "cpu",
@@ -102,12 +103,12 @@ def child(store: str, out: str, steps: int, anchors: int, batch_tokens: int | No
     if threads:
         torch.set_num_threads(threads)
     train(load_train_config(None, overrides), echo=lambda *_: None)
-    records = [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+    records = read_log(out)
     status = Path("/proc/self/status").read_text()
     hwm = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1])
-    print(json.dumps({"step_s": [r["step_s"] for r in records],
-                      "blocks": [r["blocks"] for r in records],
-                      "samples": [r["samples"] for r in records], "hwm_kib": hwm}))
+    print(json.dumps({"step_s": [r.step_s for r in records],
+                      "blocks": [r.blocks for r in records],
+                      "samples": [r.samples for r in records], "hwm_kib": hwm}))
 
 
 def measure(root: Path, width: str, length: int, anchors: int, args) -> dict:

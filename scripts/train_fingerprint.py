@@ -23,13 +23,15 @@ import torch
 
 from dflash_train.drafter import load_drafter
 from dflash_train.drafter.config import DRAFTER_KINDS
+from dflash_train.run_layout import DRAFTER_SUBDIR, LOG, checkpoint_dir
+from dflash_train.train.checkpoint import complete_checkpoints
 from dflash_train.train.config import load_train_config
 from dflash_train.train.loop import train
 from tests.train.conftest import build_store
 
 WALL_CLOCK = ("data_wait_s", "step_s", "tokens_per_s")
 """Log fields that measure time, not computation: left out of the fingerprint."""
-RESUME_FROM = "step_00000004"
+RESUME_FROM = checkpoint_dir(".", 4).name
 
 SETTINGS = {"model.num_hidden_layers": 1, "loader.batch_tokens": 256, "run.anchors_per_seq": 8,
             "optim.lr": 3e-3, "optim.epochs": 3, "run.progress": False, "run.log_every": 1,
@@ -45,7 +47,7 @@ def _sha(data: bytes) -> str:
 
 def weights_sha(run_dir: Path) -> str:
     h = hashlib.sha256()
-    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    checkpoint = complete_checkpoints(run_dir)[-1]
     state = load_drafter(checkpoint, kinds=DRAFTER_KINDS).state_dict()
     for name in sorted(state):
         t = state[name].contiguous()
@@ -55,20 +57,20 @@ def weights_sha(run_dir: Path) -> str:
 
 
 def log_sha(run_dir: Path) -> tuple[str, int, list[str]]:
-    lines = (run_dir / "log.jsonl").read_text().splitlines()
+    lines = (run_dir / LOG).read_text().splitlines()  # as written: every line, raw
     records = [json.loads(line) for line in lines]
     kept = [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in records]
     return _sha(json.dumps(kept).encode()), len(records), list(records[-1])
 
 
 def report(name: str, run_dir: Path) -> None:
-    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    checkpoint = complete_checkpoints(run_dir)[-1]
     log, count, keys = log_sha(run_dir)
     print(f"{name}: weights {weights_sha(run_dir)}")
     print(f"{name}: log {log} ({count} records; keys {','.join(keys)})")
     held = sorted(p.name for p in checkpoint.iterdir())
     print(f"{name}: checkpoint {checkpoint.name} holds {held}")
-    for file in sorted((checkpoint / "drafter").iterdir()):
+    for file in sorted((checkpoint / DRAFTER_SUBDIR).iterdir()):
         print(f"{name}: drafter/{file.name} {_sha(file.read_bytes())}")
     print(f"{name}: run dir holds {sorted(p.name for p in run_dir.iterdir())}")
 
@@ -89,7 +91,7 @@ def main() -> None:
         report("dflash2", run(store, tmp / "dflash2", **DFLASH2))
         resumed = tmp / "resume"
         shutil.copytree(tmp / "dflash", resumed)
-        for later in (resumed / "checkpoints").glob("step_*"):
+        for later in complete_checkpoints(resumed):
             if later.name > RESUME_FROM:
                 shutil.rmtree(later)
         report("resume", run(store, resumed, resume=True))

@@ -50,6 +50,8 @@ from dflash_train.evaluate.replay import (
     read_samples,
 )
 from dflash_train.evaluate.report import (
+    BLOCKS_FILE,
+    REPORT_FILE,
     CheckpointEntry,
     EvalReport,
     ShownBlock,
@@ -410,11 +412,10 @@ def _write_outputs(cfg: EvalConfig, report: dict, runs: list[ModeRun]
         out.mkdir(parents=True, exist_ok=True)
         # report.json is the set's last write, removed first: it never stands beside
         # another run's blocks.parquet
-        (out / "report.json").unlink(missing_ok=True)
-        write_parquet(block_rows({r.label: r.results for r in runs}),
-                      out / "blocks.parquet")
-        write_json(report, out / "report.json")
-        written += [str(out / "report.json"), str(out / "blocks.parquet")]
+        (out / REPORT_FILE).unlink(missing_ok=True)
+        write_parquet(block_rows({r.label: r.results for r in runs}), out / BLOCKS_FILE)
+        write_json(report, out / REPORT_FILE)
+        written += [str(out / REPORT_FILE), str(out / BLOCKS_FILE)]
         if plot is None:
             try:
                 require_matplotlib()
