@@ -424,6 +424,12 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def relative_to_out(path: Path, out: Path) -> str:
+    """A path the results record, relative to --out: results.json then reads the same
+    wherever the working directory was (and says nothing about the machine's layout)."""
+    return Path(path).resolve().relative_to(out.resolve()).as_posix()
+
+
 def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seconds = {}
@@ -437,19 +443,21 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
         stores[name] = str(out / f"{name}.zarr")
         seconds[f"extract_{name}"] = extract(model, write_prompts(prompts, out / f"{name}.jsonl"),
                                              stores[name], cfg, out / "extract_seconds.json")
-    drafters = {}
+    drafters, reported_paths = {}, {}
     for layers in cfg.drafter_layers:
         trained = train_drafter(cfg, stores["train"], out, layers, stores.get("validation"))
         seconds[f"train_{layers}L"] = trained["train_seconds"]
         evals, seconds[f"eval_{layers}L"] = evaluate_drafter(trained, stores["held_out"])
         reported = evals["chosen_step"] or trained["steps"]
+        reported_paths[layers] = Path(trained["checkpoints"][reported])
         drafters[f"{layers}L"] = {"eval": by_key(evals["eval"]),
                                   "validation": by_key(evals["validation"]),
                                   "chosen_step": evals["chosen_step"],
                                   "train_seconds": by_key(trained["seconds_at"]),
                                   "final_loss": trained["final_loss"],
-                                  "reported_checkpoint": trained["checkpoints"][reported]}
-    deepest = drafters[f"{max(cfg.drafter_layers)}L"]["reported_checkpoint"]
+                                  "reported_checkpoint": relative_to_out(
+                                      reported_paths[layers], out)}
+    deepest = str(reported_paths[max(cfg.drafter_layers)])
     check = fidelity(stores["held_out"], model, deepest, cfg.fidelity_prompts)
     seconds["fidelity"] = check.pop("seconds")
     results = {"preset": preset, "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg),

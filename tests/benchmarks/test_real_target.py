@@ -15,6 +15,7 @@ from benchmarks.real_target import (
     plot,
     prompt_sets,
     recipe,
+    relative_to_out,
     train_config,
     validation_of,
 )
@@ -208,3 +209,10 @@ def test_out_or_cache_on_a_read_only_disk_is_one_line_naming_it(tmp_path, monkey
     said = _main(monkeypatch, flag, str(path), other, str(tmp_path / "fine"))
     assert said == (f"{flag} {path}: cannot write there (Read-only file system); choose "
                     f"another {flag}")
+
+
+def test_results_name_checkpoints_relative_to_the_out_directory(tmp_path):
+    # results.json is committed to docs/: it must not carry the machine's own paths
+    out = tmp_path / "work"
+    checkpoint = out / "run_1L" / "checkpoints" / "step_00000400"
+    assert relative_to_out(checkpoint, out) == "run_1L/checkpoints/step_00000400"
