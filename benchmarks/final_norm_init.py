@@ -71,14 +71,14 @@ def train_init(cfg: RealTargetConfig, store: str, out: Path, init: str) -> dict:
     {"loss": {step: loss}, "checkpoints": {step: drafter path}, "ln_v": ln(draft vocab)}."""
     from dflash_train.drafter import read_drafter_config
     from dflash_train.quickstart import save_untrained
-    from dflash_train.run_layout import CHECKPOINTS, checkpoint_dir
+    from dflash_train.run_layout import CHECKPOINTS, CONFIG_NAME, checkpoint_dir
     from dflash_train.train.log_summary import read_log
     from dflash_train.train.loop import train
 
     tc = init_config(cfg, store, out, init)
     run_dir = Path(tc.run.out_dir)
     untrained = out / f"untrained_{init}"
-    if not (untrained / "config.json").is_file():
+    if not (untrained / CONFIG_NAME).is_file():
         save_untrained(tc, untrained)
     train(tc, resume=(run_dir / CHECKPOINTS).is_dir())
     losses = {r.step: r.loss for r in read_log(run_dir)}
