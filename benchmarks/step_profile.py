@@ -42,8 +42,8 @@ from dflash_train.train.run import (
     Placement,
     Run,
     assemble_run,
+    head_dtype,
     noise_layer_rms,
-    use_bf16,
 )
 from dflash_train.train.step import make_blocks
 
@@ -62,7 +62,7 @@ def drafter_for(cfg: TrainConfig, store):
     torch.manual_seed(cfg.run.seed)
     model = DFlashDrafter(drafter_config(cfg, store))
     rows = store.target_rows()
-    dtype = torch.bfloat16 if use_bf16(cfg.run.precision, CPU) else torch.float32
+    dtype = head_dtype(cfg.run.precision, CPU)
     model.attach_target_head(rows["embed_tokens"].to(dtype), rows["lm_head"].to(dtype))
     return model
 

@@ -74,6 +74,12 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     return precision == "bf16" or (precision == "auto" and native_bf16(device) is not None)
 
 
+def head_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype the target's embedding and lm_head rows are kept in: bf16 exactly where the
+    forward runs under bf16 autocast (use_bf16), else float32."""
+    return torch.bfloat16 if use_bf16(precision, device) else torch.float32
+
+
 def precision_note(precision: str, device: torch.device) -> str | None:
     """The run's first lines say what `auto` chose and why; None for an explicit choice."""
     if precision != "auto":
@@ -386,9 +392,9 @@ def _drafter(cfg: TrainConfig, point: TrainCheckpoint | None, stores: list[Store
     say(f"drafter: {model.config.describe()}; {parameter_count(trainable)} trainable "
         "parameters")
     device = placement.device
-    head_dtype = torch.bfloat16 if use_bf16(cfg.run.precision, device) else torch.float32
-    model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
-                             rows["lm_head"].to(device, head_dtype))
+    rows_dtype = head_dtype(cfg.run.precision, device)
+    model.attach_target_head(rows["embed_tokens"].to(device, rows_dtype),
+                             rows["lm_head"].to(device, rows_dtype))
     return model
 
 
