@@ -1,7 +1,7 @@
 """Held-out tau and step time of training recipes side by side, at an equal step budget or
 an equal training time.
 
-    python benchmarks/arms.py --store TRAIN.zarr --held-out HELD_OUT.zarr --out DIR
+    python -m benchmarks.arms --store TRAIN.zarr --held-out HELD_OUT.zarr --out DIR
         --arm fp32=run.precision=fp32 --arm bf16=run.precision=bf16 [--steps 100]
         [--seconds 600] [--set KEY=VALUE ...]
 
@@ -29,8 +29,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash, median_step_s, train_arms, train_seconds  # noqa: E402
+from benchmarks.runs import (
+    evaluate_json,
+    median_step_s,
+    offline_by_arm,
+    train_arms,
+    train_seconds,
+)
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -73,15 +78,13 @@ def main() -> None:
         steps = budget_steps(out, arms, common, a.seconds, a.probe_steps)
     checkpoints = train_arms(out, {name: [*extra, "--max-steps", str(steps[name])]
                                    for name, extra in arms.items()}, common)
-    report = json.loads(dflash("eval", "--store", a.held_out, "--json",
-                               *map(str, checkpoints.values())))
-    (out / "eval.json").write_text(json.dumps(report, indent=2))
-    by_path = {Path(c["path"]).resolve(): c["offline"] for c in report["checkpoints"]}
+    offline = offline_by_arm(evaluate_json(a.held_out, [*checkpoints.values()], out),
+                             checkpoints)
     rows, first_step = [], None
     print(f"{'arm':<24} {'tau (95% CI)':<24} {'slot 1':>7} {'steps':>6} {'train s':>8} "
           f"{'step s':>8} {'ratio':>6}")
-    for name, ckpt in checkpoints.items():
-        off = by_path[ckpt.resolve()]
+    for name in checkpoints:
+        off = offline[name]
         lo, hi = off["tau_ci95"]
         step, seconds = median_step_s(out / name), train_seconds(out / name)
         first_step = first_step or step

@@ -12,9 +12,9 @@ from unittest import mock
 
 import numcodecs
 import numpy as np
-from report import Row
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from benchmarks.report import Row
 from dflash_train.store_schema.subset import copy_store
 
 CODECS = {
@@ -85,7 +85,7 @@ def real_sizes_in_memory(url: str) -> list[Row]:
 
 def bench(root: Path, held_out: str, checkpoint: str) -> list[Row]:
     """Rows of item 6 on real states: bytes on disk per codec and offline tau per codec."""
-    from eval_speed import offline_summary
+    from benchmarks.eval_speed import offline_summary
 
     rows, summaries = [], {}
     for name in CODECS:

@@ -1,6 +1,6 @@
 """Held-out tau, parameters and step time of DFlash vs DFlash 2 at an equal step budget.
 
-    python benchmarks/dflash2_vs_dflash.py --store TRAIN.zarr --held-out HELD_OUT.zarr
+    python -m benchmarks.dflash2_vs_dflash --store TRAIN.zarr --held-out HELD_OUT.zarr
         --out DIR [--steps 60] [--warm-from DFLASH_CHECKPOINT] [--set KEY=VALUE ...]
 
 Trains, one after another with `dflash train` (same store, seed, lr, anchors and step
@@ -17,14 +17,11 @@ Runs never overlap; on a shared machine the step times are still noisy. Rerun wi
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
+from benchmarks.runs import columns_by_path, evaluate_json, median_step_s, train_arms
 from dflash_train.drafter import load_drafter
 from dflash_train.drafter.config import DRAFTER_KINDS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash, median_step_s, train_arms  # noqa: E402
 
 DFLASH2 = ["--set", "model.kind=dflash2"]
 ARMS = {
@@ -69,14 +66,12 @@ def main() -> None:
     evaluated = [*map(str, checkpoints.values())]
     if a.warm_from:
         evaluated.append(a.warm_from)
-    report = json.loads(dflash("eval", "--store", a.held_out, "--json", *evaluated))
-    (out / "eval.json").write_text(json.dumps(report, indent=2))
-    by_path = {Path(c["path"]).resolve(): c["offline"] for c in report["checkpoints"]}
+    columns = columns_by_path(evaluate_json(a.held_out, evaluated, out))
     rows = []
     print(f"{'arm':<20} {'tau (95% CI)':<24} {'params':>11} {'DFlash 2 adds':>14} "
           f"{'step s':>8}")
     for name, ckpt in checkpoints.items():
-        off = by_path[ckpt.resolve()]
+        off = columns[ckpt.resolve()]["offline"]
         lo, hi = off["tau_ci95"]
         total, extra = parameters(ckpt)
         step = median_step_s(out / name)
@@ -86,7 +81,7 @@ def main() -> None:
         print(f"{name:<20} {off['mean_tau']:.3f} [{lo:.3f}, {hi:.3f}]{'':<5} {total:>11,} "
               f"{extra:>14,} {step:>8.3f}")
     if a.warm_from:
-        off = by_path[Path(a.warm_from).resolve()]
+        off = columns[Path(a.warm_from).resolve()]["offline"]
         print(f"{'(warm-from itself)':<20} {off['mean_tau']:.3f}")
         rows.append({"arm": "warm-from", "tau": off["mean_tau"], "tau_ci95": off["tau_ci95"]})
     (out / "table.json").write_text(json.dumps(rows, indent=2))

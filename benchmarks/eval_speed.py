@@ -11,7 +11,8 @@ Blocks/s is the result; timings exclude loading the models. Not a test.
 import time
 
 import torch
-from report import Row
+
+from benchmarks.report import Row
 
 GOAL = 5.0
 

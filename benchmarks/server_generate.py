@@ -1,7 +1,7 @@
 """Generation for `extract --regenerate`: the built-in path against OpenAI-compatible servers.
 
     vllm serve MODEL --dtype float32 --enforce-eager --max-model-len 2048 --port 8000 &
-    python benchmarks/server_generate.py --model MODEL --data chats.jsonl --rows 16 \\
+    python -m benchmarks.server_generate --model MODEL --data chats.jsonl --rows 16 \\
         --max-new-tokens 64 --server http://127.0.0.1:8000
 
 Renders the same prompts extract would, generates them once with the loaded target (the
@@ -12,27 +12,22 @@ and the share of server tokens equal to the target's own top-1 after the tokens 
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from dflash_train.extract.config import ExtractConfig  # noqa: E402
-from dflash_train.extract.data import open_source  # noqa: E402
-from dflash_train.extract.prepare import (  # noqa: E402
+from dflash_train.extract.config import ExtractConfig
+from dflash_train.extract.data import open_source
+from dflash_train.extract.prepare import (
     Counts,
     prompt_fits,
     regenerate_items,
     render_rows,
 )
-from dflash_train.extract.server_generate import check_servers  # noqa: E402
-from dflash_train.target_model.loading import (  # noqa: E402
-    load_config,
+from dflash_train.extract.server_generate import check_servers
+from dflash_train.target_model.loading import (
     load_target,
+    load_target_config,
     load_tokenizer,
     target_info,
 )
@@ -71,7 +66,7 @@ def main() -> None:
     rows = range(min(args.rows, source.num_rows))
     prompts = [k for p in render_rows(source, tokenizer, rows, cfg)
                if (k := prompt_fits(p, cfg, Counts())) is not None]
-    info = target_info(cfg.model, load_config(cfg.model))
+    info = target_info(cfg.model, load_target_config(cfg.model))
     need = min(cfg.max_length, max(len(p.input_ids) for p in prompts) + cfg.max_new_tokens)
     servers = check_servers(cfg.servers, [cfg.model, info.name_or_path], need)
     target = load_target(cfg.model, device="cpu", dtype=torch.float32, load_as=cfg.load_as,

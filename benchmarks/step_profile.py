@@ -1,6 +1,6 @@
 """Where one training step's time goes, phase by phase, at a store's shape (SmolLM2's by default).
 
-    python benchmarks/step_profile.py [--store URL] [--arms fp32 bf16 fp32-recompute] [--steps 4]
+    python -m benchmarks.step_profile [--store URL] [--arms fp32 bf16 fp32-recompute] [--steps 4]
         [--anchors 16] [--batch-tokens 4096] [--layers 1] [--rounds 2] [--threads N]
         [--set KEY=VALUE ...]
 
@@ -26,7 +26,6 @@ Not a test.
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -34,23 +33,19 @@ from dataclasses import replace
 from functools import wraps
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+import torch
 
-import torch  # noqa: E402
-
-from dflash_train.train import loop  # noqa: E402
-from dflash_train.train.config import TrainConfig, load_config  # noqa: E402
-from dflash_train.train.data import StoreLoader  # noqa: E402
-from dflash_train.train.run import (  # noqa: E402
+from dflash_train.train import loop
+from dflash_train.train.config import TrainConfig, load_train_config
+from dflash_train.train.data import StoreLoader
+from dflash_train.train.run import (
     Placement,
     Run,
     assemble_run,
+    head_dtype,
     noise_layer_rms,
-    use_bf16,
 )
-from dflash_train.train.step import make_blocks  # noqa: E402
+from dflash_train.train.step import make_blocks
 
 PHASES = ("loader", "blocks", "noise", "forward", "lm_head", "backward", "optimizer")
 TIMED_CALLS = {"blocks": "make_blocks", "noise": "noised_context", "lm_head": "block_loss"}
@@ -67,7 +62,7 @@ def drafter_for(cfg: TrainConfig, store):
     torch.manual_seed(cfg.run.seed)
     model = DFlashDrafter(drafter_config(cfg, store))
     rows = store.target_rows()
-    dtype = torch.bfloat16 if use_bf16(cfg.run.precision, CPU) else torch.float32
+    dtype = head_dtype(cfg.run.precision, CPU)
     model.attach_target_head(rows["embed_tokens"].to(dtype), rows["lm_head"].to(dtype))
     return model
 
@@ -231,14 +226,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = args.store
         if store is None:
-            from train_memory import build_store
+            from benchmarks.train_memory import build_store
 
             store = str(Path(tmp) / "smollm2.zarr")
             build_store(store, "smollm2", args.length, samples=96)
         settings = [f"loader.batch_tokens={args.batch_tokens}",
                     f"run.anchors_per_seq={args.anchors}",
                     f"model.num_hidden_layers={args.layers}", "run.device=cpu", *args.overrides]
-        cfg = replace(load_config(None, dict(s.split("=", 1) for s in settings)),
+        cfg = replace(load_train_config(None, dict(s.split("=", 1) for s in settings)),
                       stores=[store])
         results: dict[str, list[dict]] = {a: [] for a in args.arms}
         for r in range(args.rounds):

@@ -1,6 +1,6 @@
 """Store I/O against the physical limit and the peers' per-sample files, side by side.
 
-    python benchmarks/store_io.py [--tokens 16384] [--hidden 5120] [--layers 5] [--dir /tmp]
+    python -m benchmarks.store_io [--tokens 16384] [--hidden 5120] [--layers 5] [--dir /tmp]
 
 Writes the same synthetic bf16 hidden states (outlier channels and token-to-token correlation,
 like real ones) four ways and reads them back, in one run, and prints ratios:
@@ -23,9 +23,9 @@ from pathlib import Path
 import numcodecs
 import numpy as np
 import torch
-from report import Row, format_table
 from safetensors.torch import load_file, save_file
 
+from benchmarks.report import Row, format_table
 from dflash_train.extract.writer import FLUSH_SHARDS
 from dflash_train.store_schema import (
     CreatedWith,

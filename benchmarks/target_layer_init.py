@@ -1,6 +1,6 @@
 """A drafter whose decoder layers start as copies of target decoder layers, to train from.
 
-    python benchmarks/target_layer_init.py --store TRAIN.zarr --model TARGET_DIR --layer 29 \
+    python -m benchmarks.target_layer_init --store TRAIN.zarr --model TARGET_DIR --layer 29 \
         --out init_L29 [--layers 1] [--draft-vocab-size 4096] [--final-norm]
     dflash train --store TRAIN.zarr ... --set model.init_from=init_L29
 
@@ -13,19 +13,15 @@ weights only. An experiment's tool, not a train option: it lost (docs/real_targe
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from dflash_train.drafter import DFlashDrafter, save_drafter  # noqa: E402
-from dflash_train.store_schema import open_store  # noqa: E402
-from dflash_train.train.config import ModelConfig, TrainConfig  # noqa: E402
-from dflash_train.train.drafter_shape import drafter_config, most_frequent_labels  # noqa: E402
+from dflash_train.drafter import DFlashDrafter, save_drafter
+from dflash_train.store_schema import open_store
+from dflash_train.train.config import ModelConfig, TrainConfig
+from dflash_train.train.drafter_shape import drafter_config, most_frequent_labels
 
 TARGET_PREFIX = "model.layers.{}."
 

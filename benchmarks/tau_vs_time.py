@@ -1,6 +1,6 @@
 """Held-out tau against real training seconds, from a run's log and `dflash eval --out` reports.
 
-    python benchmarks/tau_vs_time.py RUN_DIR val64=eval_val/report.json \
+    python -m benchmarks.tau_vs_time RUN_DIR val64=eval_val/report.json \
         held128=eval_held/report.json --out tau_vs_time.png
 
 A checkpoint's training seconds are the logged step times of every step up to it (the last
@@ -13,22 +13,26 @@ import json
 import re
 from pathlib import Path
 
-STEP_NAME = re.compile(r"step_(\d+)$")
+from dflash_train.run_layout import LOG, STEP_PREFIX
+from dflash_train.train.errors import TrainError
+from dflash_train.train.log_summary import read_log
+
+STEP_NAME = re.compile(rf"{STEP_PREFIX}(\d+)$")
 
 
-def seconds_by_step(log: Path) -> dict[int, float]:
-    """Cumulative logged step seconds at every step of `log` (run_dir/log.jsonl)."""
-    last = {}
-    for n, line in enumerate(log.read_text().splitlines(), 1):
-        try:
-            record = json.loads(line)
-            last[int(record["step"])] = float(record["step_s"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise SystemExit(f"{log}:{n}: not a training log record ({err})") from None
+def seconds_by_step(run_dir: Path) -> dict[int, float]:
+    """Cumulative logged step seconds at every step of a run, read by the log reader of
+    `dflash log summary` (one record per step, the last one written)."""
+    try:
+        records = read_log(run_dir)
+    except TrainError as err:
+        raise SystemExit(str(err)) from None
     total, cumulative = 0.0, {}
-    for step in sorted(last):
-        total += last[step]
-        cumulative[step] = total
+    for record in records:
+        if record.step_s is None:
+            raise SystemExit(f"{run_dir}: step {record.step} has no step_s (an older log?)")
+        total += record.step_s
+        cumulative[record.step] = total
     return cumulative
 
 
@@ -73,12 +77,12 @@ def plot(curves: dict[str, dict[int, tuple[float, list[float]]]], seconds: dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=Path, help="The training run directory (has log.jsonl).")
+    parser.add_argument("run", type=Path, help="The training run directory.")
     parser.add_argument("reports", nargs="+", metavar="NAME=REPORT",
                         help="A curve's name and an eval report.json of the run's checkpoints.")
     parser.add_argument("--out", type=Path, required=True, help="The PNG to write.")
     args = parser.parse_args()
-    seconds = seconds_by_step(args.run / "log.jsonl")
+    seconds = seconds_by_step(args.run)
     curves = {}
     for spec in args.reports:
         name, sep, report = spec.partition("=")
@@ -88,7 +92,7 @@ def main() -> None:
     for name, taus in curves.items():
         missing = sorted(set(taus) - set(seconds))
         if missing:
-            raise SystemExit(f"{name}: steps {missing} are not in {args.run}/log.jsonl")
+            raise SystemExit(f"{name}: steps {missing} are not in {args.run / LOG}")
     print("| step | training seconds | " + " | ".join(f"{n} tau (95 % CI)" for n in curves)
           + " |")
     print("| --- | --- |" + " --- |" * len(curves))

@@ -1,6 +1,6 @@
 """Training step time and peak RSS on the CPU, against sequence length and anchors per sequence.
 
-    python benchmarks/train_memory.py [--width tiny|smollm2 ...] [--length 128 512 ...]
+    python -m benchmarks.train_memory [--width tiny|smollm2 ...] [--length 128 512 ...]
         [--anchors 16 64 256 512 ...] [--batch-tokens N] [--steps 3] [--threads N]
         [--set KEY=VALUE ...]
 
@@ -88,7 +88,8 @@ def child(store: str, out: str, steps: int, anchors: int, batch_tokens: int | No
     """Train `steps` steps in this process; print step times and VmHWM (KiB) as JSON."""
     import torch
 
-    from dflash_train.train.config import load_config
+    from dflash_train.train.config import load_train_config
+    from dflash_train.train.log_summary import read_log
     from dflash_train.train.loop import train
 
     overrides = {"stores": [store], "run.out_dir": out, "run.device": "cpu",
@@ -101,13 +102,13 @@ def child(store: str, out: str, steps: int, anchors: int, batch_tokens: int | No
         overrides[key] = value
     if threads:
         torch.set_num_threads(threads)
-    train(load_config(None, overrides), echo=lambda *_: None)
-    records = [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+    train(load_train_config(None, overrides), echo=lambda *_: None)
+    records = read_log(out)
     status = Path("/proc/self/status").read_text()
     hwm = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1])
-    print(json.dumps({"step_s": [r["step_s"] for r in records],
-                      "blocks": [r["blocks"] for r in records],
-                      "samples": [r["samples"] for r in records], "hwm_kib": hwm}))
+    print(json.dumps({"step_s": [r.step_s for r in records],
+                      "blocks": [r.blocks for r in records],
+                      "samples": [r.samples for r in records], "hwm_kib": hwm}))
 
 
 def measure(root: Path, width: str, length: int, anchors: int, args) -> dict:

@@ -2,7 +2,7 @@
 benchmarks/real_target.py's long preset (1 layer, Muon, D-PACE, a 4,096-word draft
 vocabulary, bf16 where native, 4,096-token batches, a checkpoint every 400 steps).
 
-    nice -n 10 python benchmarks/validation_cost.py --store TRAIN.zarr [--val-store VAL.zarr]
+    nice -n 10 python -m benchmarks.validation_cost --store TRAIN.zarr [--val-store VAL.zarr]
 
 1. builds the preset's run on --store (train.run.build_run, in a temporary directory) and
    times `--steps` of its own train_step, the first two apart (allocation, first touches);
@@ -18,16 +18,12 @@ which wall-clock seconds there are not. A benchmark: it measures, CI does not ru
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.real_target import PRESETS, train_config  # noqa: E402
+from benchmarks.real_target import PRESETS, train_config
 
 
 @dataclass

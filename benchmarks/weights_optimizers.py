@@ -1,6 +1,6 @@
 """Held-out tau and step time of {decay, D-PACE} x {AdamW, Muon} at an equal step budget.
 
-    python benchmarks/weights_optimizers.py --store TRAIN.zarr --held-out HELD_OUT.zarr
+    python -m benchmarks.weights_optimizers --store TRAIN.zarr --held-out HELD_OUT.zarr
         --out DIR [--steps 60] [--set KEY=VALUE ...]
 
 Trains the four drafters one after another with `dflash train` (same store, seed, lr, anchors
@@ -12,12 +12,9 @@ Runs never overlap; on a shared machine the step times are still noisy. Not a te
 """
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script
-from benchmarks.runs import dflash, median_step_s  # noqa: E402
+from benchmarks.runs import evaluate_json, median_step_s, offline_by_arm, train_arms
 
 ARMS = {
     "decay-adamw": [],
@@ -41,19 +38,13 @@ def main() -> None:
     common = ["--store", a.store, "--max-steps", str(a.steps), "--no-progress"]
     for s in a.sets:
         common += ["--set", s]
-    checkpoints = {}
-    for name, extra in ARMS.items():
-        print(f"training {name}", file=sys.stderr, flush=True)
-        dflash("train", "--out", str(out / name), *common, *extra)
-        (checkpoints[name],) = sorted((out / name / "checkpoints").glob("step_*"))[-1:]
-    report = json.loads(dflash("eval", "--store", a.held_out, "--json",
-                               *map(str, checkpoints.values())))
-    (out / "eval.json").write_text(json.dumps(report, indent=2))
-    by_path = {Path(c["path"]).resolve(): c["offline"] for c in report["checkpoints"]}
+    checkpoints = train_arms(out, ARMS, common)
+    report = evaluate_json(a.held_out, [*checkpoints.values()], out)
+    offline = offline_by_arm(report, checkpoints)
     budget = str(min(report["tree_budgets"]))
     print(f"{'arm':<12} {'tau (95% CI)':<24} {'tree' + budget + ' tau':>10} {'step s':>8}")
-    for name, ckpt in checkpoints.items():
-        off = by_path[ckpt.resolve()]
+    for name in checkpoints:
+        off = offline[name]
         lo, hi = off["tau_ci95"]
         print(f"{name:<12} {off['mean_tau']:.3f} [{lo:.3f}, {hi:.3f}]{'':<5} "
               f"{off['tree'][budget]['mean_tau']:>10.3f} {median_step_s(out / name):>8.3f}")

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from report import Row
+
+from benchmarks.report import Row
 
 ZARRS_PIPELINE = "zarrs.ZarrsCodecPipeline"
 

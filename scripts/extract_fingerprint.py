@@ -18,7 +18,7 @@ the run's messages, its summary lines and the final (desc, n, total) of each ext
 bar. Paths in the store are the work directory's, which is wiped and reused: run each tree's
 copy with the same --work and diff the outputs, e.g.
 
-    cd TREE && OMP_NUM_THREADS=1 python scripts/extract_fingerprint.py > fingerprint.txt
+    cd TREE && OMP_NUM_THREADS=1 python -m scripts.extract_fingerprint > fingerprint.txt
 """
 
 import argparse
@@ -33,18 +33,15 @@ import sys
 from pathlib import Path
 
 import torch
+import tqdm.std
+
+from dflash_train.assets.tiny import make_chats, save_qwen3, save_qwen3_5, write_jsonl
+from dflash_train.extract.config import ExtractConfig
+from dflash_train.extract.errors import ExtractError
+from dflash_train.extract.pipeline import run_extract
+from dflash_train.extract.writer import KILL_AFTER_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(1, str(REPO / "tests" / "extract"))  # FakeVllm's module imports its conftest
-
-import tqdm.std  # noqa: E402
-
-from dflash_train.assets.tiny import make_chats, save_qwen3, save_qwen3_5, write_jsonl  # noqa: E402
-from dflash_train.extract.config import ExtractConfig  # noqa: E402
-from dflash_train.extract.errors import ExtractError  # noqa: E402
-from dflash_train.extract.pipeline import run_extract  # noqa: E402
-from dflash_train.extract.writer import KILL_AFTER_ENV  # noqa: E402
 
 SETTINGS = dict(device="cpu", dtype="float32", rows_per_part=5, shard_tokens=16,
                 batch_tokens=96, layers="0,1,2")
@@ -146,9 +143,8 @@ def refused(model: str, data: str, out: Path, **settings) -> list[str]:
 
 
 def served(model: str, data: str, out: Path) -> list[str]:
-    from test_server_generate import FakeVllm
-
     from tests.evaluate.conftest import save_eos_target
+    from tests.extract.test_server_generate import FakeVllm
 
     save_eos_target(model)
     server = FakeVllm(model)

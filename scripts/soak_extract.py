@@ -1,6 +1,6 @@
 """Soak `dflash extract` under SIGKILL: random kills, resume, compare with an uninterrupted run.
 
-    python scripts/soak_extract.py --trials 10 [--seed 0] [--workdir DIR]
+    python -m scripts.soak_extract --trials 10 [--seed 0] [--workdir DIR]
 
 Each trial extracts a tiny random Qwen3.5 target over 14 chats (3 parts of 16-token shards)
 into a fresh store and SIGKILLs the CLI 1-4 times, each kill drawn at random from:
@@ -24,13 +24,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dflash_train.extract.writer import KILL_AFTER_ENV  # noqa: E402
-from dflash_train.store_schema import validate  # noqa: E402
-from tests.reliability.extract_faults import KILL_AT_WRITE, TORN_COMMIT  # noqa: E402
-from tests.reliability.extract_support import (  # noqa: E402
+from dflash_train.extract.writer import KILL_AFTER_ENV
+from dflash_train.store_schema import validate
+from tests.reliability.extract_faults import KILL_AT_WRITE, TORN_COMMIT
+from tests.reliability.extract_support import (
     NUM_ROWS,
     build_inputs,
     child_env,
@@ -42,6 +39,8 @@ from tests.reliability.extract_support import (  # noqa: E402
     run_in_process,
     stored_samples,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 KINDS = ("timed", "after-samples", "at-write", "torn-commit")
 FRESH_WRITES, FRESH_COMMITS = 445, 20

@@ -7,33 +7,31 @@ runs on CPU in one intra-op thread (float sums split by thread differ):
   resume     the dflash run with every checkpoint after step 4 deleted, resumed to the end,
 and prints, per run, the sha256 of the final weights (name, dtype, shape and bytes of every
 tensor), of the log.jsonl records without their wall-clock fields, and of each file the
-final checkpoint's drafter/ holds. It fingerprints the tree it lies in (its parent comes
-first on sys.path): run each tree's copy and diff the outputs, e.g.
+final checkpoint's drafter/ holds. It fingerprints the tree it is run from (`python -m`
+imports the package from the current directory): run it in each tree and diff the outputs, e.g.
 
-    cd TREE && OMP_NUM_THREADS=1 python scripts/train_fingerprint.py > fingerprint.txt
+    cd TREE && OMP_NUM_THREADS=1 python -m scripts.train_fingerprint > fingerprint.txt
 """
 
 import hashlib
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dflash_train.drafter import load_drafter  # noqa: E402
-from dflash_train.drafter.config import DRAFTER_KINDS  # noqa: E402
-from dflash_train.train.config import load_config  # noqa: E402
-from dflash_train.train.loop import train  # noqa: E402
-from tests.train.conftest import build_store  # noqa: E402
+from dflash_train.drafter import load_drafter
+from dflash_train.drafter.config import DRAFTER_KINDS
+from dflash_train.run_layout import DRAFTER_SUBDIR, LOG, checkpoint_dir
+from dflash_train.train.checkpoint import complete_checkpoints
+from dflash_train.train.config import load_train_config
+from dflash_train.train.loop import train
+from tests.train.conftest import build_store
 
 WALL_CLOCK = ("data_wait_s", "step_s", "tokens_per_s")
 """Log fields that measure time, not computation: left out of the fingerprint."""
-RESUME_FROM = "step_00000004"
+RESUME_FROM = checkpoint_dir(".", 4).name
 
 SETTINGS = {"model.num_hidden_layers": 1, "loader.batch_tokens": 256, "run.anchors_per_seq": 8,
             "optim.lr": 3e-3, "optim.epochs": 3, "run.progress": False, "run.log_every": 1,
@@ -49,7 +47,7 @@ def _sha(data: bytes) -> str:
 
 def weights_sha(run_dir: Path) -> str:
     h = hashlib.sha256()
-    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    checkpoint = complete_checkpoints(run_dir)[-1]
     state = load_drafter(checkpoint, kinds=DRAFTER_KINDS).state_dict()
     for name in sorted(state):
         t = state[name].contiguous()
@@ -59,26 +57,26 @@ def weights_sha(run_dir: Path) -> str:
 
 
 def log_sha(run_dir: Path) -> tuple[str, int, list[str]]:
-    lines = (run_dir / "log.jsonl").read_text().splitlines()
+    lines = (run_dir / LOG).read_text().splitlines()  # as written: every line, raw
     records = [json.loads(line) for line in lines]
     kept = [{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in records]
     return _sha(json.dumps(kept).encode()), len(records), list(records[-1])
 
 
 def report(name: str, run_dir: Path) -> None:
-    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    checkpoint = complete_checkpoints(run_dir)[-1]
     log, count, keys = log_sha(run_dir)
     print(f"{name}: weights {weights_sha(run_dir)}")
     print(f"{name}: log {log} ({count} records; keys {','.join(keys)})")
     held = sorted(p.name for p in checkpoint.iterdir())
     print(f"{name}: checkpoint {checkpoint.name} holds {held}")
-    for file in sorted((checkpoint / "drafter").iterdir()):
+    for file in sorted((checkpoint / DRAFTER_SUBDIR).iterdir()):
         print(f"{name}: drafter/{file.name} {_sha(file.read_bytes())}")
     print(f"{name}: run dir holds {sorted(p.name for p in run_dir.iterdir())}")
 
 
 def run(store: str, out: Path, resume: bool = False, **extra) -> Path:
-    cfg = load_config(None, {"stores": [store], "run.out_dir": str(out), **SETTINGS, **extra})
+    cfg = load_train_config(None, {"stores": [store], "run.out_dir": str(out), **SETTINGS, **extra})
     train(cfg, resume=resume, echo=lambda _: None)
     return out
 
@@ -93,7 +91,7 @@ def main() -> None:
         report("dflash2", run(store, tmp / "dflash2", **DFLASH2))
         resumed = tmp / "resume"
         shutil.copytree(tmp / "dflash", resumed)
-        for later in (resumed / "checkpoints").glob("step_*"):
+        for later in complete_checkpoints(resumed):
             if later.name > RESUME_FROM:
                 shutil.rmtree(later)
         report("resume", run(store, resumed, resume=True))

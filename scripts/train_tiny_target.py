@@ -1,6 +1,6 @@
 """Train the tiny target that ships with dflash, on the standard library's own source code.
 
-    python scripts/train_tiny_target.py            # writes dflash_train/assets/stdlib_target/
+    python -m scripts.train_tiny_target            # writes dflash_train/assets/stdlib_target/
                                                    # and dflash_train/assets/prompts/*.jsonl
 
 Everything is built from what every Python install has, so anyone can re-run it: the stdlib

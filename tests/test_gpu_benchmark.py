@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _call(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "benchmarks/gpu.py", "--cpu-smoke", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--cpu-smoke", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def _run(*args: str) -> str:
@@ -74,8 +74,7 @@ def test_bad_options_are_refused_before_anything_runs(args, words):
 
 
 def test_a_part_that_fails_is_reported_and_the_next_part_still_runs(monkeypatch, capfd):
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    import gpu
+    import benchmarks.gpu as gpu
 
     def head_that_fails(*args):
         raise RuntimeError("no space left on /dev/shm")
@@ -126,7 +125,6 @@ def test_a_measured_file_in_a_missing_folder_is_refused_before_any_part_runs(tmp
 
 
 def test_a_measured_file_that_cannot_be_written_is_said_and_the_parts_go_on(tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import benchmarks.gpu as gpu
 
     gone = tmp_path / "gone" / "measured.json"  # its folder removed while the parts ran

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from dflash_train.drafter.checkpoint import save_drafter
 from dflash_train.drafter.errors import DrafterError
-from dflash_train.drafter.hf_config import ARCHITECTURE, config_from_dict
+from dflash_train.drafter.hf_config import ARCHITECTURE, drafter_config_from_dict
 from dflash_train.drafter.model import DFlashDrafter
 
 _DECODER_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -72,7 +72,8 @@ def convert(src: str | Path, out: str | Path, num_target_layers: int | None = No
     """Write `src` (a speculators checkpoint directory) as a drafter directory at `out`."""
     src = Path(src)
     spec = json.loads((src / "config.json").read_text())
-    config = config_from_dict(zlab_config(spec, num_target_layers), str(src / "config.json"))
+    config = drafter_config_from_dict(zlab_config(spec, num_target_layers),
+                                      str(src / "config.json"))
     state = load_file(str(src / "model.safetensors"))
     model = DFlashDrafter(config)
     expected = model.state_dict()

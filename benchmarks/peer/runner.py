@@ -178,17 +178,19 @@ def _run(cmd: list[str], log: Path, s: PeerSettings, **env: str) -> None:
 
 
 def run_ours(store: str, work: Path, s: PeerSettings) -> Measured:
+    from dflash_train.train.checkpoint import latest_checkpoint
+    from dflash_train.train.log_summary import read_log
+
     run_dir = work / "ours-run"
     report = work / "ours-measure.json"
     _run([sys.executable, "-m", "benchmarks.peer.measure", str(report), "--",
           *ours_flags(store, str(run_dir), s)], work / "ours-train.log", s)
-    steps = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    steps = read_log(run_dir)
     measured = json.loads(report.read_text())
-    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
-    return Measured("dflash-train", len(steps), sum(r["tokens"] for r in steps),
-                    sum(r["step_s"] + r["data_wait_s"] for r in steps),
+    return Measured("dflash-train", len(steps), sum(r.tokens for r in steps),
+                    sum(r.step_s + r.data_wait_s for r in steps),
                     measured["peak_rss_kb"] / 1024, measured["wall_seconds"],
-                    str(checkpoints[-1]))
+                    str(latest_checkpoint(run_dir)))
 
 
 def run_speculators(python: Path, data_dir: str, verifier: Path, layer_ids: list[int],

@@ -44,7 +44,7 @@ from dflash_train.drafter.config import (
     published_attention,
 )
 from dflash_train.drafter.errors import DrafterError
-from dflash_train.drafter.hf_config import read_config
+from dflash_train.drafter.hf_config import read_drafter_config
 from dflash_train.drafter.masks import BlockLayout, dense_mask, flex_block_mask
 from dflash_train.drafter.model import ContextCache, DFlashDrafter
 from dflash_train.run_layout import DRAFTER_SUBDIR
@@ -64,6 +64,6 @@ __all__ = [
     "flex_block_mask",
     "load_drafter",
     "published_attention",
-    "read_config",
+    "read_drafter_config",
     "save_drafter",
 ]

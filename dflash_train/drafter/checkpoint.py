@@ -46,7 +46,7 @@ from dflash_train.drafter.files import (
     write_checksums,
     write_dir_atomically,
 )
-from dflash_train.drafter.hf_config import ARCHITECTURES, config_to_dict, read_config
+from dflash_train.drafter.hf_config import ARCHITECTURES, config_to_dict, read_drafter_config
 from dflash_train.drafter.hf_weights import (
     check_keys,
     factorised_as,
@@ -120,7 +120,7 @@ def load_drafter(
     """
     directory = resolve_drafter_dir(path, checked_whole=checked_whole)
     verify_checksums(directory)
-    config = read_config(directory)
+    config = read_drafter_config(directory)
     if config.kind not in kinds:
         raise DrafterError(
             f"{directory}: a {ARCHITECTURES[config.kind]} ({config.kind}) drafter; this step "

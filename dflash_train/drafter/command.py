@@ -12,7 +12,7 @@ from dflash_train.drafter.checkpoint import (
 )
 from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.gguf_export import export_gguf
-from dflash_train.drafter.hf_config import read_config
+from dflash_train.drafter.hf_config import read_drafter_config
 from dflash_train.errors import reported_as_one_line
 from dflash_train.train.best import is_run_dir, run_checkpoint
 
@@ -64,7 +64,8 @@ def export_command(checkpoint: str, out: str, fmt: str, target_gguf: str | None,
             written = export_checkpoint(checkpoint, out, overwrite=overwrite, dtype=torch_dtype)
     click.echo(f"exported {checkpoint} -> {written}")
     # the checkpoint's config: a GGUF has no config.json to read back
-    note = serving_note(read_config(resolve_drafter_dir(checkpoint, checked_whole=True)), fmt)
+    saved = read_drafter_config(resolve_drafter_dir(checkpoint, checked_whole=True))
+    note = serving_note(saved, fmt)
     if note:
         click.echo(note)
 

@@ -119,7 +119,7 @@ def _plain_number(value: float) -> float | int:
     return int(value) if float(value).is_integer() else value
 
 
-def config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> DrafterConfig:
+def drafter_config_from_dict(raw: Mapping[str, Any], source: str = CONFIG_NAME) -> DrafterConfig:
     """Parse our config.json or a third-party DFlash / DFlash 2 one (z-lab, vLLM
     conventions)."""
     kind = _kind(raw.get("architectures") or [], source)
@@ -250,7 +250,7 @@ def _refuse_unsupported(raw: Mapping[str, Any], draft: Mapping[str, Any], source
             raise DrafterError(f"{source}: {name}={raw[name]} differs from {base}; unsupported")
 
 
-def read_config(directory: str | os.PathLike) -> DrafterConfig:
+def read_drafter_config(directory: str | os.PathLike) -> DrafterConfig:
     """The DrafterConfig of a drafter directory, without loading weights."""
     path = Path(directory) / CONFIG_NAME
     try:
@@ -259,4 +259,4 @@ def read_config(directory: str | os.PathLike) -> DrafterConfig:
         raise DrafterError(f"{path}: not found; not a drafter directory") from err
     except json.JSONDecodeError as err:
         raise DrafterError(f"{path}: invalid JSON ({err})") from err
-    return config_from_dict(raw, str(path))
+    return drafter_config_from_dict(raw, str(path))

@@ -229,12 +229,6 @@ class ContextCache:
     length: int = 0
     """Context positions held; the next block's anchor is at this position."""
 
-    def crop(self, length: int) -> None:
-        """Forget context positions >= length (e.g. after a rollback)."""
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
-        self.length = min(self.length, length)
-
 
 class DFlashDrafter(nn.Module):
     """The DFlash drafter. Borrowed target rows via `attach_target_head`."""

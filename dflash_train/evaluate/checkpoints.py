@@ -12,7 +12,6 @@ checkpoint on validation, else its newest (train.best.run_checkpoint). This modu
 runs a model.
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +22,14 @@ from dflash_train.drafter.config import DRAFTER_KINDS
 from dflash_train.drafter.files import training_checkpoint_root
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.run_layout import PROVENANCE
-from dflash_train.store_schema import StoreError, StoreMeta
+from dflash_train.store_schema import StoreMeta
 from dflash_train.train.best import is_run_dir, run_checkpoint
+from dflash_train.train.checkpoint import read_provenance
 from dflash_train.train.errors import TrainError
 
 
 @dataclass
-class Checkpoint:
+class EvalCheckpoint:
     """A loaded drafter and where it came from."""
 
     name: str
@@ -44,17 +44,6 @@ class Checkpoint:
     @property
     def config(self) -> DrafterConfig:
         return self.model.config
-
-
-def read_provenance(path: str | Path) -> StoreMeta | None:
-    """The training store's provenance kept next to `drafter/`, or None when absent."""
-    file = Path(path) / PROVENANCE
-    if not file.is_file():
-        return None
-    try:
-        return StoreMeta.from_dict(json.loads(file.read_text()))
-    except (json.JSONDecodeError, StoreError) as e:
-        raise EvalError(f"{file}: unreadable provenance ({e})") from e
 
 
 def compatibility_problems(
@@ -88,7 +77,7 @@ def layer_selection(config: DrafterConfig, store: StoreMeta) -> list[int] | None
 
 def load_checkpoint(
     path: str, store: StoreMeta, *, dtype: torch.dtype, device: str | torch.device = "cpu"
-) -> Checkpoint:
+) -> EvalCheckpoint:
     """Load `path` (training checkpoint, its drafter/, or a drafter dir) and check it
     against the store. A training checkpoint must be whole (load_drafter refuses a half-copied
     one) and hold its provenance: without it, another target's drafter of the same shape
@@ -109,7 +98,7 @@ def load_checkpoint(
     except DrafterError as e:
         raise EvalError(f"checkpoint {path}: {e}") from e
     root = training_checkpoint_root(path)
-    provenance = read_provenance(root if root is not None else path)
+    provenance = read_provenance(path)
     if root is not None and provenance is None:
         raise EvalError(f"checkpoint {path}: {root / PROVENANCE} is missing, so the store "
                         "it was trained on cannot be checked; copy the checkpoint again whole")
@@ -117,10 +106,10 @@ def load_checkpoint(
     if problems:
         raise EvalError(f"checkpoint {path} does not fit the store:\n  " + "\n  ".join(problems))
     model.eval().requires_grad_(False)
-    return Checkpoint(name=name, path=path, model=model, provenance=provenance)
+    return EvalCheckpoint(name=name, path=path, model=model, provenance=provenance)
 
 
-def unique_names(checkpoints: list[Checkpoint]) -> None:
+def unique_names(checkpoints: list[EvalCheckpoint]) -> None:
     """Make display names unique by appending #2, #3 to repeats (in command-line order)."""
     seen: dict[str, int] = {}
     for c in checkpoints:

@@ -9,6 +9,7 @@ import click
 
 from dflash_train.blocks import MAX_SEED
 from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP
+from dflash_train.dtypes import DTYPE_CHOICES
 from dflash_train.errors import reported_as_one_line
 from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.evaluate.report import dumps
@@ -61,7 +62,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="Blocks per sequence per drafter forward (--mode all).")
 @click.option("--device", default=DEFAULT_DEVICE, show_default=True, help=DEVICE_HELP)
 @click.option("--dtype", default="auto", show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              type=click.Choice(DTYPE_CHOICES),
               help="Drafter compute dtype; auto = bf16 on CUDA, fp32 on CPU.")
 @click.option("--out", default=None,
               help="Directory for report.json, blocks.parquet (per-block rows) and "

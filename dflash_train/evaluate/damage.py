@@ -32,9 +32,6 @@ class DamagePolicy:
         self._samples = {(d.part, d.sample): d for d in self.known if d.sample is not None}
         self.skipped += [d for d in self.known if d.sample is None]  # never read at all
 
-    def part_is_damaged(self, part: int) -> bool:
-        return part in self._parts
-
     def part_is_left_out(self, part: int) -> bool:
         """Damaged (known before reading) or unfinished: none of its samples is read."""
         return part in self._parts or part in self.unfinished

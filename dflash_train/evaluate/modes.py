@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from dflash_train.evaluate.agreement import Decoded, RunCheck, check_run
-from dflash_train.evaluate.checkpoints import Checkpoint
+from dflash_train.evaluate.checkpoints import EvalCheckpoint
 from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
@@ -33,7 +33,7 @@ class RunResults(Protocol):
     sequences: dict[tuple[int, int], list[tuple[int, int]]]
 
     def summary(self) -> dict:
-        """Its report column: a summary.Summary as JSON."""
+        """Its report column: a summary.EvalSummary as JSON."""
 
     def table(self) -> dict[str, list]:
         """Its per-block rows (replay.ROW_NAMES), ordered by (walk, part, sample, anchor)."""
@@ -46,7 +46,7 @@ class EvalInputs:
     store: Store
     settings: EvalSettings
     """The settings after clamping recall k to the vocabulary."""
-    checkpoints: list[Checkpoint]
+    checkpoints: list[EvalCheckpoint]
     drafters: dict[str, BlockDrafter]
     echo: Callable[[str], None]
 

@@ -20,9 +20,9 @@ from tqdm import tqdm
 
 from dflash_train.blocks import eligible_anchors
 from dflash_train.devices import resolve_device
-from dflash_train.dtypes import torch_dtype
+from dflash_train.dtypes import resolve_dtype
 from dflash_train.evaluate.checkpoints import (
-    Checkpoint,
+    EvalCheckpoint,
     layer_selection,
     load_checkpoint,
     unique_names,
@@ -50,6 +50,8 @@ from dflash_train.evaluate.replay import (
     read_samples,
 )
 from dflash_train.evaluate.report import (
+    BLOCKS_FILE,
+    REPORT_FILE,
     CheckpointEntry,
     EvalReport,
     ShownBlock,
@@ -107,12 +109,6 @@ class EvalOutcome:
         return next(iter(self.runs["online"].decoded.values())).text
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch_dtype(dtype)
-
-
 def _open(url: str) -> Store:
     try:
         return open_store(url)
@@ -121,7 +117,7 @@ def _open(url: str) -> Store:
 
 
 def load_drafters(store: Store, paths: list[str], *, device: torch.device, dtype: torch.dtype
-                  ) -> tuple[list[Checkpoint], dict[str, BlockDrafter]]:
+                  ) -> tuple[list[EvalCheckpoint], dict[str, BlockDrafter]]:
     """Load every checkpoint, refuse misfits, attach the store's frozen embed / lm_head."""
     if not paths:
         raise EvalError("no checkpoint given")
@@ -281,7 +277,7 @@ def _evaluated(cfg: EvalConfig, damage: DamagePolicy, total: int, offline: ModeR
     return total - skipped
 
 
-def _entry(c: Checkpoint, runs: list[ModeRun]) -> CheckpointEntry:
+def _entry(c: EvalCheckpoint, runs: list[ModeRun]) -> CheckpointEntry:
     trained_on = None if c.provenance is None else c.provenance.source.paths
     return CheckpointEntry(c.name, c.path, trained_on,
                            {r.label: r.results[c.name].summary() for r in runs})
@@ -398,12 +394,12 @@ def _generation_source(model: str):
 
     from transformers import GenerationConfig
 
-    from dflash_train.target_model.loading import load_config
+    from dflash_train.target_model.loading import load_target_config
 
     try:
         generation = GenerationConfig.from_pretrained(model)
     except OSError:
-        generation = GenerationConfig.from_model_config(load_config(model))
+        generation = GenerationConfig.from_model_config(load_target_config(model))
     return SimpleNamespace(generation_config=generation)
 
 
@@ -416,11 +412,10 @@ def _write_outputs(cfg: EvalConfig, report: dict, runs: list[ModeRun]
         out.mkdir(parents=True, exist_ok=True)
         # report.json is the set's last write, removed first: it never stands beside
         # another run's blocks.parquet
-        (out / "report.json").unlink(missing_ok=True)
-        write_parquet(block_rows({r.label: r.results for r in runs}),
-                      out / "blocks.parquet")
-        write_json(report, out / "report.json")
-        written += [str(out / "report.json"), str(out / "blocks.parquet")]
+        (out / REPORT_FILE).unlink(missing_ok=True)
+        write_parquet(block_rows({r.label: r.results for r in runs}), out / BLOCKS_FILE)
+        write_json(report, out / REPORT_FILE)
+        written += [str(out / REPORT_FILE), str(out / BLOCKS_FILE)]
         if plot is None:
             try:
                 require_matplotlib()

@@ -38,7 +38,7 @@ from dflash_train.evaluate.metrics import (
     agreement_counts,
     committed_lengths,
 )
-from dflash_train.evaluate.summary import Summary
+from dflash_train.evaluate.summary import EvalSummary
 from dflash_train.evaluate.tree import DraftTree, accepted_path, grow_tree
 from dflash_train.store_schema import Damage, Part, Sample, Store, read_guarded
 from dflash_train.store_schema.integrity import read_by_span
@@ -259,7 +259,7 @@ class CheckpointResults:
             tree[str(b)] = {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"],
                             "rounds": s["n"], "tau_hist": s["tau_hist"],
                             "tau_by_position": self.tree_positions[b].summary()}
-        return Summary(self.stats, tree, self.positions).to_json()
+        return EvalSummary(self.stats, tree, self.positions).to_json()
 
 
 def _anchors(blocks: list[tuple[EvalSample, int]]) -> torch.Tensor:

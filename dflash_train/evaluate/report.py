@@ -16,6 +16,11 @@ from dflash_train.evaluate.replay import Agreement, EvalSettings
 from dflash_train.evaluate.summary import RUN_LABELS, RunLabel
 from dflash_train.store_schema import StoreMeta
 
+REPORT_FILE = "report.json"
+"""The report `dflash eval --out DIR` writes in DIR (EvalReport.to_json)."""
+BLOCKS_FILE = "blocks.parquet"
+"""The per-block rows `dflash eval --out DIR` writes beside it (block_rows)."""
+
 PLOT_EXTRA = "pip install 'dflash-train[plot]'  (matplotlib)"
 """How to get the optional plotting dependency."""
 
@@ -43,7 +48,7 @@ class CheckpointEntry:
     trained_on: list[str] | None
     """The training data of its run (its provenance), when it has one."""
     summaries: dict[RunLabel, dict]
-    """Its summary (summary.Summary as JSON) per run made."""
+    """Its summary (summary.EvalSummary as JSON) per run made."""
 
     def to_json(self) -> dict:
         return {"name": self.name, "path": self.path, "trained_on": self.trained_on,

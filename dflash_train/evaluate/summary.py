@@ -14,7 +14,7 @@ RUN_LABELS: tuple[RunLabel, ...] = ("offline", "online", "served")
 
 
 @dataclass
-class Summary:
+class EvalSummary:
     """One checkpoint's figures from one run; `to_json` is its report column."""
 
     stats: AcceptanceStats

@@ -9,6 +9,7 @@ import os
 import click
 
 from dflash_train.devices import DEVICE_HELP, RANKS_HELP
+from dflash_train.dtypes import DTYPE_CHOICES
 from dflash_train.errors import reported_as_one_line
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.errors import ExtractError
@@ -59,7 +60,7 @@ def _rank_and_world() -> tuple[int, int]:
 @click.option("--device", default=_DEFAULTS.device, show_default=True,
               help=DEVICE_HELP + RANKS_HELP)
 @click.option("--dtype", default=_DEFAULTS.dtype, show_default=True,
-              type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              type=click.Choice(DTYPE_CHOICES),
               help="Compute and storage dtype; auto = bf16 where --device resolves to "
                    "CUDA, fp32 on CPU.")
 @click.option("--context-dtype", default=_DEFAULTS.context_dtype, show_default=True,

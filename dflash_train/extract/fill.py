@@ -35,7 +35,7 @@ from dflash_train.extract.prepare import (
     render_rows,
     shrink_total,
 )
-from dflash_train.extract.run import ExtractPlan, ExtractRun, Summary
+from dflash_train.extract.run import ExtractPlan, ExtractRun, ExtractSummary
 from dflash_train.extract.server_generate import check_agreement
 from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
 from dflash_train.store_schema import (
@@ -75,16 +75,16 @@ class _Filling:
     """Appends a batch's samples while the next batch's forward runs."""
     ahead: GenerationAhead | None
     """With servers: the next part's answers, generated during this part's forward."""
-    summary: Summary
+    summary: ExtractSummary
 
 
-def fill_store(run: ExtractRun) -> Summary:
+def fill_store(run: ExtractRun) -> ExtractSummary:
     """Create or reopen the store, copy the frozen rows, extract my parts."""
     plan = run.plan
     store = _create_store(run)
     fill = _Filling(store=store, bars=_bars(plan), writer=BackgroundWriter(),
                     ahead=GenerationAhead() if run.servers else None,
-                    summary=Summary(plan.cfg.out, bytes_per_token=plan.bytes_per_token))
+                    summary=ExtractSummary(plan.cfg.out, bytes_per_token=plan.bytes_per_token))
     try:
         _fill_parts(run, fill)
     finally:

@@ -18,7 +18,7 @@ import transformers
 import dflash_train
 from dflash_train.devices import resolve_device
 from dflash_train.drafter.config import default_mask_token_id
-from dflash_train.dtypes import dtype_name
+from dflash_train.dtypes import dtype_name, resolve_dtype
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.data import ChatSource, open_source
 from dflash_train.extract.errors import ExtractError
@@ -26,7 +26,7 @@ from dflash_train.extract.fill import fill_store
 from dflash_train.extract.layers import resolve_layer_ids
 from dflash_train.extract.plan import PartPlan, parts_of_rank, plan_parts
 from dflash_train.extract.prepare import Counts, Item, apply_length_policy, prompt_fits, render_rows
-from dflash_train.extract.run import ExtractPlan, ExtractRun, Summary
+from dflash_train.extract.run import ExtractPlan, ExtractRun, ExtractSummary
 from dflash_train.extract.server_generate import Server, check_agreement, check_servers
 from dflash_train.store_schema import (
     CreatedWith,
@@ -40,10 +40,9 @@ from dflash_train.store_schema.layout import FP8_CONTEXT
 from dflash_train.store_schema.store import store_exists
 from dflash_train.target_model.kernels import missing_kernels_note
 from dflash_train.target_model.loading import (
-    load_config,
     load_target,
+    load_target_config,
     load_tokenizer,
-    resolve_dtype,
     spare_special_ids,
     target_info,
     tokenizer_info,
@@ -51,12 +50,12 @@ from dflash_train.target_model.loading import (
 
 
 def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
-                echo=print) -> Summary:
+                echo=print) -> ExtractSummary:
     """Run extract for this rank; returns what it did."""
     if cfg.dry_run:
         plan = plan_extract(cfg, rank, world_size, echo)
         _print_plan(plan, echo)
-        return Summary(cfg.out, bytes_per_token=plan.bytes_per_token)
+        return ExtractSummary(cfg.out, bytes_per_token=plan.bytes_per_token)
     run = build_extract(cfg, rank, world_size, echo)
     try:
         summary = fill_store(run)
@@ -95,7 +94,7 @@ def plan_extract(cfg: ExtractConfig, rank: int, world: int, echo=print) -> Extra
     source = open_source(cfg.data, allow_truncated=cfg.allow_truncated)
     for note in source.notes:
         echo(note)
-    config = load_config(cfg.model)
+    config = load_target_config(cfg.model)
     info = target_info(cfg.model, config, cfg.revision)
     layer_ids = resolve_layer_ids(cfg.layers, info.num_hidden_layers)
     if cfg.top_k > info.vocab_size:

@@ -26,7 +26,7 @@ from dflash_train.target_model.loading import Target, tokenizer_files
 
 
 @dataclass
-class Summary:
+class ExtractSummary:
     """What a run did, for the closing report."""
 
     out: str

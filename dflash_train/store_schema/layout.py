@@ -38,7 +38,6 @@ SAMPLE_CHUNK = 65536
 CONTEXT_INNER_TOKENS = 256
 ZSTD_LEVEL = 1  # level 1 codes at ~1 GB/s per core; higher levels gain little on hidden states
 
-HiddenDtype = str  # one of HIDDEN_DTYPES
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 # zarr has no bfloat16: its bit pattern is stored as uint16 and the logical dtype recorded.
 _STORAGE_DTYPE = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}

@@ -80,7 +80,7 @@ def _sha256(key: tuple) -> str:
     return file_sha256(key[0])
 
 
-def read_config(path: Path):
+def read_gguf_config(path: Path):
     """The transformers config a GGUF's metadata describes (a copy: callers may edit it).
 
     Reading it parses every metadata field, the whole vocabulary included (seconds for a

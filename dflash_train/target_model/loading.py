@@ -19,7 +19,6 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import TargetInfo, TokenizerInfo
 from dflash_train.target_config import text_part
 from dflash_train.target_model import gguf, weights
@@ -57,7 +56,7 @@ class Target:
         return self.lm_head.weight.dtype
 
 
-def load_config(name_or_path: str):
+def load_target_config(name_or_path: str):
     """The checkpoint's config; TargetError naming the path if it cannot be read."""
     from transformers import AutoConfig
 
@@ -66,7 +65,7 @@ def load_config(name_or_path: str):
     path = gguf.find_gguf(name_or_path)
     try:
         if path is not None:
-            return gguf.read_config(path)
+            return gguf.read_gguf_config(path)
         return AutoConfig.from_pretrained(name_or_path)
     except Exception as e:  # hub / json / unknown model_type all raise different types
         raise _unreadable(name_or_path, "cannot read its config", e) from e
@@ -197,14 +196,6 @@ def kernels_used(model: nn.Module, device: str) -> str:
     return f"attention={attention} linear_attention={linear}"
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """auto: bf16 where the target will run on CUDA (`--device auto` included), else fp32."""
-    if dtype == "auto":
-        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-        return torch.bfloat16 if cuda else torch.float32
-    return torch_dtype(dtype)
-
-
 def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: LoadAs,
                 revision: str | None = None, progress: bool = True) -> Target:
     """Load the target for inference and find its decoder and lm_head."""
@@ -212,7 +203,7 @@ def load_target(name_or_path: str, *, device: str, dtype: torch.dtype, load_as: 
     silence_fallback_notes()  # their advice is wrong on CPU; pipeline says it once on CUDA
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = load_config(name_or_path)
+    config = load_target_config(name_or_path)
     info = target_info(name_or_path, config, revision)
     where, kwargs = from_pretrained_args(name_or_path)
     if kwargs:  # GGUF: no hub revision; its config parsed once (from_pretrained edits a copy)

@@ -49,7 +49,7 @@ from dflash_train.run_layout import (
 )
 from dflash_train.store_schema import StoreError, StoreMeta
 from dflash_train.store_schema.errors import one_line
-from dflash_train.train.config import TrainConfig, config_from_dict
+from dflash_train.train.config import TrainConfig, train_config_from_dict
 from dflash_train.train.errors import TrainError
 
 KILL_IN_SAVE_ENV = "DFLASH_TRAIN_KILL_IN_SAVE_STEP"
@@ -78,40 +78,49 @@ class TrainState:
     """Validations since that one that did not beat it: run.patience counts these."""
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    model: torch.nn.Module,
-    model_state: dict,
-    optimizer_state: dict,
-    scheduler,
-    state: TrainState,
-    provenance: StoreMeta,
-    config_toml: str,
-    keep: int = 3,
-    spare: Path | None = None,
-) -> Path:
-    """Write a complete checkpoint for `state.step` atomically; prune to the `keep` newest,
-    `spare` (the run's best, train.best) apart.
+@dataclass
+class CheckpointContents:
+    """Everything one checkpoint holds, gathered before the write starts."""
 
-    model_state / optimizer_state: full (gathered) states, see parallel.full_states.
-    Either holding NaN or Inf is refused before anything is written."""
+    model: torch.nn.Module
+    """The drafter whose config and shape are saved (its weights come from model_state)."""
+    model_state: dict
+    """Full (gathered) weights, see parallel.full_states."""
+    optimizer_state: dict
+    """Full (gathered) optimizer state, see parallel.full_states."""
+    scheduler: object
+    """The LR scheduler (its state_dict goes into trainer.pt)."""
+    state: TrainState
+    provenance: StoreMeta
+    """The store it trained on."""
+    config_toml: str
+    """The resolved training config, as written to config.toml."""
+
+
+def save_checkpoint(run_dir: str | Path, contents: CheckpointContents, keep: int = 3,
+                    spare: Path | None = None) -> Path:
+    """Write a complete checkpoint for `contents.state.step` atomically; prune to the `keep`
+    newest, `spare` (the run's best, train.best) apart.
+
+    Weights or optimizer state holding NaN or Inf are refused before anything is written."""
+    state = contents.state
     final = checkpoint_dir(run_dir, state.step)
-    check_finite(model_state, f"{final}: the drafter's weights")
-    check_finite(optimizer_state, f"{final}: the optimizer state")
+    check_finite(contents.model_state, f"{final}: the drafter's weights")
+    check_finite(contents.optimizer_state, f"{final}: the optimizer state")
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     remove_torn_saves(run_dir)
     tmp.mkdir(parents=True)
-    save_drafter(model, tmp / DRAFTER_SUBDIR, state_dict=model_state)
+    save_drafter(contents.model, tmp / DRAFTER_SUBDIR, state_dict=contents.model_state)
     torch.save({
-        "optimizer": optimizer_state,
-        "scheduler": scheduler.state_dict(),
+        "optimizer": contents.optimizer_state,
+        "scheduler": contents.scheduler.state_dict(),
         "state": asdict(state),
         "torch_rng": torch.get_rng_state(),
     }, tmp / TRAINER_STATE)
     if os.environ.get(KILL_IN_SAVE_ENV) == str(state.step):
         os.kill(os.getpid(), signal.SIGKILL)
-    (tmp / PROVENANCE).write_text(json.dumps(provenance.to_dict(), indent=2))
-    (tmp / CONFIG).write_text(config_toml)
+    (tmp / PROVENANCE).write_text(json.dumps(contents.provenance.to_dict(), indent=2))
+    (tmp / CONFIG).write_text(contents.config_toml)
     write_checksums(tmp, list(CHECKSUMMED))
     (tmp / COMPLETE).write_text(f"step {state.step}\n")
     _fsync_tree(tmp)
@@ -164,11 +173,15 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def read_provenance(path: str | Path) -> StoreMeta | None:
     """The store provenance a checkpoint (or its drafter/) was trained on, or None for a
-    bare drafter dir."""
+    bare drafter dir or a checkpoint without provenance.json. One that does not read (not
+    JSON, not a provenance) is a StoreError naming the file."""
     file = (training_checkpoint_root(path) or Path(path)) / PROVENANCE
     if not file.is_file():
         return None
-    return StoreMeta.from_dict(json.loads(file.read_text()))
+    try:
+        return StoreMeta.from_dict(json.loads(file.read_text()))
+    except (ValueError, StoreError) as e:  # JSON and UTF-8 decode errors are ValueErrors
+        raise StoreError(f"{file}: unreadable provenance ({one_line(e)})") from e
 
 
 def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, where: str,
@@ -206,7 +219,7 @@ another checkpoint than its peers."""
 
 
 @dataclass
-class Checkpoint:
+class TrainCheckpoint:
     """A complete checkpoint read back whole: what a resume continues from."""
 
     path: Path
@@ -229,7 +242,7 @@ class SavedConfigError(TrainError):
     not damage (an older checkpoint would not help), so a resume stops on it."""
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
+def read_checkpoint(path: str | Path) -> TrainCheckpoint:
     """Everything a resume needs from a complete checkpoint; a file that does not read back
     whole (truncated, bit rot, a checksum that differs) is a TrainError naming it, a
     config.toml that reads but is refused a SavedConfigError. A checkpoint written before
@@ -261,11 +274,11 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         raise TrainError(f"{file} is damaged and cannot be read "
                          f"({type(e).__name__}: {one_line(e)})") from e
     try:
-        settings = config_from_dict(config)
+        settings = train_config_from_dict(config)
     except TrainError as e:
         raise SavedConfigError(f"{path / CONFIG}: cannot read the run's saved config: {e}"
                                ) from e
-    return Checkpoint(path, drafter, blob, provenance, settings)
+    return TrainCheckpoint(path, drafter, blob, provenance, settings)
 
 
 def restore_trainer(blob: dict, scheduler) -> tuple[TrainState, dict]:

@@ -6,7 +6,7 @@ from dflash_train.devices import DEVICE_HELP, RANKS_HELP
 from dflash_train.errors import reported_as_one_line
 from dflash_train.run_layout import LOG
 from dflash_train.train.best import read_best
-from dflash_train.train.config import TrainConfig, load_config
+from dflash_train.train.config import TrainConfig, load_train_config
 from dflash_train.train.drafter_shape import DRAFTER_LAYERS
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import CLI_OPTIONS
@@ -117,7 +117,7 @@ def train_command(stores, val_stores, config_file, resume, sets, progress, **fla
             raise click.BadParameter(f"{item!r} is not SECTION.FIELD=VALUE", param_hint="--set")
         overrides[key.strip()] = value.strip()
     with reported_as_one_line():
-        cfg = load_config(config_file, overrides)
+        cfg = load_train_config(config_file, overrides)
         result = train(cfg, resume=resume, echo=click.echo)
     if result.already_complete:
         click.echo(f"{result.run_dir} is already complete (step {result.steps} of "

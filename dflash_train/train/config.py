@@ -492,11 +492,11 @@ def _build(cls, data: dict[str, Any], where: str):
         raise TrainError(f"{where or 'config'}: {e}") from e
 
 
-def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+def train_config_from_dict(data: dict[str, Any]) -> TrainConfig:
     return _build(TrainConfig, data, "")
 
 
-def load_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+def load_train_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     """A TOML file (optional) with `section.field` overrides applied on top."""
     data: dict[str, Any] = {}
     if path:
@@ -519,11 +519,11 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
             if not isinstance(node, dict):
                 raise TrainError(f"override {dotted}: {s} is not a section")
         node[leaf] = value
-    return config_from_dict(data)
+    return train_config_from_dict(data)
 
 
 def to_toml(cfg: TrainConfig) -> str:
-    """The resolved config as TOML, read back by load_config to an equal config. TOML has no
+    """The resolved config as TOML, read back by load_train_config to an equal config. TOML has no
     null: a None that is the field's default is left out, any other is written "none"."""
     lines: list[str] = []
 

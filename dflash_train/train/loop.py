@@ -19,7 +19,12 @@ import torch.distributed as dist
 
 from dflash_train.run_layout import checkpoint_dir
 from dflash_train.train.best import mark_best, read_best
-from dflash_train.train.checkpoint import latest_checkpoint, prune_checkpoints, save_checkpoint
+from dflash_train.train.checkpoint import (
+    CheckpointContents,
+    latest_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from dflash_train.train.config import TrainConfig, to_toml
 from dflash_train.train.data import Batch, empty_batch
 from dflash_train.train.errors import TrainError
@@ -183,9 +188,10 @@ def save_run(run: Run) -> Path | None:
     path = None
     if run.placement.rank == 0:
         keep, marked = run.cfg.run.keep_checkpoints, read_best(run.run_dir)
-        path = save_checkpoint(run.run_dir, run.model, model_state, optimizer_state,
-                               run.scheduler, run.state, run.store.meta, to_toml(run.cfg),
-                               keep=keep, spare=marked and marked.checkpoint(run.run_dir))
+        contents = CheckpointContents(run.model, model_state, optimizer_state, run.scheduler,
+                                      run.state, run.store.meta, to_toml(run.cfg))
+        path = save_checkpoint(run.run_dir, contents, keep=keep,
+                               spare=marked and marked.checkpoint(run.run_dir))
         if run.validation is not None:
             best = mark_best(run.run_dir, run.state, run.cfg.validation.best_figure)
             prune_checkpoints(run.run_dir, keep, spare=best)

@@ -29,7 +29,7 @@ from dflash_train.store_schema.integrity import SKIP_HINT
 from dflash_train.store_schema.stats import store_stats
 from dflash_train.train.best import mark_best
 from dflash_train.train.checkpoint import (
-    Checkpoint,
+    TrainCheckpoint,
     TrainState,
     check_provenance,
     read_provenance,
@@ -72,6 +72,12 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     asked for, or left to `auto` where bf16 matmuls run natively (CUDA, a CPU with AMX or
     AVX-512 BF16: devices.native_bf16); elsewhere float32, which emulated bf16 would slow."""
     return precision == "bf16" or (precision == "auto" and native_bf16(device) is not None)
+
+
+def head_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype the target's embedding and lm_head rows are kept in: bf16 exactly where the
+    forward runs under bf16 autocast (use_bf16), else float32."""
+    return torch.bfloat16 if use_bf16(precision, device) else torch.float32
 
 
 def precision_note(precision: str, device: torch.device) -> str | None:
@@ -266,7 +272,7 @@ def _distributed() -> tuple[int, int]:
 
 
 def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, placement: Placement,
-                   say: Echo) -> Checkpoint | None:
+                   say: Echo) -> TrainCheckpoint | None:
     """The run directory: a new run never mixes into an old one; a resume continues the run
     it finds exactly as configured (rundir.RUN_MANAGEMENT_FIELDS aside), from the newest
     checkpoint that reads whole. Every rank checks before rank 0 writes anything."""
@@ -283,7 +289,7 @@ def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, placement: Pla
 
 
 def _resume_point(run_dir: Path, cfg: TrainConfig, placement: Placement,
-                  say: Echo) -> Checkpoint:
+                  say: Echo) -> TrainCheckpoint:
     """The checkpoint a resume continues from, the same on every rank, its config checked
     against cfg; damaged newer ones are named and (rank 0, once every rank has chosen)
     renamed out of rotation."""
@@ -364,7 +370,7 @@ def run_finished(done: TrainState, epochs: int, total_steps: int,
             or (done.epoch == last and done.batch_in_epoch >= last_epoch_batches()))
 
 
-def _drafter(cfg: TrainConfig, point: Checkpoint | None, stores: list[Store],
+def _drafter(cfg: TrainConfig, point: TrainCheckpoint | None, stores: list[Store],
              placement: Placement, say: Echo) -> DFlashDrafter:
     """The drafter the run trains, borrowing the store's frozen embed_tokens / lm_head (on
     the placement's device, in bf16 where the forward runs in it)."""
@@ -386,13 +392,13 @@ def _drafter(cfg: TrainConfig, point: Checkpoint | None, stores: list[Store],
     say(f"drafter: {model.config.describe()}; {parameter_count(trainable)} trainable "
         "parameters")
     device = placement.device
-    head_dtype = torch.bfloat16 if use_bf16(cfg.run.precision, device) else torch.float32
-    model.attach_target_head(rows["embed_tokens"].to(device, head_dtype),
-                             rows["lm_head"].to(device, head_dtype))
+    rows_dtype = head_dtype(cfg.run.precision, device)
+    model.attach_target_head(rows["embed_tokens"].to(device, rows_dtype),
+                             rows["lm_head"].to(device, rows_dtype))
     return model
 
 
-def _starting_drafter(cfg: TrainConfig, point: Checkpoint | None,
+def _starting_drafter(cfg: TrainConfig, point: TrainCheckpoint | None,
                       store: Store) -> DFlashDrafter:
     """A resume trains the checkpoint's own drafter, as its config.json describes it:
     defaults that resolve differently today (rundir.config_changes) must not build another
@@ -460,7 +466,7 @@ def _lr_lambda(total: int, warmup: int, min_ratio: float):
     return scale
 
 
-def _restore(point: Checkpoint, run: Run) -> None:
+def _restore(point: TrainCheckpoint, run: Run) -> None:
     """The checkpoint's position, schedule, RNG and optimiser state, restored into `run`."""
     state, optimizer_state = restore_trainer(point.trainer, run.scheduler)
     state.plan = run.state.plan  # checked equal above; recorded again by checkpoints before it was

@@ -30,12 +30,12 @@ from dflash_train.run_layout import (
     STEP_PREFIX,
 )
 from dflash_train.train.checkpoint import (
-    Checkpoint,
     SavedConfigError,
+    TrainCheckpoint,
     complete_checkpoints,
     read_checkpoint,
 )
-from dflash_train.train.config import TrainConfig, load_config, to_toml
+from dflash_train.train.config import TrainConfig, load_train_config, to_toml
 from dflash_train.train.drafter_shape import drafter_settings
 from dflash_train.train.errors import TrainError
 from dflash_train.train.options import option_name
@@ -157,7 +157,7 @@ def incomplete_checkpoints(run_dir: Path) -> list[str]:
         (STEP_PREFIX, DAMAGED_PREFIX)) and not (p / COMPLETE).is_file())
 
 
-def find_resume_point(run_dir: Path) -> Checkpoint:
+def find_resume_point(run_dir: Path) -> TrainCheckpoint:
     """The newest complete checkpoint whose files all read back whole (checksums, weights,
     trainer state, provenance, config), with the newer ones it stepped over as damaged."""
     check_run_dir_path(run_dir)
@@ -234,7 +234,7 @@ def config_changes(saved: TrainConfig, new: TrainConfig,
             and _norm(a.get(k)) != _norm(b.get(k))]
 
 
-def check_resume_config(point: Checkpoint, new: TrainConfig) -> None:
+def check_resume_config(point: TrainCheckpoint, new: TrainConfig) -> None:
     """Refuse a resume whose settings would train other weights than the run's, or that
     would silently rewrite a RUN/config.toml edited since the run wrote it."""
     changes = config_changes(point.config, new, point.drafter.config)
@@ -246,7 +246,7 @@ def check_resume_config(point: Checkpoint, new: TrainConfig) -> None:
     check_run_config_kept(point, new)
 
 
-def check_run_config_kept(point: Checkpoint, new: TrainConfig) -> None:
+def check_run_config_kept(point: TrainCheckpoint, new: TrainConfig) -> None:
     """RUN/config.toml is what the run wrote, never read back: a resume takes its settings
     from the command line and --config, and rewrites it. Refuse one that says otherwise
     than both the checkpoint and this resume (edited by hand, thinking it is read), naming
@@ -258,7 +258,7 @@ def check_run_config_kept(point: Checkpoint, new: TrainConfig) -> None:
         text = path.read_text(encoding="utf-8")
         if text in (to_toml(new), (point.path / CONFIG).read_text(encoding="utf-8")):
             return
-        written = load_config(str(path), {})
+        written = load_train_config(str(path), {})
     except (OSError, UnicodeDecodeError, TrainError) as e:
         raise TrainError(f"--resume: {path} is not the config the run wrote ({e}); a resume "
                          "rewrites it with the run's settings: restore it, or move it away "

@@ -2,18 +2,13 @@
 the same weights, their first losses and every drafter's held-out tau reported."""
 
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-# The benchmarks are scripts: they import their siblings by bare name (`from report import`).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import benchmarks.final_norm_init as bench  # noqa: E402
-from benchmarks.real_target import PRESETS  # noqa: E402
-from tests.train.conftest import VOCAB, build_store, smollm2_like_rows  # noqa: E402
+import benchmarks.final_norm_init as bench
+from benchmarks.real_target import PRESETS
+from tests.train.conftest import VOCAB, build_store, smollm2_like_rows
 
 TINY = replace(PRESETS["quick"], steps=4, eval_every=2, draft_vocab_size=None,
                batch_tokens=256, anchors_per_seq=8)

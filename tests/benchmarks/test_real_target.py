@@ -7,17 +7,15 @@ from pathlib import Path
 
 import pytest
 
-# The benchmarks are scripts: they import their siblings by bare name (`from report import`).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import benchmarks.real_target as real_target  # noqa: E402
-from benchmarks.real_target import (  # noqa: E402
+import benchmarks.real_target as real_target
+from benchmarks.real_target import (
     PRESETS,
     evaluate_drafter,
     markdown,
     plot,
     prompt_sets,
     recipe,
+    relative_to_out,
     train_config,
     validation_of,
 )
@@ -211,3 +209,10 @@ def test_out_or_cache_on_a_read_only_disk_is_one_line_naming_it(tmp_path, monkey
     said = _main(monkeypatch, flag, str(path), other, str(tmp_path / "fine"))
     assert said == (f"{flag} {path}: cannot write there (Read-only file system); choose "
                     f"another {flag}")
+
+
+def test_results_name_checkpoints_relative_to_the_out_directory(tmp_path):
+    # results.json is committed to docs/: it must not carry the machine's own paths
+    out = tmp_path / "work"
+    checkpoint = out / "run_1L" / "checkpoints" / "step_00000400"
+    assert relative_to_out(checkpoint, out) == "run_1L/checkpoints/step_00000400"

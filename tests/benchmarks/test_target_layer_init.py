@@ -1,16 +1,11 @@
 """benchmarks/target_layer_init.py copies exactly the target layers it names."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from benchmarks.target_layer_init import copy_target_layers  # noqa: E402
-from dflash_train.drafter import DFlashDrafter  # noqa: E402
-from dflash_train.drafter.config import DrafterConfig  # noqa: E402
+from benchmarks.target_layer_init import copy_target_layers
+from dflash_train.drafter import DFlashDrafter
+from dflash_train.drafter.config import DrafterConfig
 
 LLAMA_LAYER = {  # a Llama decoder layer's tensors at the tiny drafter's shape (no q/k norm)
     "self_attn.q_proj.weight": (32, 32), "self_attn.k_proj.weight": (16, 32),

@@ -20,10 +20,10 @@ from dflash_train.drafter import (
     DrafterError,
     export_checkpoint,
     load_drafter,
-    read_config,
+    read_drafter_config,
     save_drafter,
 )
-from dflash_train.drafter.hf_config import config_from_dict, config_to_dict
+from dflash_train.drafter.hf_config import config_to_dict, drafter_config_from_dict
 
 from .conftest import random_batch, tiny_drafter
 
@@ -181,7 +181,7 @@ def test_third_party_zlab_checkpoint_loads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     gen = torch.Generator().manual_seed(0)
     with torch.device("meta"):
-        reference = DFlashDrafter(config_from_dict(raw))
+        reference = DFlashDrafter(drafter_config_from_dict(raw))
     shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     assert shapes["fc.weight"] == (64, 5 * 64)
     tensors = {k: torch.randn(s, generator=gen).to(torch.bfloat16) for k, s in shapes.items()}
@@ -197,7 +197,7 @@ def test_rope_parameters_and_is_causal_of_newer_configs_are_read():
     raw = {**_tiny_raw_config(), "rope_parameters": {"rope_theta": 1e7, "rope_type": "default"},
            "is_causal": False, "layer_types": ["sliding_attention"] * 2, "sliding_window": 2048}
     del raw["rope_theta"]
-    cfg = config_from_dict(raw)
+    cfg = drafter_config_from_dict(raw)
     assert cfg.rope_theta == 1e7
     assert [cfg.layer_is_causal(i) for i in range(2)] == [False, False]
 
@@ -222,7 +222,7 @@ def test_unsupported_checkpoints_are_refused_by_name(tmp_path, change, words):
     raw = {**_tiny_raw_config(), **change}
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(DrafterError, match=words):
-        read_config(tmp_path)
+        read_drafter_config(tmp_path)
 
 
 def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
@@ -253,7 +253,7 @@ def test_export_writes_bf16_serving_dir_from_a_training_checkpoint(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == OWN_FILES
     raw = json.loads((out / "config.json").read_text())
     assert raw["dtype"] == "bfloat16"
-    assert config_from_dict(raw) == model.config
+    assert drafter_config_from_dict(raw) == model.config
     exported = load_drafter(out)
     for name, tensor in model.state_dict().items():
         assert torch.equal(exported.state_dict()[name], tensor.to(torch.bfloat16)), name
@@ -380,7 +380,7 @@ def test_unknown_num_target_layers_is_left_out_of_the_export_not_written_null(tm
     out = export_checkpoint(src, tmp_path / "serve")
     exported = json.loads((out / "config.json").read_text())
     assert "num_target_layers" not in exported
-    assert read_config(out).num_target_layers is None
+    assert read_drafter_config(out).num_target_layers is None
     assert exported["dflash_config"]["target_layer_ids"] == [1, 3, 5]
 
 

@@ -11,7 +11,7 @@ from dflash_train.drafter import (
     DrafterError,
     export_checkpoint,
     load_drafter,
-    read_config,
+    read_drafter_config,
     save_drafter,
 )
 from dflash_train.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv
@@ -223,7 +223,7 @@ def test_dflash2_fields_are_read_from_the_top_level_too(tmp_path):
     raw = config_to_dict(tiny_config(**DFLASH2), torch.float32)
     raw["selector_top_k"] = raw["dflash_config"].pop("selector_top_k")
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    assert read_config(tmp_path).selector_top_k == DFLASH2["selector_top_k"]
+    assert read_drafter_config(tmp_path).selector_top_k == DFLASH2["selector_top_k"]
 
 
 # -- factorised codebooks (A = E W) and the warm start --------------------------------------

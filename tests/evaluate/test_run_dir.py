@@ -14,7 +14,7 @@ from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.run_layout import BEST, checkpoint_dir
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from dflash_train.train.loop import train
 from tests.train.conftest import build_store
 
@@ -30,11 +30,11 @@ def store(tmp_path_factory) -> str:
 def run(store, tmp_path_factory):
     """A run with checkpoints at steps 2, 4 and 5, none marked best."""
     out = tmp_path_factory.mktemp("run") / "run"
-    train(load_config(None, {"stores": [store], "run.out_dir": str(out),
-                             "model.num_hidden_layers": 1, "loader.batch_tokens": 256,
-                             "optim.max_steps": 5, "run.checkpoint_every": 2,
-                             "run.keep_checkpoints": 0, "run.progress": False,
-                             "loader.prefetch_batches": 0, "run.precision": "fp32"}))
+    train(load_train_config(None, {"stores": [store], "run.out_dir": str(out),
+                                   "model.num_hidden_layers": 1, "loader.batch_tokens": 256,
+                                   "optim.max_steps": 5, "run.checkpoint_every": 2,
+                                   "run.keep_checkpoints": 0, "run.progress": False,
+                                   "loader.prefetch_batches": 0, "run.precision": "fp32"}))
     return out
 
 

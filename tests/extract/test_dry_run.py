@@ -59,7 +59,7 @@ def test_default_layers_of_a_tiny_target_are_ascending_and_usable():
     (True, "cuda:1", torch.bfloat16), (True, "cpu", torch.float32),
 ])
 def test_auto_dtype_follows_where_the_target_will_run(monkeypatch, cuda, device, expected):
-    from dflash_train.target_model.loading import resolve_dtype
+    from dflash_train.dtypes import resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert resolve_dtype("auto", device) == expected

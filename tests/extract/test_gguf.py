@@ -13,7 +13,12 @@ from dflash_train.extract.errors import ExtractError
 from dflash_train.store_schema import open_store
 from dflash_train.target_model.capture import forward_states
 from dflash_train.target_model.errors import TargetError
-from dflash_train.target_model.loading import load_config, load_target, load_tokenizer, target_info
+from dflash_train.target_model.loading import (
+    load_target,
+    load_target_config,
+    load_tokenizer,
+    target_info,
+)
 from tests.extract.tiny_gguf import LLAMA, write_tiny_gguf
 
 
@@ -61,15 +66,15 @@ def test_gguf_tokenizer_renders_and_encodes_chats_as_the_original(tiny):
 def test_identity_is_the_file_and_its_content_hash_whichever_way_it_is_named(tiny):
     gguf_path, _ = tiny
     digest = hashlib.sha256(open(gguf_path, "rb").read()).hexdigest()
-    by_file = target_info(gguf_path, load_config(gguf_path))
-    by_dir = target_info(str(tiny[0]).rsplit("/", 1)[0], load_config(gguf_path))
+    by_file = target_info(gguf_path, load_target_config(gguf_path))
+    by_dir = target_info(str(tiny[0]).rsplit("/", 1)[0], load_target_config(gguf_path))
     assert by_file == by_dir
     assert by_file.revision == f"gguf-sha256:{digest}" and by_file.name_or_path == gguf_path
     assert by_file.weights_sha256 == digest  # the same whole-file hash, not a sampled one
     assert (by_file.model_type, by_file.num_hidden_layers, by_file.hidden_size,
             by_file.vocab_size) == ("llama", 4, 64, LLAMA["vocab_size"])
     with pytest.raises(TargetError, match="--revision v1 names a hub revision"):
-        target_info(gguf_path, load_config(gguf_path), revision="v1")
+        target_info(gguf_path, load_target_config(gguf_path), revision="v1")
 
 
 def test_a_gguf_swapped_in_at_the_same_path_is_another_target(tiny, tmp_path):
@@ -116,8 +121,8 @@ def test_ambiguous_or_fake_gguf_paths_are_refused(tiny, tmp_path):
     shutil.copy(tiny[0], two / "a.gguf")
     shutil.copy(tiny[0], two / "b.gguf")
     with pytest.raises(TargetError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\)"):
-        load_config(str(two))
+        load_target_config(str(two))
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04 not a gguf")
     with pytest.raises(TargetError, match="fake.gguf: not a GGUF file"):
-        load_config(str(fake))
+        load_target_config(str(fake))

@@ -12,13 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    assert_same_samples,
-    cli_args,
-    run_cli,
-    run_extract_cfg,
-    store_samples,
-)
 from transformers import AutoModelForCausalLM
 
 from dflash_train.extract.errors import ExtractError
@@ -27,6 +20,13 @@ from dflash_train.extract.writer import KILL_AFTER_ENV
 from dflash_train.store_schema import open_store, validate
 from dflash_train.store_schema.info import top1_agreement
 from tests.evaluate.conftest import EOS_ID, save_eos_target
+from tests.extract.conftest import (
+    assert_same_samples,
+    cli_args,
+    run_cli,
+    run_extract_cfg,
+    store_samples,
+)
 
 NEW = 8
 

@@ -61,7 +61,7 @@ def cli_args(model: str, data: str, out: str, **overrides) -> list[str]:
 
 
 def run_in_process(model: str, data: str, out: str, **overrides):
-    """run_extract with SETTINGS in this process; returns its Summary."""
+    """run_extract with SETTINGS in this process; returns its ExtractSummary."""
     from dflash_train.extract.config import ExtractConfig
     from dflash_train.extract.pipeline import run_extract
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from dflash_train.blocks import MAX_SEED
 from dflash_train.cli import main
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
 
@@ -53,7 +53,7 @@ def test_a_seed_beyond_64_bits_is_one_line_naming_it(store, tmp_path, args):
 
 
 def test_the_largest_seed_is_taken():
-    assert load_config(None, {"run.seed": str(MAX_SEED)}).run.seed == MAX_SEED
+    assert load_train_config(None, {"run.seed": str(MAX_SEED)}).run.seed == MAX_SEED
 
 
 @pytest.mark.parametrize("command", [["quickstart"], ["eval", "--store", "s", "c"]],
@@ -84,4 +84,4 @@ def test_a_draft_vocabulary_too_small_to_learn_is_refused_saying_why(store, tmp_
         assert "must be at least 2 (over one id the loss is 0 with no gradient: the drafter " \
                "would learn nothing), got 1" in line
     assert not out.exists()
-    assert load_config(None, {"model.draft_vocab_size": "2"}).model.draft_vocab_size == 2
+    assert load_train_config(None, {"model.draft_vocab_size": "2"}).model.draft_vocab_size == 2

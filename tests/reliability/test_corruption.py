@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from dflash_train.cli import main
 from dflash_train.store_schema import check_before_reading, open_store, validate
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from dflash_train.train.data import LoaderConfig, StoreLoader
 from dflash_train.train.loop import train
 from tests.reliability.corrupt_store import (
@@ -53,10 +53,10 @@ def clean_store(tmp_path_factory) -> str:
 def checkpoint(clean_store, tmp_path_factory) -> str:
     """A one-step drafter trained on the clean store (eval needs one that fits the store)."""
     out = tmp_path_factory.mktemp("ckpt")
-    cfg = load_config(None, {"stores": [clean_store], "run.out_dir": str(out),
-                             "model.num_hidden_layers": 1, "optim.max_steps": 1,
-                             "loader.batch_tokens": 256, "run.anchors_per_seq": 4,
-                             "run.progress": False, "loader.prefetch_batches": 0})
+    cfg = load_train_config(None, {"stores": [clean_store], "run.out_dir": str(out),
+                                   "model.num_hidden_layers": 1, "optim.max_steps": 1,
+                                   "loader.batch_tokens": 256, "run.anchors_per_seq": 4,
+                                   "run.progress": False, "loader.prefetch_batches": 0})
     return str(train(cfg).checkpoint)
 
 

@@ -19,6 +19,7 @@ from dflash_train.drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME, config_to
 from dflash_train.store_schema import open_store
 from dflash_train.train import loop
 from dflash_train.train.checkpoint import (
+    CheckpointContents,
     TrainState,
     checkpoint_dir,
     complete_checkpoints,
@@ -140,13 +141,15 @@ def test_every_writer_refuses_non_finite_weights_and_writes_nothing(store, tmp_p
     run = tmp_path / "run"
     meta = open_store(store).meta
     with pytest.raises(DrafterError, match=r"fc\.weight.*NaN or Inf"):
-        save_checkpoint(run, model, _nan_state(model), optimizer.state_dict(), scheduler,
-                        TrainState(step=3), meta, to_toml(TrainConfig(stores=[store])))
+        save_checkpoint(run, CheckpointContents(
+            model, _nan_state(model), optimizer.state_dict(), scheduler, TrainState(step=3),
+            meta, to_toml(TrainConfig(stores=[store]))))
     moments = {"state": {0: {"exp_avg": torch.tensor([1.0, float("inf")])}},
                "param_groups": optimizer.state_dict()["param_groups"]}
     with pytest.raises(DrafterError, match=r"optimizer.*exp_avg.*NaN or Inf"):
-        save_checkpoint(run, model, model.state_dict(), moments, scheduler,
-                        TrainState(step=3), meta, to_toml(TrainConfig(stores=[store])))
+        save_checkpoint(run, CheckpointContents(
+            model, model.state_dict(), moments, scheduler, TrainState(step=3), meta,
+            to_toml(TrainConfig(stores=[store]))))
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
     with pytest.raises(DrafterError, match=r"fc\.weight.*NaN or Inf"):
         save_drafter(model, tmp_path / "drafter", state_dict=_nan_state(model))

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from dflash_train.cli import main
 from dflash_train.drafter import DrafterError
 from dflash_train.train.checkpoint import KILL_IN_SAVE_ENV, latest_checkpoint
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from dflash_train.train.errors import TrainError
 from tests.evaluate.conftest import drafter_config
 from tests.reliability.cli_errors import one_line_error
@@ -52,7 +52,7 @@ def test_a_dflash2_convolution_wider_than_the_block_is_refused_before_the_run_di
 
 
 def test_the_widest_convolution_the_block_holds_is_accepted():
-    cfg = load_config(None, {"model.kind": "dflash2", "model.conv_kernel_size": 16})
+    cfg = load_train_config(None, {"model.kind": "dflash2", "model.conv_kernel_size": 16})
     assert cfg.model.conv_kernel_size == 16
     assert drafter_config(kind="dflash2", conv_kernel_size=8).conv_kernel_size == 8  # block 8
     with pytest.raises(DrafterError, match="conv_kernel_size 9 exceeds 8, the block size"):
@@ -82,9 +82,9 @@ INERT = [
 def test_a_setting_that_cannot_act_under_the_others_is_refused_naming_both(sets, why,
                                                                            enabling):
     with pytest.raises(TrainError) as e:
-        load_config(None, {"stores": ["hs.zarr"], **sets})
+        load_train_config(None, {"stores": ["hs.zarr"], **sets})
     assert why in str(e.value) and "(it has no effect otherwise)" in str(e.value)
-    load_config(None, {"stores": ["hs.zarr"], **sets, **enabling})  # where it acts: fine
+    load_train_config(None, {"stores": ["hs.zarr"], **sets, **enabling})  # where it acts: fine
 
 
 def test_an_inert_setting_is_refused_before_the_run_dir_exists(store, tmp_path):

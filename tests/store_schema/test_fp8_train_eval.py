@@ -11,7 +11,7 @@ from dflash_train.store_schema import open_store
 from dflash_train.store_schema.layout import FP8_CONTEXT
 from dflash_train.store_schema.stats import store_stats
 from dflash_train.store_schema.subset import copy_store
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from dflash_train.train.loop import train
 from tests.train.conftest import build_store
 
@@ -32,11 +32,12 @@ def stores(tmp_path_factory):
 
 
 def _train(store: str, out) -> tuple[str, list[float]]:
-    cfg = load_config(None, {"stores": [store], "run.out_dir": str(out),
-                             "model.num_hidden_layers": 1, "loader.batch_tokens": 256,
-                             "run.anchors_per_seq": 8, "optim.lr": 3e-3, "optim.max_steps": 12,
-                             "run.progress": False, "run.log_every": 1,
-                             "loader.prefetch_batches": 0})
+    cfg = load_train_config(None, {"stores": [store], "run.out_dir": str(out),
+                                   "model.num_hidden_layers": 1, "loader.batch_tokens": 256,
+                                   "run.anchors_per_seq": 8, "optim.lr": 3e-3,
+                                   "optim.max_steps": 12, "run.progress": False,
+                                   "run.log_every": 1,
+                                   "loader.prefetch_batches": 0})
     result = train(cfg)
     return str(result.checkpoint), [json.loads(line)["loss"]
                                     for line in (out / "log.jsonl").open()]

@@ -8,7 +8,12 @@ import torch
 
 from dflash_train.drafter import DFlashDrafter
 from dflash_train.store_schema import open_store
-from dflash_train.train.checkpoint import TrainState, read_checkpoint, save_checkpoint
+from dflash_train.train.checkpoint import (
+    CheckpointContents,
+    TrainState,
+    read_checkpoint,
+    save_checkpoint,
+)
 from dflash_train.train.config import TrainConfig, to_toml
 from dflash_train.train.drafter_shape import drafter_config
 
@@ -27,9 +32,10 @@ def test_a_checkpoint_gets_the_modes_the_umask_gives(synthetic_store, tmp_path, 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     old = os.umask(mask)
     try:
-        path = save_checkpoint(tmp_path / "run", model, model.state_dict(),
-                               optimizer.state_dict(), scheduler, TrainState(step=2),
-                               open_store(synthetic_store).meta, to_toml(cfg))
+        contents = CheckpointContents(model, model.state_dict(), optimizer.state_dict(),
+                                      scheduler, TrainState(step=2),
+                                      open_store(synthetic_store).meta, to_toml(cfg))
+        path = save_checkpoint(tmp_path / "run", contents)
     finally:
         os.umask(old)
     modes = {str(p.relative_to(path)): stat.S_IMODE(p.stat().st_mode)

@@ -6,10 +6,10 @@ import pytest
 
 from dflash_train.train.config import (
     DEFAULT_CHUNK_BLOCKS,
-    config_from_dict,
-    load_config,
+    load_train_config,
     resolve_chunk_blocks,
     to_toml,
+    train_config_from_dict,
 )
 from dflash_train.train.errors import TrainError
 
@@ -43,7 +43,7 @@ from dflash_train.train.errors import TrainError
 ])
 def test_out_of_range_settings_are_refused_naming_the_field(key, value, named):
     with pytest.raises(TrainError) as e:
-        load_config(None, {key: value})
+        load_train_config(None, {key: value})
     assert str(e.value).startswith(f"{named} must be "), str(e.value)
 
 
@@ -53,12 +53,12 @@ def test_out_of_range_settings_are_refused_naming_the_field(key, value, named):
     ("run.keep_checkpoints", "0"), ("optim.min_lr_ratio", "1"), ("run.chunk_blocks", "0"),
 ])
 def test_boundary_values_are_accepted(key, value):
-    load_config(None, {key: value})
+    load_train_config(None, {key: value})
 
 
 def test_an_unknown_section_names_the_top_level():
     with pytest.raises(TrainError) as e:
-        load_config(None, {"optimz.lr": "1"})
+        load_train_config(None, {"optimz.lr": "1"})
     message = str(e.value)
     assert "['optimz']" in message and "top level" in message
     assert not message.startswith(":")
@@ -66,20 +66,20 @@ def test_an_unknown_section_names_the_top_level():
 
 def test_a_type_error_names_the_cli_option():
     with pytest.raises(TrainError, match=r"^--weights \(loader.store_weights\): 'a'"):
-        load_config(None, {"loader.store_weights": "a"})
+        load_train_config(None, {"loader.store_weights": "a"})
 
 
 def test_saved_toml_reads_back_to_the_same_config_even_a_non_default_none():
-    cfg = load_config(None, {"stores": ["a.zarr"], "noise.stats_max_tokens": "none",
-                             "loader.store_weights": "1,0.5", "optim.lr": "3e-3",
-                             "model.head_dim": "8"})
+    cfg = load_train_config(None, {"stores": ["a.zarr"], "noise.stats_max_tokens": "none",
+                                   "loader.store_weights": "1,0.5", "optim.lr": "3e-3",
+                                   "model.head_dim": "8"})
     assert cfg.noise.stats_max_tokens is None  # its default is not None
-    assert config_from_dict(tomllib.loads(to_toml(cfg))) == cfg
+    assert train_config_from_dict(tomllib.loads(to_toml(cfg))) == cfg
 
 
 def test_chunk_blocks_defaults_to_chunks_off_cuda_only():
     def resolved(value, cuda):
-        return resolve_chunk_blocks(load_config(None, {"run.chunk_blocks": value}).run, cuda)
+        return resolve_chunk_blocks(load_train_config(None, {"run.chunk_blocks": value}).run, cuda)
 
     assert resolved("none", cuda=False) == DEFAULT_CHUNK_BLOCKS
     assert resolved("none", cuda=True) is None  # compiled flex would recompile per chunk
@@ -89,6 +89,6 @@ def test_chunk_blocks_defaults_to_chunks_off_cuda_only():
 
 def test_chunks_under_fsdp_are_refused_and_fsdp_runs_unchunked():
     with pytest.raises(TrainError, match=r"^run.chunk_blocks must be 0 or unset with --fsdp"):
-        load_config(None, {"run.fsdp": "true", "run.chunk_blocks": "64"})
-    run = load_config(None, {"run.fsdp": "true"}).run
+        load_train_config(None, {"run.fsdp": "true", "run.chunk_blocks": "64"})
+    run = load_train_config(None, {"run.fsdp": "true"}).run
     assert resolve_chunk_blocks(run, cuda=False) is None

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from dflash_train.drafter import load_drafter
 from dflash_train.store_schema import open_store
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from dflash_train.train.data import LoaderConfig, StoreLoader
 from dflash_train.train.drafter_shape import most_frequent_labels
 from dflash_train.train.errors import TrainError
@@ -43,11 +43,11 @@ def test_the_map_is_the_most_frequent_labels_ties_to_the_lower_id(synthetic_stor
 
 
 def test_a_run_trains_over_the_map_and_its_checkpoint_carries_it(synthetic_store, tmp_path):
-    cfg = load_config(None, {"stores": [synthetic_store], "run.out_dir": str(tmp_path / "r"),
-                             "model.num_hidden_layers": 1, "loader.batch_tokens": 256,
-                             "run.anchors_per_seq": 8, "optim.max_steps": 2,
-                             "run.progress": False, "loader.prefetch_batches": 0,
-                             "model.draft_vocab_size": DRAFT, "run.precision": "fp32"})
+    cfg = load_train_config(None, {"stores": [synthetic_store], "run.out_dir": str(tmp_path / "r"),
+                                   "model.num_hidden_layers": 1, "loader.batch_tokens": 256,
+                                   "run.anchors_per_seq": 8, "optim.max_steps": 2,
+                                   "run.progress": False, "loader.prefetch_batches": 0,
+                                   "model.draft_vocab_size": DRAFT, "run.precision": "fp32"})
     result = train(cfg)
     model = load_drafter(result.checkpoint)
     want, _ = most_frequent_labels([open_store(synthetic_store)], DRAFT)
@@ -58,10 +58,10 @@ def test_a_run_trains_over_the_map_and_its_checkpoint_carries_it(synthetic_store
 
 
 def test_the_loss_is_the_ce_of_the_softmax_over_the_map(synthetic_store, tmp_path):
-    cfg = load_config(None, {"stores": [synthetic_store], "run.out_dir": str(tmp_path / "r"),
-                             "model.num_hidden_layers": 1, "optim.max_steps": 1,
-                             "run.progress": False, "loader.prefetch_batches": 0,
-                             "model.draft_vocab_size": DRAFT, "run.precision": "fp32"})
+    cfg = load_train_config(None, {"stores": [synthetic_store], "run.out_dir": str(tmp_path / "r"),
+                                   "model.num_hidden_layers": 1, "optim.max_steps": 1,
+                                   "run.progress": False, "loader.prefetch_batches": 0,
+                                   "model.draft_vocab_size": DRAFT, "run.precision": "fp32"})
     model = load_drafter(train(cfg).checkpoint)
     rows = open_store(synthetic_store).target_rows()
     model.attach_target_head(rows["embed_tokens"], rows["lm_head"])
@@ -88,11 +88,11 @@ def test_the_loss_is_the_ce_of_the_softmax_over_the_map(synthetic_store, tmp_pat
 @pytest.mark.parametrize("setting", [{"loss.kind": "kl-topk"}, {"model.kind": "dflash2"}])
 def test_a_map_is_refused_where_the_loss_reads_the_whole_vocabulary(setting):
     with pytest.raises(TrainError, match="model.draft_vocab_size"):
-        load_config(None, {"model.draft_vocab_size": DRAFT, **setting})
+        load_train_config(None, {"model.draft_vocab_size": DRAFT, **setting})
 
 
 def test_a_map_larger_than_the_vocabulary_is_refused(synthetic_store, tmp_path):
-    cfg = load_config(None, {"stores": [synthetic_store], "run.out_dir": str(tmp_path / "r"),
-                             "model.draft_vocab_size": VOCAB + 1, "run.progress": False})
+    cfg = load_train_config(None, {"stores": [synthetic_store], "run.out_dir": str(tmp_path / "r"),
+                                   "model.draft_vocab_size": VOCAB + 1, "run.progress": False})
     with pytest.raises(TrainError, match=f"more than the target's vocabulary of {VOCAB}"):
         train(cfg)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from dflash_train.train.log_summary import read_log
 from dflash_train.train.loop import train
 from tests.train.conftest import VOCAB, build_store, smollm2_like_rows
@@ -22,11 +22,11 @@ def tied_store(tmp_path_factory) -> str:
 def first_step(store: str, out, **settings):
     """The step-1 record of a 1-step run with these `settings`: its loss is the new
     drafter's (the forward runs before the update)."""
-    cfg = load_config(None, {"stores": [store], "run.out_dir": str(out),
-                             "model.num_hidden_layers": 1, **settings,
-                             "optim.max_steps": 1, "loader.batch_tokens": 512,
-                             "run.progress": False, "loader.prefetch_batches": 0,
-                             "run.precision": "fp32"})
+    cfg = load_train_config(None, {"stores": [store], "run.out_dir": str(out),
+                                   "model.num_hidden_layers": 1, **settings,
+                                   "optim.max_steps": 1, "loader.batch_tokens": 512,
+                                   "run.progress": False, "loader.prefetch_batches": 0,
+                                   "run.precision": "fp32"})
     train(cfg, echo=lambda _: None)
     (record,) = read_log(out)
     return record

@@ -19,7 +19,7 @@ from dflash_train.drafter.config import DRAFTER_KINDS
 from dflash_train.evaluate.metrics import AcceptanceStats
 from dflash_train.store_schema import StoreError, open_store
 from dflash_train.train.checkpoint import latest_checkpoint
-from dflash_train.train.config import ModelConfig, load_config
+from dflash_train.train.config import ModelConfig, load_train_config
 from dflash_train.train.data import LoaderConfig, StoreLoader
 from dflash_train.train.drafter_shape import shape_drafter
 from dflash_train.train.errors import TrainError
@@ -41,7 +41,7 @@ def _cfg(store, out, **extra):
                  "loader.batch_tokens": 256, "run.anchors_per_seq": 8, "optim.lr": 3e-3,
                  "run.progress": False, "run.log_every": 1, "loader.prefetch_batches": 0}
     overrides.update(extra)
-    return load_config(None, overrides)
+    return load_train_config(None, overrides)
 
 
 @torch.no_grad()
@@ -184,7 +184,7 @@ def test_unknown_setting_is_an_error_naming_it(synthetic_store, tmp_path):
 
 
 def test_gamma_defaults_to_10():
-    assert load_config(None, {}).loss.gamma == 10.0
+    assert load_train_config(None, {}).loss.gamma == 10.0
 
 
 def test_export_writes_the_serving_directory(synthetic_store, tmp_path):
@@ -550,9 +550,9 @@ def test_dflash2_with_the_kl_loss_is_refused_before_the_run_dir_exists(synthetic
 
 def test_dflash2_settings_are_checked_against_the_kind(synthetic_store, tmp_path):
     with pytest.raises(TrainError, match="model.selector_rank must be left unset unless"):
-        load_config(None, {"model.selector_rank": 8})
+        load_train_config(None, {"model.selector_rank": 8})
     with pytest.raises(TrainError, match="model.selector_codebooks must be free unless"):
-        load_config(None, {"model.selector_codebooks": "factorised"})
+        load_train_config(None, {"model.selector_codebooks": "factorised"})
     with pytest.raises(TrainError, match="run.fsdp does not train a DFlash 2 drafter"):
         train(_cfg(synthetic_store, tmp_path / "f", **{
             "model.kind": "dflash2", "model.selector_rank": 8, "model.selector_top_k": 4,

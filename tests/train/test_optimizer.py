@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_train.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.train.config import OptimConfig, load_config
+from dflash_train.train.config import OptimConfig, load_train_config
 from dflash_train.train.errors import TrainError
 from dflash_train.train.optimizer import MuonWithAdamW, build_optimizer, muon_split
 from dflash_train.train.parallel import full_states, load_optimizer_state
@@ -144,4 +144,4 @@ def test_a_model_without_matrices_is_refused_for_muon():
 ])
 def test_bad_muon_settings_are_refused_naming_the_field(key, value):
     with pytest.raises(TrainError, match=key.replace(".", r"\.")):
-        load_config(None, {key: value})
+        load_train_config(None, {key: value})

@@ -13,7 +13,7 @@ import torch
 from dflash_train.drafter import load_drafter
 from dflash_train.drafter.config import DRAFTER_KINDS
 from dflash_train.train.checkpoint import checkpoint_dir, complete_checkpoints, latest_checkpoint
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from dflash_train.train.loop import train
 
 WALL_CLOCK = ("data_wait_s", "step_s", "tokens_per_s")
@@ -26,7 +26,7 @@ def _train(store, out, resume=False, **extra):
                 "loader.batch_tokens": 256, "run.anchors_per_seq": 8, "optim.epochs": 2,
                 "run.progress": False, "run.log_every": 1, "run.checkpoint_every": 3,
                 "run.keep_checkpoints": 0, "loader.prefetch_batches": 0, **extra}
-    return train(load_config(None, settings), resume=resume, echo=lambda _: None)
+    return train(load_train_config(None, settings), resume=resume, echo=lambda _: None)
 
 
 def _records(run_dir) -> dict[int, dict]:

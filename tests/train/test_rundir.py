@@ -22,7 +22,7 @@ from dflash_train.train.checkpoint import (
     complete_checkpoints,
     read_checkpoint,
 )
-from dflash_train.train.config import TrainConfig, load_config
+from dflash_train.train.config import TrainConfig, load_train_config
 from dflash_train.train.errors import TrainError
 from dflash_train.train.loop import train
 from dflash_train.train.parallel import gather_objects
@@ -105,7 +105,7 @@ def test_resume_refuses_changed_settings_naming_each_old_and_new(synthetic_store
                                             "1e-2", "--layers", "2", "--set",
                                             "optim.warmup_ratio=0.5"))
     assert result.exit_code == 1 and "Traceback" not in result.output
-    saved = load_config(str(checkpoint_dir(run_copy, STEPS) / "config.toml"), {})
+    saved = load_train_config(str(checkpoint_dir(run_copy, STEPS) / "config.toml"), {})
     assert f"--lr (optim.lr): {saved.optim.lr!r} -> 0.01" in result.output
     assert f"--layers (model.num_hidden_layers): {saved.model.num_hidden_layers} -> 2" \
         in result.output
@@ -142,8 +142,8 @@ def test_run_management_fields_are_real_fields_and_alone_may_change():
                "run.keep_checkpoints": "0", "run.out_dir": "elsewhere", "loader.workers": "2",
                "loader.prefetch_batches": "5"}
     assert changed.keys() <= RUN_MANAGEMENT_FIELDS
-    assert config_changes(TrainConfig(), load_config(None, changed)) == []
-    new = load_config(None, {**changed, "optim.epochs": "2", "loader.store_weights": "1"})
+    assert config_changes(TrainConfig(), load_train_config(None, changed)) == []
+    new = load_train_config(None, {**changed, "optim.epochs": "2", "loader.store_weights": "1"})
     assert config_changes(TrainConfig(), new) == [
         "--weights (loader.store_weights): None -> 1.0",
         f"--epochs (optim.epochs): {TrainConfig().optim.epochs} -> 2"]
@@ -203,11 +203,11 @@ def test_resume_with_every_checkpoint_damaged_names_the_newest(synthetic_store, 
     for ckpt in complete_checkpoints(run_copy):
         (ckpt / TRAINER_STATE).write_bytes(b"PK\x03\x04 truncated")
     with pytest.raises(TrainError, match=rf"step_{STEPS:08d}/{TRAINER_STATE} is damaged"):
-        train(load_config(None, {"stores": [synthetic_store], "run.out_dir": str(run_copy),
-                                 "model.num_hidden_layers": 1, "loader.batch_tokens": 256,
-                                 "run.anchors_per_seq": 8, "optim.max_steps": STEPS,
-                                 "run.checkpoint_every": 2, "run.keep_checkpoints": 10,
-                                 "loader.prefetch_batches": 0, "run.progress": False}),
+        train(load_train_config(None, {"stores": [synthetic_store], "run.out_dir": str(run_copy),
+                                       "model.num_hidden_layers": 1, "loader.batch_tokens": 256,
+                                       "run.anchors_per_seq": 8, "optim.max_steps": STEPS,
+                                       "run.checkpoint_every": 2, "run.keep_checkpoints": 10,
+                                       "loader.prefetch_batches": 0, "run.progress": False}),
               resume=True)
 
 
@@ -252,7 +252,7 @@ def test_the_same_store_by_another_path_or_cwd_and_another_device_resume(synthet
     monkeypatch.chdir(store.parent)
     run = tmp_path / "run"
     assert CliRunner().invoke(main, _args("./" + store.name, run)).exit_code == 0
-    saved = load_config(str(run / "config.toml"), {})
+    saved = load_train_config(str(run / "config.toml"), {})
     assert saved.stores == [str(store)]  # recorded absolute
     shutil.rmtree(checkpoint_dir(run, STEPS))  # as if stopped after step 2
     monkeypatch.chdir(tmp_path)  # where ./hs.zarr is another (missing) store

@@ -10,7 +10,7 @@ import torch
 from dflash_train.drafter import DFlashDrafter, load_drafter
 from dflash_train.run_layout import LOG
 from dflash_train.store_schema import open_store
-from dflash_train.train.config import load_config
+from dflash_train.train.config import load_train_config
 from dflash_train.train.data import StoreLoader
 from dflash_train.train.drafter_shape import drafter_config
 from dflash_train.train.loop import train, train_step
@@ -37,8 +37,8 @@ def _in_memory_run(store_url: str, cfg):
 
 def test_two_steps_of_an_in_memory_run_are_the_first_two_of_dflash_train(synthetic_store,
                                                                           tmp_path):
-    cfg = load_config(None, {"stores": [synthetic_store], "run.out_dir": str(tmp_path / "run"),
-                             **SETTINGS})
+    cfg = load_train_config(None, {"stores": [synthetic_store],
+                                   "run.out_dir": str(tmp_path / "run"), **SETTINGS})
     trained = load_drafter(train(cfg).checkpoint)
     logged = [json.loads(line) for line in (tmp_path / "run" / LOG).read_text().splitlines()]
 
@@ -62,7 +62,7 @@ def test_two_steps_of_an_in_memory_run_are_the_first_two_of_dflash_train(synthet
 @pytest.mark.parametrize("rank", [0, 1])
 def test_rank_0_logs_and_shows_progress_and_the_other_ranks_write_nothing(synthetic_store,
                                                                           tmp_path, rank):
-    cfg = load_config(None, {"stores": [synthetic_store], **SETTINGS, "run.progress": True})
+    cfg = load_train_config(None, {"stores": [synthetic_store], **SETTINGS, "run.progress": True})
     run = _in_memory_run(synthetic_store, cfg)
     record = train_step(run, next(run.loader.epoch(0)))
     placed = replace(run, placement=replace(run.placement, rank=rank), run_dir=tmp_path)

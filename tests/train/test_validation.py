@@ -20,7 +20,7 @@ from dflash_train.run_layout import BEST, LOG, checkpoint_dir
 from dflash_train.store_schema import open_store
 from dflash_train.train.best import read_best
 from dflash_train.train.checkpoint import complete_checkpoints
-from dflash_train.train.config import ValidationConfig, load_config
+from dflash_train.train.config import ValidationConfig, load_train_config
 from dflash_train.train.data import LoaderConfig, StoreLoader
 from dflash_train.train.errors import TrainError
 from dflash_train.train.log_summary import format_summary, read_log, summarize_log
@@ -39,8 +39,8 @@ FAST = {"model.num_hidden_layers": 1, "loader.batch_tokens": 256, "run.anchors_p
 
 
 def _cfg(store, out, val, **extra):
-    return load_config(None, {"stores": [store], "run.out_dir": str(out),
-                              "validation.stores": val, **FAST, **extra})
+    return load_train_config(None, {"stores": [store], "run.out_dir": str(out),
+                                    "validation.stores": val, **FAST, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +154,8 @@ def test_two_ranks_report_the_figure_one_process_reports(learned, synthetic_stor
 
 def test_validation_never_changes_what_is_trained(synthetic_store, val_store, tmp_path):
     settings = {"optim.max_steps": 5, "run.checkpoint_every": 2, "run.keep_checkpoints": 0}
-    plain = train(load_config(None, {"stores": [synthetic_store], **FAST, **settings,
-                                     "run.out_dir": str(tmp_path / "plain")}))
+    plain = train(load_train_config(None, {"stores": [synthetic_store], **FAST, **settings,
+                                           "run.out_dir": str(tmp_path / "plain")}))
     validated = train(_cfg(synthetic_store, tmp_path / "validated", [val_store], **settings))
     assert _steps(tmp_path / "plain") == _steps(tmp_path / "validated") == [2, 4, 5]
     assert sorted(_logged_validation(tmp_path / "validated")) == [2, 4, 5]  # and the last
@@ -266,8 +266,8 @@ def test_export_and_eval_of_a_run_directory_take_its_best_checkpoint(synthetic_s
 
 def test_a_run_without_validation_stands_for_its_newest_checkpoint(synthetic_store, tmp_path):
     run = tmp_path / "run"
-    train(load_config(None, {"stores": [synthetic_store], "run.out_dir": str(run), **FAST,
-                             "optim.max_steps": 3, "run.checkpoint_every": 2}))
+    train(load_train_config(None, {"stores": [synthetic_store], "run.out_dir": str(run), **FAST,
+                                   "optim.max_steps": 3, "run.checkpoint_every": 2}))
     assert not (run / BEST).exists()
     out = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "out")])
     assert out.exit_code == 0, out.output

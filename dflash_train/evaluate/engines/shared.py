@@ -32,7 +32,7 @@ from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins
 from dflash_train.evaluate.modes import DecodeMode, EvalInputs, ModeRun, check_runs
 from dflash_train.evaluate.online import StopRule, prompt_of
 from dflash_train.evaluate.replay import ROW_NAMES, EvalSample
-from dflash_train.evaluate.summary import Summary
+from dflash_train.evaluate.summary import EvalSummary
 from dflash_train.store_schema import Store
 
 _LOG_TAIL = 12
@@ -232,9 +232,9 @@ class ServedResults:
         for r in self.runs:
             positions.update(torch.tensor(r.anchors, dtype=torch.long),
                              torch.tensor(r.committed, dtype=torch.long))
-        return Summary(self.stats, positions=positions, sees_drafts=False,
-                       engine={self.engine: self.engine_summary(), "info": self.info,
-                               "speed": self.speed}).to_json()
+        return EvalSummary(self.stats, positions=positions, sees_drafts=False,
+                           engine={self.engine: self.engine_summary(), "info": self.info,
+                                   "speed": self.speed}).to_json()
 
     def decoded(self) -> Decoded:
         """Its text and rounds per prompt, as the agreement check reads them."""
@@ -366,10 +366,10 @@ def checked_target_config(model: str, store: Store):
     naming what differs otherwise); the serving engines read their limits from it."""
     from dflash_train.evaluate.online import check_target
     from dflash_train.target_model.errors import TargetError
-    from dflash_train.target_model.loading import load_config, target_info
+    from dflash_train.target_model.loading import load_target_config, target_info
 
     try:
-        config = load_config(model)
+        config = load_target_config(model)
         info = target_info(model, config)
     except TargetError as e:
         raise EvalError(str(e)) from e

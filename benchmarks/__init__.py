@@ -1,0 +1,1 @@
+"""Benchmarks of dflash_train: each runs from the repo root as `python -m benchmarks.NAME`."""

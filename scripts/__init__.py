@@ -1,0 +1,1 @@
+"""Maintenance scripts: those that import the repo run from its root as `python -m scripts.NAME`."""
