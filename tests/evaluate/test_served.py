@@ -33,6 +33,7 @@ from dflash_train.evaluate.replay import EvalSample, EvalSettings
 from dflash_train.evaluate.report import block_rows, format_table
 from tests.evaluate.conftest import EOS_ID
 from tests.evaluate.test_online import PROMPT, ScriptedDrafter, ScriptedTarget
+from tests.processes import is_running
 
 SETTINGS = EvalSettings(tree_budgets=(), recall_at=(1,))
 BIN = SETTINGS.position_bin
@@ -368,14 +369,6 @@ def test_the_driver_decodes_prompts_in_waves_so_none_joins_a_running_batch(tmp_p
     assert [len(r["token_ids"]) for r in result["prompts"]] == [p.max_tokens for p in prompts]
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie awaiting its parent's wait does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
 
 def test_vllm_decodes_with_and_without_the_drafter_taking_turns_wave_by_wave(
         tmp_path, monkeypatch, fake_vllm):
@@ -409,7 +402,7 @@ def test_vllm_decodes_with_and_without_the_drafter_taking_turns_wave_by_wave(
     assert speed["speedup"] == pytest.approx(tokens / rounds / 3)
     assert speed["concurrency"] == "waves of up to 16 prompts"
     assert list((tmp_path / "scratch").iterdir()) == []  # a run that succeeded leaves nothing
-    assert not any(_running(int(p.name)) for p in pids.iterdir())
+    assert not any(is_running(int(p.name)) for p in pids.iterdir())
 
 
 def test_an_engine_that_fails_beside_the_other_stops_both_and_names_itself(
@@ -426,7 +419,7 @@ def test_an_engine_that_fails_beside_the_other_stops_both_and_names_itself(
     assert "--served s (without the drafter): vLLM" in message and "exit status 1" in message
     assert "cannot load the target alone" in message
     assert len(list(pids.iterdir())) == 2
-    assert not any(_running(int(p.name)) for p in pids.iterdir())
+    assert not any(is_running(int(p.name)) for p in pids.iterdir())
 
 
 def test_every_engine_the_options_offer_is_one_mode():

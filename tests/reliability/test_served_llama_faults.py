@@ -17,6 +17,7 @@ import pytest
 from dflash_train.evaluate.engines import llama_server as server_mod
 from dflash_train.evaluate.engines.llama_server import LlamaServer, ServerSetup
 from dflash_train.evaluate.errors import EvalError
+from tests.processes import is_running
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).with_name("fake_llama_server.py")
@@ -35,14 +36,6 @@ def server(tmp_path, monkeypatch):
     return setup, pid_file
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie awaiting its parent's wait does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
 
 def test_a_server_hung_on_a_request_is_given_up_naming_it_and_stopped(server, monkeypatch):
     setup, pid_file = server
@@ -58,7 +51,7 @@ def test_a_server_hung_on_a_request_is_given_up_naming_it_and_stopped(server, mo
     assert f"full log {setup.log}" in said and "running" in said
     assert notes and all(n.startswith("waiting for llama-server on prompt 0/7 (") for n in notes)
     assert "given up after 2 s without a log line" in notes[0]
-    assert not _running(int(pid_file.read_text()))
+    assert not is_running(int(pid_file.read_text()))
 
 
 def test_a_slow_server_that_keeps_logging_is_waited_for(server, monkeypatch):
@@ -70,7 +63,7 @@ def test_a_slow_server_that_keeps_logging_is_waited_for(server, monkeypatch):
         raw = running.complete({"prompt": [1, 2, 3]}, "prompt 0/7")
     assert b'"tokens": [20]' in raw
     assert any("waiting for llama-server on prompt 0/7" in n for n in notes)
-    assert not _running(int(pid_file.read_text()))
+    assert not is_running(int(pid_file.read_text()))
 
 
 def test_a_server_hung_loading_is_given_up_saying_so(server, monkeypatch):
@@ -82,7 +75,7 @@ def test_a_server_hung_loading_is_given_up_saying_so(server, monkeypatch):
         with LlamaServer(setup, note=notes.append):
             pass
     assert any(n.startswith("waiting for llama-server to load t.gguf (") for n in notes), notes
-    assert not _running(int(pid_file.read_text()))
+    assert not is_running(int(pid_file.read_text()))
 
 
 EVAL_WAITING = """
@@ -105,7 +98,7 @@ def test_sigterm_to_eval_stops_the_server_it_started(server, monkeypatch):
     try:
         assert proc.stdout.readline() == "waiting\n", proc.stderr.read()
         server_pid = int(pid_file.read_text())
-        assert _running(server_pid)
+        assert is_running(server_pid)
         proc.send_signal(signal.SIGTERM)  # to eval alone, as a job scheduler sends it
         _, err = proc.communicate(timeout=30)
     finally:
@@ -113,4 +106,4 @@ def test_sigterm_to_eval_stops_the_server_it_started(server, monkeypatch):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.strip() == f"eval: SIGTERM: stopping the llama-server it started (pid " \
                           f"{server_pid})", err
-    assert not _running(server_pid)
+    assert not is_running(server_pid)
