@@ -13,6 +13,8 @@ first response token) are decoded one after the other by:
   sequence every round, the reference the cached loop is checked against.
 Each reports new tokens per second (the prefill included), rounds and tau; the cached and
 no-cache loops must commit the same tokens and the same per-round tau, or the run stops.
+`--ignore-eos` decodes past the end-of-turn token to exactly --new-tokens (a serving
+benchmark's ignore_eos), so every loop is measured at the length asked for.
 Tokens/s here are this loop's on this machine, not a serving engine's. Writes live.json and
 live.md into OUT. A benchmark: it measures, CI does not run it.
 """
@@ -53,11 +55,13 @@ def prompts_of(store, count: int) -> list[list[int]]:
 
 
 def greedy(target, prompt: list[int], new_tokens: int, eos: list[int]) -> list[int]:
+    """The target's own cached greedy decoding; `eos` empty: it never stops before new_tokens
+    (an empty list, not None: generate fills None from the model's generation config)."""
     model = target.target.model
     ids = torch.tensor([prompt])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                          max_new_tokens=new_tokens, eos_token_id=eos, temperature=None,
-                         top_p=None, top_k=None, pad_token_id=eos[0])
+                         top_p=None, top_k=None, pad_token_id=eos[0] if eos else 0)
     return out[0, len(prompt):].tolist()
 
 
@@ -118,7 +122,8 @@ def check_same(reference, cached, prompt: int) -> None:
 def markdown(results: dict) -> str:
     lines = [f"{results['target']}, drafter {results['checkpoint']}, {results['prompts']} "
              f"prompts decoded one after the other, {results['date']}, {results['threads']} "
-             "torch threads\n"]
+             "torch threads" + (", past end-of-turn (--ignore-eos)" if results["ignore_eos"]
+                                else "") + "\n"]
     for length, rows in results["lengths"].items():
         base = rows["no-cache chain"]["seconds"]
         greedy_rate = rows["greedy"]["tokens_per_s"]
@@ -144,6 +149,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="16,32,64", help="DDTree budgets (comma list).")
     parser.add_argument("--no-cache-trees", action="store_true",
                         help="Also time the no-cache loop with trees (slow).")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="Decode past the end-of-turn token to exactly --new-tokens.")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     try:
@@ -159,10 +166,12 @@ def main() -> None:
 
     store, target, drafter = load(args.model, args.store, args.checkpoint)
     prompts = prompts_of(store, args.prompts)
-    eos = eos_token_ids(target.target.model, load_tokenizer(args.model))
+    eos = [] if args.ignore_eos else eos_token_ids(target.target.model,
+                                                   load_tokenizer(args.model))
     results = {"date": time.strftime("%Y-%m-%d"), "target": Path(args.model).name,
                "checkpoint": Path(args.checkpoint).name, "prompts": len(prompts),
-               "threads": torch.get_num_threads(), "lengths": {}}
+               "threads": torch.get_num_threads(), "ignore_eos": args.ignore_eos,
+               "lengths": {}}
     for length in lengths:
         stop = StopRule(eos, max_new_tokens=length, max_length=10**9)
         results["lengths"][str(length)] = measure(target, drafter, prompts, stop, budgets,
