@@ -191,12 +191,11 @@ class CachedVerifier:
 
     def start(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         out = self.target.prefill(prompt)
-        return out.features.to(self.dtype), int(out.top1[-1])
+        return out.features.to(self.dtype), out.top1(-1)
 
     def verify(self, tokens: list[int], tree: DraftTree) -> Walked:
         out = self.target.verify([tokens[-1], *tree.tokens[1:]], tree.parents)
-        top1 = out.top1.tolist()
-        path, bonus = accepted_walk(tree, lambda node, _path: top1[node])
+        path, bonus = accepted_walk(tree, lambda node, _path: out.top1(node))
         kept = [0, *path]
         self.target.keep(kept)
         return Walked(path, bonus, out.features[:, kept].to(self.dtype))

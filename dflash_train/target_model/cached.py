@@ -17,9 +17,10 @@ recurrent states) and refuses any other cache layer by name. Never writes anythi
 """
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from dflash_train.target_model.capture import hooked_layers
 from dflash_train.target_model.errors import TargetError
@@ -34,8 +35,23 @@ class Verified:
 
     features: torch.Tensor
     """[1, N, n, H]: the context layers' outputs at each node, in the target's dtype."""
-    top1: torch.Tensor
-    """long [N] on the CPU: the target's greedy next token after each node."""
+    hidden: torch.Tensor
+    """[N, H]: the last layer's final-norm output at each node, what the head reads."""
+    lm_head: nn.Module
+    _top1: dict[int, int] = field(default_factory=dict, repr=False)
+
+    @torch.inference_mode()
+    def top1(self, node: int) -> int:
+        """The target's greedy next token after `node` (negative: from the end). Computed
+        when first asked: a walk asks along the path it accepts, so the head (all of its
+        [V, H] weights read per call) runs on a node or two a round, not on every node
+        verified, nor on every prompt token."""
+        node %= self.hidden.shape[0]
+        if node not in self._top1:
+            # the store's labels' chunked top-k, so ties break the same way
+            top, _, _ = verifier_topk(self.hidden[node : node + 1], self.lm_head, 1)
+            self._top1[node] = int(top[0, 0])
+        return self._top1[node]
 
 
 def is_chain(parents: list[int]) -> bool:
@@ -180,8 +196,7 @@ class CachedTarget:
                 self._linear_inputs(parents):
             out = self.decoder(input_ids=ids, cache=self.cache, use_cache=True, **kwargs)
         features = torch.stack([captured[k] for k in self.layer_ids], dim=2)
-        top, _, _ = verifier_topk(out.last_hidden_state[0], self.target.lm_head, 1)
-        return Verified(features, top[:, 0].long().cpu())
+        return Verified(features, out.last_hidden_state[0], self.target.lm_head)
 
     def _tree_mask(self, parents: list[int]):
         """The additive mask [1, 1, N, cache + N] of a tree (0 where a node may look); a dict

@@ -63,7 +63,7 @@ def check_rounds(target, rounds: int = 6) -> None:
     for t in range(len(committed)):
         features, top1 = recomputed(target, committed[: t + 1])
         assert close(prefill.features[0, t], features)
-        assert int(prefill.top1[t]) == top1
+        assert prefill.top1(t) == top1
     for round_ in range(rounds):
         n = 10
         chain = round_ % 3 == 0
@@ -75,7 +75,7 @@ def check_rounds(target, rounds: int = 6) -> None:
             path = committed + [tokens[m] for m in root_path(parents, node)]
             features, top1 = recomputed(target, path)
             assert close(out.features[0, node], features), (round_, node)
-            assert int(out.top1[node]) == top1, (round_, node)
+            assert out.top1(node) == top1, (round_, node)
         # keep a whole chain, a prefix, or a random branch
         last = n - 1 if round_ == 0 else rng.randrange(0, n)
         kept = root_path(parents, last)
@@ -118,3 +118,26 @@ def test_a_tree_on_an_unknown_linear_layer_is_refused_by_name(target, monkeypatc
                                           r"Qwen3.5's Gated DeltaNet only"):
         cached.verify([8, 9, 10], [-1, 0, 0])
     cached.verify([8, 9, 10], [-1, 0, 1])  # a chain is the layer's own sequence: fine
+
+
+def test_the_head_runs_only_on_the_nodes_a_walk_asks_for(target, monkeypatch):
+    # A round reads the target's argmax along the accepted path only: the [V, H] head on 64
+    # tree nodes (or on every prompt token) would cost more than the path it decides.
+    rows = []
+
+    def counting(hidden, *args, **kwargs):
+        rows.append(hidden.shape[0])
+        return verifier_topk(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(cached_module, "verifier_topk", counting)
+    cached = CachedTarget(target, LAYERS)
+    prefill = cached.prefill([5, 6, 7, 8, 9])
+    assert rows == []
+    last = prefill.top1(-1)
+    assert rows == [1] and prefill.top1(4) == last and rows == [1]
+    out = cached.verify([last, 20, 21, 22, 23, 24], [-1, 0, 1, 2, 0, 4])
+    first = out.top1(0)
+    out.top1(0)
+    out.top1(4)
+    assert rows == [1, 1, 1]
+    assert first == recomputed(target, [5, 6, 7, 8, 9, last])[1]
