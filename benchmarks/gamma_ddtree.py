@@ -1,6 +1,7 @@
 """Does the loss weight gamma help DDTree? Decay gamma 4, 7, 10 and D-PACE at equal steps.
 
     python -m benchmarks.gamma_ddtree --stores DIR --out OUT   # DIR: real_target.py --long's
+    python -m benchmarks.gamma_ddtree --preset full --steps 200 --stores DIR --out OUT
 
 Trains one 1-layer drafter per position weighting and seed with real_target.py's recipe (Muon,
 4,096-word draft vocabulary, bf16 auto, warmup + cosine over --steps) on DIR/train.zarr, then
@@ -29,9 +30,10 @@ def arm_dir(out: Path, arm: str, seed: int) -> Path:
     return out / f"{arm.replace(' ', '_').lower()}_seed{seed}"
 
 
-def train_arm(stores: Path, out: Path, arm: str, seed: int, steps: int) -> dict:
+def train_arm(stores: Path, out: Path, arm: str, seed: int, steps: int,
+              preset: str = "long") -> dict:
     weights, gamma = ARMS[arm]
-    cfg = replace(PRESETS["long"], steps=steps, eval_every=steps, position_weights=weights,
+    cfg = replace(PRESETS[preset], steps=steps, eval_every=steps, position_weights=weights,
                   gamma=gamma, seed=seed)
     return train_drafter(cfg, str(stores / "train.zarr"), arm_dir(out, arm, seed), 1)
 
@@ -103,8 +105,11 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stores", type=Path, required=True,
-                        help="A `real_target.py --long` working directory: its train.zarr "
-                             "and held_out.zarr are read.")
+                        help="A `real_target.py` working directory of --preset: its "
+                             "train.zarr and held_out.zarr are read.")
+    parser.add_argument("--preset", choices=("long", "full"), default="long",
+                        help="The real_target.py preset whose recipe trains the arms "
+                             "(its stores are --stores).")
     parser.add_argument("--out", type=Path, required=True, help="Working directory.")
     parser.add_argument("--steps", type=int, default=800, help="Steps per drafter.")
     parser.add_argument("--seeds", type=int, default=2, help="Seeds per arm (0, 1, ...).")
@@ -112,7 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     for name in ("train.zarr", "held_out.zarr"):
         if not (args.stores / name).is_dir():
-            parser.error(f"--stores {args.stores}: no {name} (run real_target.py --long)")
+            parser.error(f"--stores {args.stores}: no {name} (run real_target.py "
+                         f"--{args.preset} first; the full preset has no flag)")
     if args.steps < 1 or args.seeds < 1:
         parser.error("--steps and --seeds must be at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -120,7 +126,7 @@ def main() -> None:
     runs = []
     for seed in range(args.seeds):
         for arm in ARMS:
-            trained = train_arm(args.stores, args.out, arm, seed, args.steps)
+            trained = train_arm(args.stores, args.out, arm, seed, args.steps, args.preset)
             checkpoint = Path(trained["checkpoints"][trained["steps"]])
             runs.append({"arm": arm, "seed": seed, "train_seconds": trained["train_seconds"],
                          "checkpoint": str(checkpoint.relative_to(args.out.resolve()))})
@@ -130,7 +136,7 @@ def main() -> None:
     for run in runs:
         run.update(evaluate_arm(held, str(args.out.resolve() / run["checkpoint"])))
     results = {"date": time.strftime("%Y-%m-%d"), "steps": args.steps,
-               "held_out": "held_out.zarr of real_target.py --long",
+               "held_out": f"held_out.zarr of real_target.py's {args.preset} preset",
                "budgets": list(BUDGETS), "runs": runs}
     (args.out / "gamma.json").write_text(json.dumps(results, indent=1))
     (args.out / "gamma.md").write_text(markdown(results))
