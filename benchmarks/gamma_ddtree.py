@@ -117,8 +117,9 @@ def main() -> None:
     args = parser.parse_args()
     for name in ("train.zarr", "held_out.zarr"):
         if not (args.stores / name).is_dir():
-            parser.error(f"--stores {args.stores}: no {name} (run real_target.py "
-                         f"--{args.preset} first; the full preset has no flag)")
+            flag = " --long" if args.preset == "long" else ""
+            parser.error(f"--stores {args.stores}: no {name} (run "
+                         f"`python -m benchmarks.real_target{flag} --out DIR` first)")
     if args.steps < 1 or args.seeds < 1:
         parser.error("--steps and --seeds must be at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
