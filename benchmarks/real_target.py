@@ -318,7 +318,8 @@ def evaluate_drafter(trained: dict, held: str) -> tuple[dict, float]:
 
 
 def fidelity(held: str, model: Path, checkpoint: str, prompts: int) -> dict:
-    """Offline replay against live greedy speculative decoding on `prompts` held-out rows."""
+    """Offline replay against live greedy speculative decoding on `prompts` held-out rows:
+    chains and the DDTree walks of eval's default budgets, prompt by prompt."""
     from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 
     start = time.perf_counter()
@@ -329,6 +330,7 @@ def fidelity(held: str, model: Path, checkpoint: str, prompts: int) -> dict:
     name = next(iter(check["same_taus"]))
     return {"prompts": check["prompts"], "same_text": check["same_text"],
             "same_taus": check["same_taus"][name], "taus_differ": check["taus_differ"][name],
+            "same_tree_taus": check["same_tree_taus"].get(name, {}),
             "seconds": time.perf_counter() - start}
 
 
@@ -394,8 +396,9 @@ def markdown(results: dict) -> str:
                      f"{s['bytes_per_token']:.0f} B/token, context codec "
                      f"{s['context_codec_ratio']:.2f}x")
     f = results["fidelity"]
+    trees = "".join(f", DDTree @{b} on {n}" for b, n in f.get("same_tree_taus", {}).items())
     lines.append(f"fidelity: offline replay == --online on {f['same_taus']} of {f['prompts']} "
-                 f"held-out prompts (same text on {f['same_text']})")
+                 f"held-out prompts{trees} (same text on {f['same_text']})")
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,7 @@
 
 import json
 import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -128,13 +129,35 @@ def test_the_report_marks_the_chosen_step_and_its_training_seconds(tmp_path):
                             "validation": {"0": {"tau": 1.0}, "400": {"tau": 1.55}},
                             "chosen_step": 400, "train_seconds": {"0": 0.0, "400": 612.4}}},
         "seconds": {"train_1L": 612.4}, "stores": {},
-        "fidelity": {"same_taus": 8, "prompts": 8, "same_text": 8}}
+        "fidelity": {"same_taus": 8, "prompts": 8, "same_text": 8,
+                     "same_tree_taus": {"16": 8, "64": 7}}}
     text = markdown(results)
+    assert ("offline replay == --online on 8 of 8 held-out prompts, DDTree @16 on 8, "
+            "DDTree @64 on 7 (same text on 8)") in text
     assert "3936 train / 64 validation / 128 held-out prompts" in text
     assert "| 1L | 400 (chosen) | 612 | 1.550 | 1.500 (1.400-1.600) | 2.250 |" in text
     assert "1L at step 400, held-out P(slot accepted" in text and "0.40, -" in text
     plot(results, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_fidelity_keeps_the_tree_walks_live_equals_offline_figures(monkeypatch):
+    import dflash_train.evaluate.pipeline as pipeline
+
+    seen = {}
+
+    def run_eval(config, echo):
+        seen.update(online=config.online, limit=config.limit, model=config.model)
+        check = {"prompts": 8, "same_text": 7, "same_taus": {"ck": 8}, "taus_differ": {"ck": []},
+                 "same_tree_taus": {"ck": {"16": 8, "32": 6}}}
+        return types.SimpleNamespace(report={"online_check": check})
+
+    monkeypatch.setattr(pipeline, "run_eval", run_eval)
+    check = real_target.fidelity("held.zarr", Path("m"), "ck", 8)
+    assert seen == {"online": True, "limit": 8, "model": "m"}
+    assert check.pop("seconds") >= 0
+    assert check == {"prompts": 8, "same_text": 7, "same_taus": 8, "taus_differ": [],
+                     "same_tree_taus": {"16": 8, "32": 6}}
 
 
 class Stopped(Exception):
