@@ -167,11 +167,16 @@ class StoreMeta:
 
     def mismatches(self, other: "StoreMeta") -> list[str]:
         """'field: this != other' for every differing field, created_with excepted. The
-        target is its weights fingerprint where both have one, else its path."""
+        target is its weights fingerprint where both have one, else its path; the data is
+        its files' sha256 where both record them, else their paths (a moved dataset is the
+        same data)."""
         a, b = self.to_dict(), other.to_dict()
         for d in (a, b):
             d.pop("created_with")
             d.pop("target")  # compared by the one same-target rule
+        if self.source.sha256 and other.source.sha256:
+            for d in (a, b):
+                d["source"].pop("paths")
         diffs = list(_diff(a, b)) + [(f"target.{k}", va, vb)
                                      for k, va, vb in target_differences(self.target, other.target)]
         return [f"{k}: {va!r} != {vb!r}" for k, va, vb in sorted(diffs, key=lambda d: d[0])]

@@ -1,5 +1,6 @@
 """SIGKILL at any point, re-run the same command: the store equals an uninterrupted run's."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -62,6 +63,26 @@ def test_the_same_model_spelled_another_way_resumes(qwen3_dir, chats_jsonl, tmp_
     monkeypatch.chdir(tmp_path)
     again = run_extract_cfg(str(model.resolve()), chats_jsonl, out, rows_per_part=20)
     assert again.parts_already_complete == [0]
+
+
+def test_the_same_data_moved_resumes_and_other_data_is_refused(qwen3_dir, chats_jsonl,
+                                                               tmp_path):
+    """The data is known by its sha256, not its path: a run moved with its data (a new
+    directory, a new mount) continues; other bytes at the old path do not mix in."""
+    from dflash_train.extract.errors import ExtractError
+
+    out = str(tmp_path / "hs.zarr")
+    run_extract_cfg(qwen3_dir, chats_jsonl, out, rows_per_part=20)
+    moved = tmp_path / "moved" / "chats.jsonl"
+    moved.parent.mkdir()
+    shutil.copy(chats_jsonl, moved)
+    again = run_extract_cfg(qwen3_dir, str(moved), out, rows_per_part=20)
+    assert again.parts_already_complete == [0]
+    rows = [json.loads(line) for line in Path(chats_jsonl).read_text().splitlines()]
+    rows[0]["messages"][0]["content"] += " edited"
+    moved.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ExtractError, match="(?s)made differently.*source.sha256"):
+        run_extract_cfg(qwen3_dir, str(moved), out, rows_per_part=20)
 
 
 def test_a_store_from_before_the_frozen_record_missing_a_tokenizer_file_is_made_whole(

@@ -150,6 +150,23 @@ def test_the_target_is_its_weights_fingerprint_where_both_have_one_else_its_path
     assert old.mismatches(there) == ["target.name_or_path: 'tiny' != '/copy'"]
 
 
+def test_the_data_is_its_sha256_where_both_record_one_else_its_paths():
+    here = make_meta()
+    assert here.source.sha256, "the factory records the data's sha256, as extract does"
+    moved = StoreMeta.from_dict({**here.to_dict(), "source": {
+        **here.to_dict()["source"], "paths": ["/elsewhere/data.jsonl"]}})
+    assert here.mismatches(moved) == []  # the same bytes at another path: the same data
+    edited = StoreMeta.from_dict({**here.to_dict(), "source": {
+        **here.to_dict()["source"], "sha256": ["f" * 64]}})
+    assert here.mismatches(edited) == [
+        f"source.sha256: {here.source.sha256!r} != {['f' * 64]!r}"]
+    unhashed = [StoreMeta.from_dict({**m.to_dict(), "source": {**m.to_dict()["source"],
+                                                                "sha256": []}})
+                for m in (here, moved)]
+    assert unhashed[0].mismatches(unhashed[1]) == [
+        f"source.paths: {here.source.paths!r} != {['/elsewhere/data.jsonl']!r}"]
+
+
 def test_a_directory_that_is_not_a_store_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(StoreError, match="not a dflash store|not a readable zarr"):
