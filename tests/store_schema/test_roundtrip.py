@@ -1,5 +1,7 @@
 """What goes in through the part writer comes out bit-exact, at the right offsets."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -153,16 +155,12 @@ def test_the_target_is_its_weights_fingerprint_where_both_have_one_else_its_path
 def test_the_data_is_its_sha256_where_both_record_one_else_its_paths():
     here = make_meta()
     assert here.source.sha256, "the factory records the data's sha256, as extract does"
-    moved = StoreMeta.from_dict({**here.to_dict(), "source": {
-        **here.to_dict()["source"], "paths": ["/elsewhere/data.jsonl"]}})
+    moved = replace(here, source=replace(here.source, paths=["/elsewhere/data.jsonl"]))
     assert here.mismatches(moved) == []  # the same bytes at another path: the same data
-    edited = StoreMeta.from_dict({**here.to_dict(), "source": {
-        **here.to_dict()["source"], "sha256": ["f" * 64]}})
+    edited = replace(here, source=replace(here.source, sha256=["f" * 64]))
     assert here.mismatches(edited) == [
         f"source.sha256: {here.source.sha256!r} != {['f' * 64]!r}"]
-    unhashed = [StoreMeta.from_dict({**m.to_dict(), "source": {**m.to_dict()["source"],
-                                                                "sha256": []}})
-                for m in (here, moved)]
+    unhashed = [replace(m, source=replace(m.source, sha256=[])) for m in (here, moved)]
     assert unhashed[0].mismatches(unhashed[1]) == [
         f"source.paths: {here.source.paths!r} != {['/elsewhere/data.jsonl']!r}"]
 
