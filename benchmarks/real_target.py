@@ -101,7 +101,8 @@ PRESETS = {
                               drafter_layers=(1,), steps=150, eval_every=50,
                               fidelity_prompts=4),
     # Sized for 3 hours from the 2-hour run's ~1.5 s a step (docs/real_target.md, its long run);
-    # measured end to end in 1 h 52 min (extract 62 min, a step 0.82 s, held-out tau 1.603).
+    # measured end to end in 1 h 52 min (extract 62 min, a step 0.82 s, held-out tau 1.603);
+    # ~3 h 15 min on a slower machine (extract 116 min, a step 1.22 s, 2026-12-06).
     # 64 validation and 128 held-out prompts as there; more answers beat more passes over
     # fewer (1.693 on 7,746 answers vs 1.581 on 2,936).
     "long": RealTargetConfig(train_prompts=4000, val_prompts=64, held_out_prompts=128,
