@@ -11,6 +11,7 @@ from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore
 
 from dflash_train.dtypes import torch_dtype
+from dflash_train.json_fields import Fields
 from dflash_train.store_schema.chunks import child_names, missing_chunks
 from dflash_train.store_schema.errors import StoreError, one_line
 from dflash_train.store_schema.frozen import FrozenRecord, digest, file_path, read_record
@@ -36,6 +37,8 @@ COPYING_KEY = "dflash_copying_from"
 """Root attr of a store copy_store is still writing (the source's URL), removed once the copy
 is whole: a copy cut short is refused by every reader, where an object store offers no rename
 to keep it out of sight until then."""
+SHARD_MULTIPLE = 8
+"""shard_tokens is a multiple of this: create_store's rule, which a reader checks again."""
 # Every chunk of a frozen array is stored, even one equal to the fill value (zarr skips those
 # by default), so that an absent chunk always means damage.
 _PRESENT = {"write_empty_chunks": True}
@@ -94,8 +97,9 @@ def create_store(url: str, meta: StoreMeta, *, shard_tokens: int = 1024,
                  copying_from: str | None = None) -> "Store":
     """Create a store at `url`, or reopen it for resume if one with equal provenance is there.
     `copying_from`: a copy of that store, refused by readers until `Store.copy_done`."""
-    if shard_tokens < 1 or shard_tokens % 8:
-        raise StoreError(f"shard_tokens must be a positive multiple of 8, got {shard_tokens}")
+    if shard_tokens < 1 or shard_tokens % SHARD_MULTIPLE:
+        raise StoreError(f"shard_tokens must be a positive multiple of {SHARD_MULTIPLE}, got "
+                         f"{shard_tokens}")
     zstore = zarr_store(url, read_only=False)
     if _has_any_key(zstore):
         store = _open(url, zstore, mode="r+")
@@ -157,6 +161,21 @@ def read_meta_dict(root: zarr.Group, url: str) -> dict:
     return d
 
 
+def read_shard_tokens(attrs: dict, url: str) -> int:
+    """The layout's shard_tokens, checked once for every reader: each steps through a part
+    a shard at a time, so a value create_store would refuse is a damaged store."""
+    try:
+        shard = Fields(attrs, f"{url}: root attributes", StoreError).mapping(LAYOUT_KEY) \
+            .integer("shard_tokens", low=SHARD_MULTIPLE)
+        if shard % SHARD_MULTIPLE:
+            raise StoreError(f"{url}: shard_tokens {shard} is not a multiple of "
+                             f"{SHARD_MULTIPLE}")
+    except StoreError as e:
+        raise StoreError(f"{e}; the store's '{LAYOUT_KEY}' attributes were changed or torn: "
+                         "restore them from a copy, or extract the store again") from e
+    return shard
+
+
 def _open(url: str, zstore, mode: str) -> "Store":
     try:
         root = zarr.open_group(zstore, mode=mode)
@@ -179,8 +198,7 @@ class Store:
         self.root = root
         self.meta = meta
         self.mode = mode
-        layout = dict(root.attrs).get(LAYOUT_KEY, {})
-        self.shard_tokens = int(layout.get("shard_tokens", 1024))
+        self.shard_tokens = read_shard_tokens(dict(root.attrs), url)
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, parts={self.meta.num_parts})"

@@ -1,0 +1,43 @@
+"""Issue 61's store cases: a layout attribute no dflash writes, statistics over a store whose
+every part is damaged, a convert into a directory not made yet, and the validation stores of
+a run (damaged under --skip-corrupt, or holding one row twice). Each is a clear line naming
+what is wrong, or is accepted as every other reader accepts it."""
+
+import shutil
+
+import pytest
+import zarr
+from click.testing import CliRunner
+
+from dflash_train.cli import main
+from tests.reliability.cli_errors import one_line_error
+from tests.reliability.corrupt_store import make_store
+
+TRAIN = ["--layers", "1", "--batch-tokens", "256", "--anchors-per-seq", "8", "--no-progress",
+         "--max-steps", "1", "--set", "loader.prefetch_batches=0"]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> str:
+    return make_store(str(tmp_path_factory.mktemp("store") / "hs.zarr"))
+
+
+def _copy(pristine: str, tmp_path) -> str:
+    return str(shutil.copytree(pristine, tmp_path / "hs.zarr"))
+
+
+@pytest.mark.parametrize("value", [0, -64, True, "64", 2**60, 12])
+def test_a_shard_size_no_store_is_made_with_is_one_line_for_every_reader(pristine, tmp_path,
+                                                                          value):
+    url = _copy(pristine, tmp_path)
+    zarr.open_group(url, mode="r+").attrs["dflash_layout"] = {"shard_tokens": value}
+    words = "the store's 'dflash_layout' attributes were changed or torn"
+    checked = CliRunner().invoke(main, ["store", "validate", url])
+    assert checked.exit_code == 1 and isinstance(checked.exception, SystemExit), checked.output
+    assert words in checked.output and "shard_tokens" in checked.output
+    for command in (["store", "stats", url], ["store", "info", url],
+                    ["train", "--store", url, "--out", str(tmp_path / "run"), *TRAIN]):
+        said = one_line_error(CliRunner().invoke(main, command))
+        assert said.startswith(f"Error: {url}: ") and "shard_tokens" in said, said
+        assert repr(value) in said and words in said, said
+    assert not (tmp_path / "run").exists()
