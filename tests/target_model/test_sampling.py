@@ -1,0 +1,130 @@
+"""Keyed Gumbel-max sampling: the noise is a pure function of its key, the draws follow the
+tempered (and top-k / top-p restricted) softmax, and T = 0 is argmax."""
+
+import math
+
+import pytest
+import torch
+
+from dflash_train.target_model.errors import TargetError
+from dflash_train.target_model.sampling import (
+    SamplingConfig,
+    gumbel_noise,
+    sample_next,
+    sampling_logits,
+)
+
+LOGITS = torch.tensor([2.0, 1.5, 0.5, 0.0, -0.5, -1.0, -3.0, 1.0])
+DRAWS = 20000
+
+
+def _draws(cfg: SamplingConfig, logits: torch.Tensor = LOGITS, n: int = DRAWS) -> torch.Tensor:
+    """Token counts over n keys: sample ids 0..n-1 at one position, all rows in one call."""
+    tokens = sample_next(logits.expand(n, -1), cfg, torch.arange(n), torch.full((n,), 17))
+    return torch.bincount(tokens, minlength=logits.numel())
+
+
+def _chi_square_fits(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson's statistic over the tokens of positive probability against its 99.9 % quantile
+    (Wilson-Hilferty), so a correct sampler fails once in a thousand seeds at most."""
+    keep = probs > 0
+    expected = probs[keep] * counts.sum()
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    z = 3.09  # the normal's 99.9 % quantile
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat < limit
+
+
+def test_the_noise_is_a_pure_function_of_seed_sample_position_and_token():
+    ids, pos = torch.tensor([3, 8, 3, 1_000_000]), torch.tensor([10, 10, 11, 4])
+    noise = gumbel_noise(7, ids, pos, 300)
+    perm = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(gumbel_noise(7, ids[perm], pos[perm], 300), noise[perm])
+    alone = [gumbel_noise(7, [int(i)], [int(p)], 300)[0] for i, p in zip(ids, pos, strict=True)]
+    assert torch.equal(torch.stack(alone), noise)
+    # a wider vocabulary extends each row, it does not reshuffle it
+    assert torch.equal(gumbel_noise(7, ids, pos, 500)[:, :300], noise)
+    # the same sample at another position, or another sample at the same one, is other noise
+    assert not torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[1])
+
+
+def test_different_seeds_draw_different_noise_and_tokens():
+    ids, pos = torch.arange(64), torch.full((64,), 5)
+    assert not torch.equal(gumbel_noise(0, ids, pos, 100), gumbel_noise(1, ids, pos, 100))
+    logits = torch.zeros(64, 100)
+    cfg = SamplingConfig(temperature=1.0, seed=0)
+    other = SamplingConfig(temperature=1.0, seed=1)
+    assert (sample_next(logits, cfg, ids, pos) != sample_next(logits, other, ids, pos)).any()
+
+
+def test_the_noise_is_standard_gumbel():
+    g = gumbel_noise(3, torch.arange(50), torch.arange(50), 4000).flatten().double()
+    assert abs(float(g.mean()) - 0.5772) < 0.01  # Euler-Mascheroni
+    assert abs(float(g.std()) - math.pi / math.sqrt(6)) < 0.01
+    assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_draws_follow_the_tempered_softmax(temperature):
+    cfg = SamplingConfig(temperature=temperature, seed=11)
+    assert _chi_square_fits(_draws(cfg), torch.softmax(LOGITS / temperature, -1))
+
+
+def test_draws_follow_each_position_and_seed_alike():
+    # one sample id, many positions: the key's other lane is as good a source of draws
+    cfg = SamplingConfig(temperature=1.0, seed=123)
+    n = DRAWS
+    tokens = sample_next(LOGITS.expand(n, -1), cfg, torch.zeros(n), torch.arange(n))
+    counts = torch.bincount(tokens, minlength=LOGITS.numel())
+    assert _chi_square_fits(counts, torch.softmax(LOGITS, -1))
+
+
+def test_top_k_and_top_p_never_emit_a_masked_token_and_renormalize_the_rest():
+    cfg = SamplingConfig(temperature=1.0, top_k=3, seed=5)
+    counts = _draws(cfg)
+    assert counts[[2, 3, 4, 5, 6]].sum() == 0  # outside the 3 largest logits (ids 0, 1, 7)
+    kept = torch.zeros_like(LOGITS, dtype=torch.bool)
+    kept[[0, 1, 7]] = True
+    assert _chi_square_fits(counts, torch.softmax(LOGITS.masked_fill(~kept, -math.inf), -1))
+    probs = torch.softmax(LOGITS, -1)  # 0.39, 0.24, 0.14 (id 7), 0.09 (id 2): 0.77 by id 7
+    counts = _draws(SamplingConfig(temperature=1.0, top_p=0.7, seed=5))
+    assert set(counts.nonzero().flatten().tolist()) == {0, 1, 7}
+    assert _chi_square_fits(counts, torch.softmax(LOGITS.masked_fill(~kept, -math.inf), -1))
+    assert probs[[0, 1]].sum() < 0.7 < probs[[0, 1, 7]].sum()
+
+
+def test_top_p_applies_to_what_top_k_left():
+    cfg = SamplingConfig(temperature=1.0, top_k=2, top_p=0.6)
+    masked = sampling_logits(LOGITS[None], cfg)[0]
+    # of ids 0 and 1 renormalized (0.62, 0.38), id 0 alone reaches 0.6
+    assert torch.isfinite(masked).nonzero().flatten().tolist() == [0]
+
+
+def test_temperature_zero_is_plain_argmax():
+    logits = torch.randn(32, 50)
+    assert torch.equal(sample_next(logits, SamplingConfig()), logits.argmax(-1))
+
+
+def test_a_tiny_temperature_draws_the_argmax():
+    logits = torch.randn(32, 50)
+    cfg = SamplingConfig(temperature=1e-4, seed=9)
+    assert torch.equal(sample_next(logits, cfg, torch.arange(32), torch.arange(32)),
+                       logits.argmax(-1))
+
+
+@pytest.mark.parametrize("bad, named", [
+    (dict(temperature=-0.1), "temperature -0.1"), (dict(temperature=math.inf), "temperature"),
+    (dict(top_p=0.0), "top_p 0.0"), (dict(top_p=1.5), "top_p 1.5"),
+    (dict(top_k=-1), "top_k -1"), (dict(seed=-1), "seed -1"), (dict(seed=1 << 32), "seed"),
+])
+def test_invalid_settings_are_refused_naming_the_value(bad, named):
+    with pytest.raises(TargetError, match=named):
+        SamplingConfig(**bad)
+
+
+def test_a_draw_needs_its_keys():
+    with pytest.raises(TargetError, match="sample_ids and positions"):
+        sample_next(LOGITS[None], SamplingConfig(temperature=1.0))
+    with pytest.raises(TargetError, match="positions has 1 entries for 2 rows"):
+        sample_next(LOGITS.expand(2, -1), SamplingConfig(temperature=1.0), [0, 1], [3])
