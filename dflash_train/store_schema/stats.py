@@ -30,6 +30,8 @@ from dflash_train.store_schema.store import Store
 from dflash_train.store_schema.validate import samples_in
 
 STATS_KEY = "dflash_stats"
+_NAMED = 5
+"""Damaged parts or shards an error names before it counts the rest: one readable line."""
 
 
 @dataclass
@@ -131,6 +133,19 @@ def _context(store: Store, parts: list, skip: bool, damaged: list[tuple[str, int
     return out
 
 
+def _nothing_to_read(store: Store, left_out: list[str]) -> StoreError:
+    """Why no token is left to read: every part or shard holding any was skipped as damaged
+    (named: the user asked to skip damage, not to be told the store is empty), or none has
+    any."""
+    if left_out:
+        named = "; ".join(left_out[:_NAMED]) + (f"; ... ({len(left_out)} in all)"
+                                                 if len(left_out) > _NAMED else "")
+        return StoreError(f"{store.url}: no statistics: every part holding tokens is damaged "
+                          f"and was left out (--skip-corrupt): {named}; run "
+                          f"`dflash store validate {store.url}` for every problem")
+    return StoreError(f"{store.url} has no committed tokens to compute statistics on")
+
+
 def compute_stats(store: Store, top_channels: int = 8, workers: int | None = None,
                   skip_damaged: bool = False, exclude_parts=(),
                   max_tokens: int | None = None, checked_parts=None) -> StoreStats:
@@ -150,7 +165,7 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
     damaged: list[tuple[str, int]] = []
     pieces = _context(store, parts, skip_damaged, damaged, max_tokens)
     if not pieces:
-        raise StoreError(f"{store.url} has no committed tokens to compute statistics on")
+        raise _nothing_to_read(store, left_out)
     x = da.concatenate(pieces, axis=0)  # [T, n, H]
     sums = x.astype(np.float64).sum(axis=0)
     squares = (x.astype(np.float64) ** 2).sum(axis=0)
@@ -160,7 +175,7 @@ def compute_stats(store: Store, top_channels: int = 8, workers: int | None = Non
     tokens, hidden = x.shape[0] - sum(n for _, n in damaged), x.shape[2]
     left_out += [what for what, _ in damaged]
     if tokens <= 0:
-        raise StoreError(f"{store.url}: every context shard is damaged; no statistics")
+        raise _nothing_to_read(store, left_out)
     layers = []
     for i, layer_id in enumerate(store.meta.context_layer_ids):
         channel_rms = np.sqrt(squares[i] / tokens)

@@ -4,12 +4,14 @@ a run (damaged under --skip-corrupt, or holding one row twice). Each is a clear 
 what is wrong, or is accepted as every other reader accepts it."""
 
 import shutil
+from pathlib import Path
 
 import pytest
 import zarr
 from click.testing import CliRunner
 
 from dflash_train.cli import main
+from dflash_train.store_schema.layout import part_path
 from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
 
@@ -41,3 +43,19 @@ def test_a_shard_size_no_store_is_made_with_is_one_line_for_every_reader(pristin
         assert said.startswith(f"Error: {url}: ") and "shard_tokens" in said, said
         assert repr(value) in said and words in said, said
     assert not (tmp_path / "run").exists()
+
+
+def _delete_every_context_chunk(url: str) -> None:
+    for part in (0, 1):
+        for chunk in (Path(url) / part_path(part) / "context" / "c").rglob("*"):
+            if chunk.is_file():
+                chunk.unlink()
+
+
+def test_statistics_skipping_every_part_as_damaged_name_the_damage(pristine, tmp_path):
+    url = _copy(pristine, tmp_path)
+    _delete_every_context_chunk(url)
+    said = one_line_error(CliRunner().invoke(main, ["store", "stats", "--skip-corrupt", url]))
+    assert "every part holding tokens is damaged and was left out (--skip-corrupt)" in said
+    assert "part 0: [missing] context chunk" in said and "part 1: [missing] context" in said
+    assert "no committed tokens" not in said
