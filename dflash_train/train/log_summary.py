@@ -13,16 +13,25 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_train.json_fields import Fields, is_number
 from dflash_train.run_layout import LOG
 from dflash_train.train.errors import TrainError
 from dflash_train.train.record import StepRecord
 
-REQUIRED = {"step": "an integer", "epoch": "an integer", "loss": "a number", "lr": "a number",
-            "tokens": "a number"}
-"""Fields every record the loop writes holds, and what each must be."""
-OPTIONAL_NUMBERS = ("samples", "train_tau", "noise_std", "data_wait_s", "step_s",
-                    "tokens_per_s", "grad_norm")
-"""Fields a summary reads when present: a number or null."""
+REQUIRED = {"step": "count", "epoch": "count", "loss": "number", "lr": "number",
+            "tokens": "number"}
+"""Fields every record the loop writes holds, and what each must be (json_fields: a count
+is an integer >= 0; a number may be NaN or Inf, which a diverged step logs)."""
+OPTIONAL = {"grad_norm": "number", "samples": "number", "skipped": "count", "blocks": "count",
+            "noise_std": "number", "data_wait_s": "number", "step_s": "number",
+            "tokens_per_s": "number", "train_tau": "number", "selector_recall": "number"}
+"""Fields a record holds on some steps (or in some versions) only: a value of that kind or
+null. StepRecord.from_json reads each of them, so each is checked here."""
+_VALIDATION = {"tau": "number", "blocks": "count"}
+"""Scalar fields of train.record.StoreFigures (the pooled figures and each store's)."""
+_BUDGET_DIGITS = 15
+"""A DDTree node budget is a small whole number; the key's length is bounded so that int()
+never meets a number too long to read."""
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
                float: "number", type(None): "null"}
 
@@ -57,11 +66,11 @@ def read_log(run_dir: str | Path, note: Callable[[str], None] | None = None
                    "a dflash training log?" if number == len(lines)
                    else "is this a dflash training log?")
             raise TrainError(f"{path} line {number} is {e}; {why}") from e
-        problem = record_problem(record, slots)
-        if problem:
-            raise TrainError(f"{path} line {number}: {problem}; each line of a training log "
-                             f"is a JSON object with {', '.join(REQUIRED)} (is this a dflash "
-                             "training log?)")
+        try:
+            check_record(record, f"{path} line {number}", slots)
+        except TrainError as e:
+            raise TrainError(f"{e}; each line of a training log is a JSON object with "
+                             f"{', '.join(REQUIRED)} (is this a dflash training log?)") from None
         records.append(StepRecord.from_json(record))
         if record.get("slot_acc") is not None:
             slots = (len(record["slot_acc"]), number)
@@ -88,78 +97,82 @@ def _parse(raw: bytes):
         raise ValueError("not a record: it holds a number too long to read") from e
 
 
+def check_record(record, where: str, slots: tuple[int, int] | None = None) -> None:
+    """Refuse (TrainError naming `where` and the field) a parsed log line that is not a
+    record the loop writes: every field StepRecord.from_json reads is checked, so the
+    summaries never meet a value of another type. `slots`: (slots, line) of an earlier
+    record's slot_acc, which every one must match."""
+    if not isinstance(record, dict):
+        kind = _JSON_TYPES.get(type(record), type(record).__name__)
+        raise TrainError(f"{where}: is a JSON {kind}")
+    fields = Fields(record, where, TrainError)
+    for name, kind in REQUIRED.items():
+        _read(fields, name, kind)
+    for name, kind in OPTIONAL.items():
+        _optional(fields, name, kind)
+    if record.get("slot_acc") is not None:
+        _check_slot_acc(fields, slots)
+    if record.get("validation") is not None:
+        _check_validation(fields.mapping("validation"))
+
+
+def _read(fields: Fields, name: str, kind: str) -> None:
+    if kind == "count":
+        fields.integer(name, low=0)
+    else:
+        fields.number(name, finite=False)
+
+
+def _optional(fields: Fields, name: str, kind: str) -> None:
+    """A field the loop writes as null when it has no value (or older logs lack)."""
+    if fields.raw.get(name) is not None:
+        _read(fields, name, kind)
+
+
+def _check_slot_acc(fields: Fields, slots: tuple[int, int] | None) -> None:
+    acc = fields.sequence("slot_acc")
+    if not all(a is None or is_number(a) for a in acc):
+        raise TrainError(f"{fields.where}: field 'slot_acc' is {_show(acc)}, not a list of "
+                         "numbers")
+    if slots is not None and len(acc) != slots[0]:
+        raise TrainError(f"{fields.where}: 'slot_acc' has {len(acc)} slots, line "
+                         f"{slots[1]}'s has {slots[0]} (one run has one block size)")
+
+
+def _check_validation(validation: Fields) -> None:
+    """The `validation` object train.validation writes (record.ValidationFigures)."""
+    _check_figures(validation)
+    _optional(validation, "seconds", "number")
+    _optional(validation, "best_step", "count")
+    if validation.raw.get("tau_ci95") is not None:
+        ci = validation.sequence("tau_ci95")
+        if len(ci) != 2 or not all(is_number(x) for x in ci):
+            raise TrainError(f"{validation.where}: field 'tau_ci95' is {_show(ci)}, not two "
+                             "numbers")
+    if validation.raw.get("stores") is not None:
+        stores = validation.mapping("stores")
+        for url in stores.raw:
+            _check_figures(stores.mapping(url))
+
+
+def _check_figures(figures: Fields) -> None:
+    """One record.StoreFigures: tau and blocks, and tau per DDTree node budget."""
+    for name, kind in _VALIDATION.items():
+        _optional(figures, name, kind)
+    if figures.raw.get("tree_tau") is None:
+        return
+    trees = figures.mapping("tree_tau")
+    for budget in trees.raw:
+        # str.isdigit alone takes '²', which int() refuses
+        if not (budget.isascii() and budget.isdigit() and len(budget) <= _BUDGET_DIGITS):
+            raise TrainError(f"{trees.where}: key {_show(budget)} is not a node budget (a "
+                             "whole number)")
+        _optional(trees, budget, "number")
+
+
 def _show(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_number(v) -> bool:
-    """A JSON number a float holds (NaN and Inf included: a diverged step logs them); not a
-    boolean, nor an integer too large for a float."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    return isinstance(v, float) or abs(v) <= _LARGEST_INT
-
-
-_LARGEST_INT = 2**63 - 1
-"""Steps, epochs and counts beyond int64 are not a training log's."""
-
-
-def _is_integer(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and abs(v) <= _LARGEST_INT
-
-
-def record_problem(record, slots: tuple[int, int] | None = None) -> str | None:
-    """What makes a parsed log line not a training record, or None when it is one.
-    `slots`: (slots, line) of an earlier record's slot_acc, which every one must match."""
-    if not isinstance(record, dict):
-        return f"is a JSON {_JSON_TYPES.get(type(record), type(record).__name__)}"
-    for key, kind in REQUIRED.items():
-        value = record.get(key)
-        ok = _is_integer(value) if kind == "an integer" else _is_number(value)
-        if not ok:
-            return f"{key!r} is {_show(value)}, not {kind}" if key in record else f"has no {key!r}"
-    for key in OPTIONAL_NUMBERS:
-        if record.get(key) is not None and not _is_number(record[key]):
-            return f"{key!r} is {_show(record[key])}, not a number"
-    acc = record.get("slot_acc")
-    if acc is not None and not (isinstance(acc, list)
-                                and all(a is None or _is_number(a) for a in acc)):
-        return f"'slot_acc' is {_show(acc)}, not a list of numbers"
-    if acc is not None and slots is not None and len(acc) != slots[0]:
-        return (f"'slot_acc' has {len(acc)} slots, line {slots[1]}'s has {slots[0]} (one run "
-                "has one block size)")
-    if record.get("validation") is not None:
-        return _validation_problem(record["validation"])
-    return None
-
-
-def _validation_problem(figures) -> str | None:
-    """What makes a record's `validation` object not what train.validation writes."""
-    def figures_problem(f, where: str) -> str | None:
-        if not isinstance(f, dict):
-            return f"{where} is {_show(f)}, not an object"
-        if f.get("tau") is not None and not _is_number(f["tau"]):
-            return f"{where}'s 'tau' is {_show(f['tau'])}, not a number"
-        trees = f.get("tree_tau") or {}
-        if not isinstance(trees, dict) or not all(
-                b.isdigit() and (t is None or _is_number(t)) for b, t in trees.items()):
-            return f"{where}'s 'tree_tau' is {_show(trees)}, not numbers by node budget"
-        return None
-
-    problem = figures_problem(figures, "'validation'")
-    if problem:
-        return problem
-    stores = figures.get("stores") or {}
-    if not isinstance(stores, dict):
-        return f"'validation' 'stores' is {_show(stores)}, not an object"
-    for url, f in stores.items():
-        if (problem := figures_problem(f, f"'validation' store {url!r}")):
-            return problem
-    best = figures.get("best_step")
-    if best is not None and not (isinstance(best, int) and not isinstance(best, bool)):
-        return f"'validation' 'best_step' is {_show(best)}, not a step"
-    return None
 
 
 def _mean(values) -> float | None:

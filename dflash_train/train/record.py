@@ -124,7 +124,7 @@ class StepRecord:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "StepRecord":
-        """A record from a log line already checked (log_summary.record_problem); keys it
+        """A record from a log line already checked (log_summary.check_record); keys it
         does not know are passed over."""
         accuracy = None
         if "slot_acc" in raw or "train_tau" in raw:
