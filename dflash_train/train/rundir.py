@@ -240,10 +240,23 @@ def check_resume_config(point: TrainCheckpoint, new: TrainConfig) -> None:
     changes = config_changes(point.config, new, point.drafter.config)
     if changes:
         raise TrainError(
-            f"--resume: these settings differ from the run's ({point.path / CONFIG}), which a "
-            "resume cannot change (old -> new):\n  " + "\n  ".join(changes)
+            f"--resume: {_fallback(point)}these settings differ from the run's "
+            f"({point.path / CONFIG}), which a resume cannot change (old -> new):\n  "
+            + "\n  ".join(changes)
             + "\nrepeat the run's settings, or start a new run with another --out")
     check_run_config_kept(point, new)
+
+
+def _fallback(point: TrainCheckpoint) -> str:
+    """The damaged newer checkpoints a resume stepped over, said before a refusal that
+    compares with `point`: else an edit to the newest one's config.toml (which breaks its
+    checksum) reads as if an older step's settings were the run's last."""
+    if not point.damaged:
+        return ""
+    (newest, reason), others = point.damaged[0], len(point.damaged) - 1
+    more = f" (and {others} more damaged checkpoint{'s' * (others > 1)})" if others else ""
+    return (f"the newest checkpoint, {newest.name}, cannot be used: {reason}{more}; the "
+            f"resume falls back to {point.path.name}, and ")
 
 
 def check_run_config_kept(point: TrainCheckpoint, new: TrainConfig) -> None:
@@ -271,10 +284,10 @@ def check_run_config_kept(point: TrainCheckpoint, new: TrainConfig) -> None:
               and _norm(a.get(k)) not in (_norm(b.get(k)), _norm(c.get(k)))]
     if edited:
         raise TrainError(
-            f"--resume: {path} says otherwise than the run (edited?), and a resume reads no "
-            "settings from it, it rewrites it:\n  " + "\n  ".join(edited) + "\nto resume "
-            f"with what it says pass --config {path} (settings that shape the weights cannot "
-            "change on a resume), or undo the edit")
+            f"--resume: {_fallback(point)}{path} says otherwise than the run (edited?), and a "
+            "resume reads no settings from it, it rewrites it:\n  " + "\n  ".join(edited)
+            + f"\nto resume with what it says pass --config {path} (settings that shape the "
+            "weights cannot change on a resume), or undo the edit")
 
 
 def _flat(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
