@@ -41,7 +41,6 @@ from dflash_train.drafter.files import (
     check_checkpoint_whole,
     check_finite,
     check_output_dir,
-    training_checkpoint_root,
     verify_checksums,
     write_checksums,
     write_dir_atomically,
@@ -61,6 +60,7 @@ from dflash_train.run_layout import (
     LOADER_NAME,
     WEIGHTS_NAME,
 )
+from dflash_train.run_reader import training_checkpoint_root
 
 
 def save_drafter(

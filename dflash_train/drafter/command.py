@@ -14,7 +14,7 @@ from dflash_train.drafter.config import DrafterConfig
 from dflash_train.drafter.gguf_export import export_gguf
 from dflash_train.drafter.hf_config import read_drafter_config
 from dflash_train.errors import reported_as_one_line
-from dflash_train.train.best import is_run_dir, run_checkpoint
+from dflash_train.run_reader import is_run_dir, run_checkpoint
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "keep": None}
 FORMATS = ("hf", "gguf")

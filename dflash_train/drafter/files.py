@@ -35,13 +35,13 @@ from dflash_train.drafter.errors import DrafterError
 from dflash_train.drafter.hf_config import ARCHITECTURES
 from dflash_train.hashing import file_sha256
 from dflash_train.run_layout import (
-    CHECKPOINT_FILES,
     CHECKSUMS_NAME,
     COMPLETE,
     CONFIG_NAME,
     DRAFTER_SUBDIR,
     OWN_FILES,
 )
+from dflash_train.run_reader import training_checkpoint_root  # noqa: F401 (train's import)
 
 PROC_STATUS = Path("/proc/self/status")
 """Where Linux reports the process's umask without it being changed to read it."""
@@ -95,20 +95,6 @@ def cast_weight(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Te
                            f"({torch.finfo(dtype).max:.6g}); export as bfloat16 or float32 "
                            "(--dtype), which hold it")
     return cast
-
-
-def training_checkpoint_root(path: str | os.PathLike) -> Path | None:
-    """The training checkpoint `path` is or lies in (its `drafter/`), else None: a
-    directory with no config.json of its own that holds `drafter/` or any of
-    CHECKPOINT_FILES."""
-    path = Path(path)
-    if path.name == DRAFTER_SUBDIR and any((path.parent / n).exists() for n in CHECKPOINT_FILES):
-        return path.parent
-    if (path / CONFIG_NAME).is_file():
-        return None
-    if (path / DRAFTER_SUBDIR).is_dir() or any((path / n).exists() for n in CHECKPOINT_FILES):
-        return path
-    return None
 
 
 def check_checkpoint_whole(root: str | os.PathLike) -> None:

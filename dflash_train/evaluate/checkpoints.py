@@ -8,7 +8,7 @@ or vocabulary differ from the store's: a training checkpoint by its provenance (
 training applies on resume, StoreMeta.target_mismatches), every checkpoint by what its
 config.json carries (hidden, vocab, target layer count, layer ids; a drafter reading a subset
 of the store's layers takes them by id). A training run directory stands for its best
-checkpoint on validation, else its newest (train.best.run_checkpoint). This module never
+checkpoint on validation, else its newest (run_reader.run_checkpoint). This module never
 runs a model.
 """
 
@@ -19,13 +19,16 @@ import torch
 
 from dflash_train.drafter import DFlashDrafter, DrafterConfig, DrafterError, load_drafter
 from dflash_train.drafter.config import DRAFTER_KINDS
-from dflash_train.drafter.files import training_checkpoint_root
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.run_layout import PROVENANCE
+from dflash_train.run_reader import (
+    RunDirError,
+    is_run_dir,
+    read_provenance,
+    run_checkpoint,
+    training_checkpoint_root,
+)
 from dflash_train.store_schema import StoreMeta
-from dflash_train.train.best import is_run_dir, run_checkpoint
-from dflash_train.train.checkpoint import read_provenance
-from dflash_train.train.errors import TrainError
 
 
 @dataclass
@@ -87,7 +90,7 @@ def load_checkpoint(
     if is_run_dir(path):
         try:
             chosen, _ = run_checkpoint(path)
-        except TrainError as e:
+        except RunDirError as e:
             raise EvalError(f"checkpoint {path}: {e}") from e
         path, name = str(chosen), f"{name}/{chosen.name}"
     try:

@@ -5,7 +5,7 @@ import click
 from dflash_train.devices import DEVICE_HELP, RANKS_HELP
 from dflash_train.errors import reported_as_one_line
 from dflash_train.run_layout import LOG
-from dflash_train.train.best import read_best
+from dflash_train.run_reader import run_checkpoint
 from dflash_train.train.config import TrainConfig, load_train_config
 from dflash_train.train.drafter_shape import DRAFTER_LAYERS
 from dflash_train.train.errors import TrainError
@@ -122,15 +122,18 @@ def train_command(stores, val_stores, config_file, resume, sets, progress, **fla
     if result.already_complete:
         click.echo(f"{result.run_dir} is already complete (step {result.steps} of "
                    f"{result.steps}); nothing to train; checkpoint {result.checkpoint}")
-        return
-    if result.stopped:
-        click.echo(result.stopped)
-    click.echo(f"trained {result.steps} steps, final loss {result.final_loss:.4f}; "
-               f"checkpoint {result.checkpoint}; log {result.run_dir / LOG}")
-    best = read_best(result.run_dir)
-    if best is not None:
-        click.echo(f"best on validation: {best.checkpoint(result.run_dir)} ({best.figure} "
-                   f"{best.value:.4f}); dflash export / eval {result.run_dir} take it")
+    elif result.trained == 0:
+        click.echo(f"{result.stopped or 'nothing left to train'}; nothing trained; "
+                   f"checkpoint {result.checkpoint}")
+    else:
+        if result.stopped:
+            click.echo(result.stopped)
+        click.echo(f"trained {result.steps} steps, final loss {result.final_loss:.4f}; "
+                   f"checkpoint {result.checkpoint}; log {result.run_dir / LOG}")
+    if cfg.validation.stores:
+        with reported_as_one_line():
+            chosen, why = run_checkpoint(result.run_dir)
+        click.echo(f"dflash export / eval {result.run_dir} take {why}: {chosen}")
 
 
 @click.group("log")

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.run_layout import checkpoint_dir
-from dflash_train.train.best import mark_best, read_best
+from dflash_train.run_reader import RunDirError, read_best
+from dflash_train.train.best import mark_best
 from dflash_train.train.checkpoint import (
     CheckpointContents,
     latest_checkpoint,
@@ -50,6 +51,8 @@ class TrainResult:
     """A --resume found the run finished: nothing was trained or written."""
     stopped: str | None = None
     """Why the run stopped before its last step (run.patience), else None."""
+    trained: int = 0
+    """Steps this call took: 0 for a resumed run that run.patience had stopped already."""
 
 
 def train(cfg: TrainConfig, resume: bool = False, echo=print) -> TrainResult:
@@ -71,6 +74,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                            already_complete=True)
     health = StepHealth(run.run_dir, run.model.config.vocab_size, cfg.optim.lr)
     sinks, last_loss, checkpoint = run.sinks, float("nan"), None
+    first_step = run.state.step
     stopped = stop_early(run)  # a resumed run that run.patience had stopped already
     for batch, waited in _batches(run) if stopped is None else ():
         batch = batch if batch is not None else empty_batch(run.store)
@@ -90,7 +94,8 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
             stopped = None if run.at_last_step() else stop_early(run)
             if stopped is not None:
                 break
-    return _finish(run, checkpoint, last_loss, stopped)
+    return replace(_finish(run, checkpoint, last_loss, stopped),
+                   trained=run.state.step - first_step)
 
 
 def validate(run: Run) -> ValidationFigures:
@@ -187,16 +192,28 @@ def save_run(run: Run) -> Path | None:
     model_state, optimizer_state = full_states(run.model, run.optimizer)
     path = None
     if run.placement.rank == 0:
-        keep, marked = run.cfg.run.keep_checkpoints, read_best(run.run_dir)
+        keep = run.cfg.run.keep_checkpoints
         contents = CheckpointContents(run.model, model_state, optimizer_state, run.scheduler,
                                       run.state, run.store.meta, to_toml(run.cfg))
-        path = save_checkpoint(run.run_dir, contents, keep=keep,
-                               spare=marked and marked.checkpoint(run.run_dir))
+        path = save_checkpoint(run.run_dir, contents, keep=keep, spare=_marked(run))
         if run.validation is not None:
             best = mark_best(run.run_dir, run.state, run.cfg.validation.best_figure)
             prune_checkpoints(run.run_dir, keep, spare=best)
     barrier(run.placement.world)
     return path
+
+
+def _marked(run: Run) -> Path | None:
+    """The checkpoint best.json names, which rotation spares until the marker moves; a
+    marker that does not read spares the state's best instead (mark_best rewrites it)."""
+    try:
+        marked = read_best(run.run_dir)
+    except RunDirError:
+        marked = None
+    if marked is not None:
+        return marked.checkpoint(run.run_dir)
+    best = run.state.best_step
+    return None if best is None else checkpoint_dir(run.run_dir, best)
 
 
 def _finish(run: Run, checkpoint: Path | None, last_loss: float,

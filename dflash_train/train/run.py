@@ -212,6 +212,9 @@ def build_run(cfg: TrainConfig, resume: bool, echo: Echo = print) -> Run | Alrea
         last = cfg.optim.epochs - 1
         if run_finished(done, cfg.optim.epochs, total_steps,
                         lambda: loader.batches_per_epoch(last)):
+            if cfg.validation.stores and placement.rank == 0:
+                # a crash between the last save and its marking left best.json stale
+                mark_best(run_dir, done, cfg.validation.best_figure)
             return AlreadyComplete(done.step, point.path)
     model = _drafter(cfg, point, loader.stores, placement, say)
     validation = open_validation(cfg.validation, loader.stores, loader.parts, model.config,

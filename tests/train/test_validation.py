@@ -18,7 +18,7 @@ from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.run_layout import BEST, LOG, checkpoint_dir
 from dflash_train.store_schema import open_store
-from dflash_train.train.best import read_best
+from dflash_train.run_reader import read_best
 from dflash_train.train.checkpoint import complete_checkpoints
 from dflash_train.train.config import ValidationConfig, load_train_config
 from dflash_train.train.data import LoaderConfig, StoreLoader
@@ -258,10 +258,12 @@ def test_export_and_eval_of_a_run_directory_take_its_best_checkpoint(synthetic_s
                                 progress=False), echo=lambda _: None).report
     assert named["checkpoints"][0]["path"] == str(checkpoint_dir(run, 6))  # a step named
 
+    # a marker edited or left stale never picks the drafter: the saved validation does
     (run / BEST).write_text(json.dumps({"step": 100, "figure": "tau", "value": 1.5}))
-    gone = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "out2")])
-    assert gone.exit_code == 1
-    assert "names step 100, but" in gone.output and "not a complete checkpoint" in gone.output
+    stale = CliRunner().invoke(main, ["export", str(run), str(tmp_path / "out2")])
+    assert stale.exit_code == 0, stale.output
+    assert f"{BEST} named step 100, stale" in stale.output
+    assert f"exported {checkpoint_dir(run, 4)} ->" in stale.output
 
 
 def test_a_run_without_validation_stands_for_its_newest_checkpoint(synthetic_store, tmp_path):
