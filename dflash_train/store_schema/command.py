@@ -286,6 +286,7 @@ def _convert_into(src: str, dst: str, **how) -> int:
     if path is None:
         return copy_store(src, dst, **how)[0]
     tmp = path.with_name(f".{path.name}{CONVERTING_SUFFIX}")
+    path.parent.mkdir(parents=True, exist_ok=True)  # the lock lives there, beside DST
     with _sole_writer(dst, tmp):
         _refuse_existing(dst)  # another convert may have finished it since the first look
         if tmp.exists():

@@ -11,6 +11,7 @@ import zarr
 from click.testing import CliRunner
 
 from dflash_train.cli import main
+from dflash_train.store_schema import open_store, validate
 from dflash_train.store_schema.layout import part_path
 from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
@@ -59,3 +60,13 @@ def test_statistics_skipping_every_part_as_damaged_name_the_damage(pristine, tmp
     assert "every part holding tokens is damaged and was left out (--skip-corrupt)" in said
     assert "part 0: [missing] context chunk" in said and "part 1: [missing] context" in said
     assert "no committed tokens" not in said
+
+
+def test_a_convert_into_a_directory_not_made_yet_makes_it(pristine, tmp_path):
+    src = _copy(pristine, tmp_path)
+    open_store(src, mode="r+").write_files("tokenizer", {"tokenizer.json": b"{}"})  # as extract
+    dst = tmp_path / "new" / "deeper" / "copy.zarr"
+    done = CliRunner().invoke(main, ["store", "convert", src, str(dst), "--no-progress"])
+    assert done.exit_code == 0, done.output
+    assert validate(str(dst)) == [] and open_store(str(dst)).complete
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["copy.zarr"]  # no lock left
