@@ -3,6 +3,8 @@ torch dtypes. Every stage converts through it, so a name means the same dtype ev
 
 import torch
 
+from dflash_train.devices import native_bf16
+
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -19,10 +21,15 @@ DTYPE_CHOICES = ("auto", *TORCH_DTYPES)
 
 
 def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
-    """The one rule for `--dtype auto`: bfloat16 where the model runs on CUDA (`--device
-    auto` on a machine with CUDA included), else float32; any other name as it says."""
+    """The one rule for `--dtype auto`: bfloat16 where the model runs on a CUDA card with
+    native bf16 (devices.native_bf16; `--device auto` on a machine with CUDA included), else
+    float32; any other name as it says. A CPU keeps float32 even with AVX-512 BF16: this dtype
+    is also what extract stores and what eval's target verifies in, so a CPU run's results
+    stay float32 ones (training's run.precision=auto is the rule that uses CPU bf16)."""
     if name != "auto":
         return torch_dtype(name)
     where = str(device)
-    cuda = where.startswith("cuda") or (where == "auto" and torch.cuda.is_available())
-    return torch.bfloat16 if cuda else torch.float32
+    if where == "auto":
+        where = "cuda" if torch.cuda.is_available() else "cpu"
+    place = torch.device(where)
+    return torch.bfloat16 if place.type == "cuda" and native_bf16(place) else torch.float32

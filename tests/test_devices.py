@@ -83,6 +83,7 @@ def test_extract_without_device_runs_where_auto_points_with_the_dtype_of_that_de
 @pytest.mark.parametrize("amx, avx512_bf16, want", [
     (True, True, "amx"), (False, True, "avx512_bf16"), (False, False, None)])
 def test_native_bf16_names_the_cpu_feature_that_runs_it(monkeypatch, amx, avx512_bf16, want):
+    _no_overrides(monkeypatch)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     assert native_bf16(torch.device("cpu")) == want
@@ -90,6 +91,52 @@ def test_native_bf16_names_the_cpu_feature_that_runs_it(monkeypatch, amx, avx512
 
 
 def test_native_bf16_is_none_on_a_torch_without_the_cpu_probes(monkeypatch):
+    _no_overrides(monkeypatch)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
     assert native_bf16(torch.device("cpu")) is None
+
+
+def _no_overrides(monkeypatch) -> None:
+    monkeypatch.delenv("DFLASH_NATIVE_BF16", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+
+
+@pytest.mark.parametrize("cap", ["AVX2", "avx512_core"])
+def test_a_onednn_cap_below_bf16_makes_a_bf16_cpu_emulate_it(monkeypatch, cap):
+    # measured: ONEDNN_MAX_CPU_ISA=AVX2 took a bf16 GEMM from 39 to 1.3 GFLOP/s
+    _no_overrides(monkeypatch)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert native_bf16(torch.device("cpu")) is None
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert native_bf16(torch.device("cpu")) == "avx512_bf16"
+
+
+@pytest.mark.parametrize("value, cuda_too", [("0", False), ("1", True)])
+def test_the_environment_overrides_every_probe(monkeypatch, value, cuda_too):
+    _no_overrides(monkeypatch)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: value == "0")
+    monkeypatch.setenv("DFLASH_NATIVE_BF16", value)
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):
+        assert (native_bf16(device) is not None) == cuda_too
+
+
+@pytest.mark.parametrize("capability, want", [((7, 0), None), ((8, 0), "cuda"), ((9, 0), "cuda")])
+def test_cuda_cards_before_ampere_have_no_native_bf16(monkeypatch, capability, want):
+    _no_overrides(monkeypatch)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert native_bf16(torch.device("cuda", 0)) == want
+
+
+def test_auto_dtype_is_float32_on_a_cuda_card_without_native_bf16(monkeypatch):
+    from dflash_train.dtypes import resolve_dtype
+
+    _no_overrides(monkeypatch)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert resolve_dtype("auto", "auto") == torch.float32
+    assert resolve_dtype("bfloat16", "cuda") == torch.bfloat16
