@@ -7,9 +7,15 @@ import pytest
 import torch
 
 from dflash_train.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.train import optimizer
 from dflash_train.train.config import OptimConfig, load_train_config
 from dflash_train.train.errors import TrainError
-from dflash_train.train.optimizer import MuonWithAdamW, build_optimizer, muon_split
+from dflash_train.train.optimizer import (
+    MuonWithAdamW,
+    build_optimizer,
+    muon_split,
+    orthogonalise,
+)
 from dflash_train.train.parallel import full_states, load_optimizer_state
 
 
@@ -28,6 +34,8 @@ def _fake_grads(model: torch.nn.Module, step: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen)
 
 
+NS = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic coefficients (torch's Muon default)."""
 MUON = OptimConfig(optimizer="muon", lr=2e-3, weight_decay=0.01)
 
 
@@ -66,7 +74,8 @@ def test_dflash2_codebooks_are_rows_for_adamw_and_its_projections_matrices_for_m
                 "candidate_selector.successor_factor"} <= to_muon
 
 
-def test_one_step_equals_torchs_muon_and_adamw_stepped_apart():
+def test_one_step_equals_torchs_muon_and_adamw_stepped_apart(monkeypatch):
+    monkeypatch.setenv("DFLASH_NATIVE_BF16", "1")  # torch's bf16 Newton-Schulz, on any CPU
     model, apart = _drafter(), _drafter()
     opt = build_optimizer(model, MUON)
     assert isinstance(opt, MuonWithAdamW)
@@ -145,3 +154,52 @@ def test_a_model_without_matrices_is_refused_for_muon():
 def test_bad_muon_settings_are_refused_naming_the_field(key, value):
     with pytest.raises(TrainError, match=key.replace(".", r"\.")):
         load_train_config(None, {key: value})
+
+
+@pytest.mark.parametrize("native, seen", [("0", torch.float32), ("1", torch.bfloat16)])
+def test_newton_schulz_runs_in_float32_where_bf16_is_emulated(monkeypatch, native, seen):
+    monkeypatch.setenv("DFLASH_NATIVE_BF16", native)
+    dtypes = []
+
+    def spy(update, coefficients, steps, eps, dtype):
+        out = orthogonalise(update, coefficients, steps, eps, dtype)
+        dtypes.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(optimizer, "orthogonalise", spy)
+    model = _drafter()
+    opt = build_optimizer(model, MUON)
+    _steps(model, opt, range(2))
+    assert dtypes and set(dtypes) == {seen}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_float32_orthogonalisation_matches_bf16_within_bf16_rounding():
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(64, 32), (32, 96)]:
+        update = torch.randn(shape, generator=gen)
+        exact = orthogonalise(update, NS, 5, 1e-7, torch.float32)
+        rounded = orthogonalise(update, NS, 5, 1e-7, torch.bfloat16).float()
+        assert exact.shape == rounded.shape == shape
+        # five bf16 iterations (8-bit mantissa) leave ~1e-2 relative error per entry
+        assert (exact - rounded).norm() / exact.norm() < 3e-2
+
+
+def test_a_step_in_float32_moves_the_weights_as_the_bf16_step_does(monkeypatch):
+    moved = {}
+    for native in ("0", "1"):
+        monkeypatch.setenv("DFLASH_NATIVE_BF16", native)
+        model, start = _drafter(), _drafter()
+        _steps(model, build_optimizer(model, MUON), range(3))
+        moved[native] = [a - b for a, b in zip(model.parameters(), start.parameters(),
+                                                 strict=True)]
+    for exact, rounded in zip(moved["0"], moved["1"], strict=True):
+        assert (exact - rounded).norm() <= 3e-2 * exact.norm()
+
+
+def test_plain_momentum_buffer_is_not_scaled_by_the_float32_orthogonalisation():
+    # without Nesterov the update IS the momentum buffer: a float32 "cast" must still copy
+    buf = torch.randn(16, 8)
+    kept = buf.clone()
+    orthogonalise(buf, NS, 5, 1e-7, torch.float32)
+    assert torch.equal(buf, kept)
