@@ -427,14 +427,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if value is None or (isinstance(value, str) and value.lower() == "none"):
             if type(None) in args:
                 return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except TrainError:
-                continue
-        raise TrainError(f"{where}: {value!r} is not a {hint}")
+        return _coerce_union(value, [a for a in args if a is not type(None)], where)
     if origin is Literal:
         if value not in typing.get_args(hint):
             raise TrainError(f"{where}: {value!r} is not one of {typing.get_args(hint)}")
@@ -444,7 +437,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(items, (list, tuple)):
             raise TrainError(f"{where}: expected a list, got {value!r}")
         (item_hint, *_) = typing.get_args(hint) or (Any,)
-        out = [_coerce(v, item_hint, where) for v in items]
+        try:
+            out = [_coerce(v, item_hint, where) for v in items]
+        except TrainError as e:  # name the whole list: which item is wrong, and why
+            raise TrainError(f"{where}: {value!r}: {_reason(e, where)}") from None
         return tuple(out) if origin is tuple else out
     if hint is bool:
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
@@ -466,6 +462,30 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                              "torch's)")
         return converted
     return value
+
+
+def _coerce_union(value: Any, args: list[Any], where: str) -> Any:
+    """The first of `args` that takes `value`. When none does, the reason is each one's own
+    (`beyond a 64-bit integer`, not `is not a int | None`): with one type, its message."""
+    refusals = []
+    for arg in args:
+        try:
+            return _coerce(value, arg, where)
+        except TrainError as e:
+            refusals.append(e)
+    if len(refusals) == 1:
+        raise refusals[0]
+    said = "; ".join(_reason(e, where) for e in refusals)
+    raise TrainError(f"{where}: {value!r} fits none of {' | '.join(map(_type_name, args))} "
+                     f"({said})")
+
+
+def _reason(refusal: TrainError, where: str) -> str:
+    return str(refusal).removeprefix(f"{where}: ")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint)
 
 
 def _build(cls, data: dict[str, Any], where: str):
