@@ -213,7 +213,7 @@ def unigram_loss(train: torch.Tensor, held_out: torch.Tensor, vocab: int) -> flo
 @torch.no_grad()
 def greedy_loops(model, tok, prompts: list[str], max_new: int = 96) -> dict:
     """Greedy continuations of chat prompts: repeated-4-gram share, eos rate, a sample."""
-    from dflash_train.target_model.generation import greedy_continuations
+    from dflash_train.target_model.generation import continuations
 
     model.eval()
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -221,8 +221,8 @@ def greedy_loops(model, tok, prompts: list[str], max_new: int = 96) -> dict:
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in ids]
     outs = []
     for i in range(0, len(ids), 32):
-        outs += greedy_continuations(model, ids[i : i + 32], max_new_tokens=max_new,
-                                     eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+        outs += continuations(model, ids[i : i + 32], max_new_tokens=max_new,
+                              eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
     repeated = total = 0
     for o in outs:
         r, t = repeated_ngram_share(o)

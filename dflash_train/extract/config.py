@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dflash_train.extract.server_http import DEFAULT_TIMEOUT_S
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig
 
 
 @dataclass
@@ -53,9 +54,14 @@ class ExtractConfig:
     enable_thinking: bool = False
     """Passed to the chat template; must match how the target will be served."""
     regenerate: bool = False
-    """Replace each last assistant turn by the target's own greedy continuation."""
+    """Replace each last assistant turn by the target's own continuation (greedy, or drawn
+    as `sampling` says)."""
     max_new_tokens: int = 1024
     """Tokens to generate per prompt with `regenerate`."""
+    sampling: SamplingConfig = GREEDY
+    """How `regenerate` draws each token: greedy, or at a temperature with a seed, each
+    prompt's draws keyed by its source row (target_model/sampling.py). Recorded in the
+    store's provenance when not greedy."""
     mask_token_id: int | None = None
     """Token the drafter fills block slots with; None: the tokenizer's mask token, else the
     published id for the model type (Qwen3.5/3.6: 248070, Qwen3: 151669)."""

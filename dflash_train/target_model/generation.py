@@ -1,16 +1,23 @@
-"""Replace responses by the target's own greedy continuation (`--regenerate`).
+"""Replace responses by the target's own continuation (`--regenerate`), greedy or sampled.
 
-Owns batched greedy generation with the KV cache, and counting its progress step by step.
-Offline replay equals live speculative decoding only on the target's own greedy text
-(docs/reference.md §6), so the generated ids are used as they are, never detokenized and
-re-tokenized. Never writes the store.
+Owns batched generation with the KV cache, and counting its progress step by step. Offline
+replay equals live speculative decoding only on the target's own text (docs/reference.md §6,
+§8a), so the generated ids are used as they are, never detokenized and re-tokenized. At
+temperature > 0 each token is the keyed draw of target_model/sampling.py, keyed by the
+prompt's sample id and the token's absolute position in its own sequence (padding not
+counted): a prompt's answer is the same in any batch, and the same as live sample-and-match
+decoding with that seed. Never writes the store.
 """
 
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
+
+from dflash_train.target_model.errors import TargetError
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig, perturbed_logits
 
 OnStep = Callable[[int, int], None]
 """Called after every decoding step with (tokens added to rows still running, budget freed by
@@ -49,11 +56,27 @@ class _StepCounter(BaseStreamer):
         pass
 
 
+class _KeyedDraw(LogitsProcessor):
+    """Turns generate's greedy step into the keyed sample: argmax of perturbed logits is the
+    draw. The drawn token sits at column input_ids.shape[1] of its padded row, so at that
+    minus the row's left padding in its own sequence."""
+
+    def __init__(self, cfg: SamplingConfig, sample_ids: list[int], pads: torch.Tensor):
+        self.cfg, self.sample_ids, self.pads = cfg, sample_ids, pads
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        positions = input_ids.shape[1] - self.pads
+        return perturbed_logits(scores, self.cfg, self.sample_ids, positions)
+
+
 @torch.inference_mode()
-def greedy_continuations(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
-                         eos_ids: list[int], pad_id: int,
-                         on_step: OnStep | None = None) -> list[list[int]]:
-    """Greedy new tokens for each prompt, up to and including the first eos."""
+def continuations(model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int,
+                  eos_ids: list[int], pad_id: int, sampling: SamplingConfig = GREEDY,
+                  sample_ids: list[int] | None = None,
+                  on_step: OnStep | None = None) -> list[list[int]]:
+    """New tokens for each prompt, up to and including the first eos: greedy, or drawn as
+    `sampling` says with prompt b keyed by sample_ids[b] (its data row: stable whatever the
+    batching)."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     # left padding: every prompt ends at the same column, so generation appends in step
@@ -66,11 +89,24 @@ def greedy_continuations(model: nn.Module, prompts: list[list[int]], *, max_new_
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
         pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+        logits_processor=_keyed_draw(sampling, sample_ids, prompts, width, device),
         streamer=None if on_step is None else _StepCounter(len(prompts), max_new_tokens,
                                                            eos_ids, on_step),
     )
-    continuations = []
+    answers = []
     for row in out[:, width:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        continuations.append(row[:cut])
-    return continuations
+        answers.append(row[:cut])
+    return answers
+
+
+def _keyed_draw(cfg: SamplingConfig, sample_ids: list[int] | None, prompts: list[list[int]],
+                width: int, device: torch.device) -> LogitsProcessorList | None:
+    """None when greedy (generate's own argmax, bit for bit), else the keyed draw."""
+    if cfg.greedy:
+        return None
+    if sample_ids is None or len(sample_ids) != len(prompts):
+        raise TargetError(f"sampling at temperature {cfg.temperature} needs one sample id per "
+                          f"prompt ({len(prompts)} prompts)")
+    pads = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=device)
+    return LogitsProcessorList([_KeyedDraw(cfg, list(sample_ids), pads)])

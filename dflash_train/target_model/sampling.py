@@ -68,6 +68,10 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+GREEDY = SamplingConfig()
+"""Temperature 0: argmax, today's decoding everywhere."""
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """x * c mod 2^32 for x in [0, 2^32): c split in 16-bit halves keeps every product < 2^49."""
     hi, lo = c >> 16, c & 0xFFFF

@@ -13,7 +13,7 @@ from dflash_train.extract.data import to_chat
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.render import render_prompt
 from dflash_train.store_schema import open_store, validate
-from dflash_train.target_model.generation import greedy_continuations
+from dflash_train.target_model.generation import continuations
 
 NEW = 6
 
@@ -70,8 +70,8 @@ def test_every_decoding_step_reports_its_tokens_and_what_ended_rows_free(qwen3_d
     # an eos the model emits: the first row's second greedy token, so a row ends early
     eos = _greedy(model, prompts[0], 2, eos=-1)[1]
     steps = []
-    news = greedy_continuations(model, prompts, max_new_tokens=NEW, eos_ids=[eos], pad_id=0,
-                                on_step=lambda n, freed: steps.append((n, freed)))
+    news = continuations(model, prompts, max_new_tokens=NEW, eos_ids=[eos], pad_id=0,
+                         on_step=lambda n, freed: steps.append((n, freed)))
     assert news == [_greedy(model, p, NEW, eos) for p in prompts]
     assert len(steps) == max(len(n) for n in news)
     assert [n for n, _ in steps] == [sum(len(new) > s for new in news)
