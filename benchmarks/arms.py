@@ -29,6 +29,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.driver import package_errors_as_one_line, writable_dir
 from benchmarks.runs import (
     evaluate_json,
     median_step_s,
@@ -51,6 +52,7 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     return name, out
 
 
+@package_errors_as_one_line
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True, action="append", help="store to train on")
@@ -67,8 +69,7 @@ def main() -> None:
                    help="a `dflash train --set` for every arm (repeatable)")
     a = p.parse_args()
     arms = dict(parse_arm(t) for t in a.arms)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir("--out", Path(a.out))
     common = [x for s in a.store for x in ("--store", s)]
     common += ["--no-progress", "--device", "cpu"]
     for s in a.sets:

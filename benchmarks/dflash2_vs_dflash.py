@@ -19,6 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks.driver import package_errors_as_one_line, writable_dir
 from benchmarks.runs import columns_by_path, evaluate_json, median_step_s, train_arms
 from dflash_train.drafter import load_drafter
 from dflash_train.drafter.config import DRAFTER_KINDS
@@ -43,6 +44,7 @@ def parameters(checkpoint: Path) -> tuple[int, int]:
     return sum(p.numel() for p in named.values()), extra
 
 
+@package_errors_as_one_line
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True, help="store to train on")
@@ -54,8 +56,7 @@ def main() -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a `dflash train --set` for every arm (repeatable)")
     a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir("--out", Path(a.out))
     common = ["--store", a.store, "--max-steps", str(a.steps), "--no-progress"]
     for s in a.sets:
         common += ["--set", s]

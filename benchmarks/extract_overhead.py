@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.driver import package_errors_as_one_line
 from benchmarks.embedded_stores import EmbeddedSettings, extract, extract_config, first_rows
 from benchmarks.report import Row
 
@@ -135,6 +136,7 @@ def bench(root: Path, s: EmbeddedSettings) -> list[Row]:
     ]
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=EmbeddedSettings.train_prompts)

@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from benchmarks.driver import package_errors_as_one_line, writable_dir
 from benchmarks.real_target import (
     PRESETS,
     RealTargetConfig,
@@ -129,6 +130,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None,
@@ -145,8 +147,7 @@ def main() -> None:
             parser.error(f"--steps must be at least 1, got {args.steps}")
         cfg = replace(cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps))
     cache = args.cache.expanduser().resolve()
-    out = (args.out or cache / "real_target_quick").expanduser().resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir("--out", (args.out or cache / "real_target_quick").expanduser().resolve())
     results = compare(cfg, quick_stores(cfg, out, cache), out)
     (out / "final_norm_init.json").write_text(json.dumps(results, indent=1))
     (out / "final_norm_init.md").write_text(markdown(results))

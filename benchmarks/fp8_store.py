@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from benchmarks.driver import new_dir, package_errors_as_one_line
 from benchmarks.runs import columns_by_path, dflash, train_arms
 from dflash_train.evaluate.report import BLOCKS_FILE, REPORT_FILE
 from dflash_train.extract.writer import FLUSH_SHARDS
@@ -79,6 +80,7 @@ def same_tokens(a: str, b: str) -> bool:
         for x, y in zip(pa, pb, strict=True) for name in ("input_ids", "loss_mask"))
 
 
+@package_errors_as_one_line
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True, help="train store (any hidden dtype)")
@@ -91,8 +93,8 @@ def main() -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a `dflash train --set` for both drafters, after the defaults")
     a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True)
+    out = new_dir("--out", Path(a.out))
+    out.mkdir()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     log("bf16 copies of the train and held-out stores")
     bf16 = str(out / "train_bf16.zarr")

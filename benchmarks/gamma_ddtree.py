@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.driver import package_errors_as_one_line, writable_dir
 from benchmarks.real_target import PRESETS, train_drafter
 
 ARMS = {"decay gamma 4": ("decay", 4.0), "decay gamma 7": ("decay", 7.0),
@@ -102,6 +103,7 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stores", type=Path, required=True,
@@ -122,8 +124,7 @@ def main() -> None:
                          f"`python -m benchmarks.real_target{flag} --out DIR` first)")
     if args.steps < 1 or args.seeds < 1:
         parser.error("--steps and --seeds must be at least 1")
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.out = args.out.resolve()
+    args.out = writable_dir("--out", args.out.resolve())
     runs = []
     for seed in range(args.seeds):
         for arm in ARMS:

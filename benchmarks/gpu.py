@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.driver import package_errors_as_one_line
+
 H200_BF16_FLOPS = 989e12
 """Dense bf16 peak of one H200 (SXM), the MFU denominator."""
 
@@ -500,6 +502,7 @@ def save_measured(path: Path, measured: dict[str, float]) -> None:
               "run without it", flush=True)
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", action="store_true",

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.driver import package_errors_as_one_line, writable_dir
+
 
 def load(model: str, store_url: str, checkpoint: str):
     from dflash_train.evaluate.online import load_online_target
@@ -138,6 +140,7 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="The store's target (directory).")
@@ -160,6 +163,7 @@ def main() -> None:
         parser.error("--new-tokens and --budgets take comma-separated integers")
     if args.prompts < 1 or min(lengths) < 1 or any(b < 1 for b in budgets):
         parser.error("--prompts, --new-tokens and --budgets must be at least 1")
+    writable_dir("--out", args.out)
     from dflash_train.evaluate.online import StopRule
     from dflash_train.target_model.generation import eos_token_ids
     from dflash_train.target_model.loading import load_tokenizer
@@ -177,7 +181,6 @@ def main() -> None:
         results["lengths"][str(length)] = measure(target, drafter, prompts, stop, budgets,
                                                   args.no_cache_trees)
         print(markdown(results))
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "live.json").write_text(json.dumps(results, indent=1))
     (args.out / "live.md").write_text(markdown(results))
 

@@ -35,12 +35,12 @@ import hashlib
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.codec_sizes import context_bytes_per_token
+from benchmarks.driver import package_errors_as_one_line, writable_dir
 from benchmarks.tau_vs_time import seconds_by_step
 from scripts.prepare_smollm2 import CONVERTED, SHAREGPT, default_cache
 
@@ -236,7 +236,7 @@ def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int,
 
 def validation_of(run_dir: Path) -> tuple[dict, int | None]:
     """({step: the validation figures train logged}, the best step it marked) of a run."""
-    from dflash_train.train.best import read_best
+    from dflash_train.run_reader import read_best
     from dflash_train.train.log_summary import read_log
 
     by_step = {}
@@ -473,23 +473,7 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
     return results
 
 
-def writable_dir(flag: str, path: Path) -> Path:
-    """`path` as a directory this process writes into (created if missing), checked before
-    anything runs; else exit with one line naming `flag` (a file there, a read-only disk)."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        raise SystemExit(f"{flag} {path}: {existing} is a file, not a directory; choose "
-                         f"another {flag}")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise SystemExit(f"{flag} {path}: cannot write there ({e.strerror or e}); choose "
-                         f"another {flag}") from e
-    return path
-
-
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()

@@ -32,6 +32,7 @@ from benchmarks import (
     store_io,
     zarr_backends,
 )
+from benchmarks.driver import package_errors_as_one_line
 from benchmarks.embedded_stores import EmbeddedSettings, extract, first_rows, fit_drafter
 from benchmarks.report import Row, format_markdown, format_table
 
@@ -98,6 +99,7 @@ def run(sizes: Sizes, root: Path, echo) -> list[Row]:
     return sorted(rows, key=lambda r: r.item.split()[0])  # stable: keeps order within items
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke sizes (a minute or two)")

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from benchmarks.driver import package_errors_as_one_line
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.data import open_source
 from dflash_train.extract.prepare import (
@@ -46,6 +47,7 @@ def top1_share(model, items) -> tuple[int, int]:
     return agree, total
 
 
+@package_errors_as_one_line
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="Target directory (the served one).")

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.driver import package_errors_as_one_line
 from dflash_train.train import loop
 from dflash_train.train.config import TrainConfig, load_train_config
 from dflash_train.train.data import StoreLoader
@@ -206,6 +207,7 @@ def report(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+@package_errors_as_one_line
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", help="Store to read (default: a synthetic SmolLM2-shape one).")

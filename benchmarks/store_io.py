@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from benchmarks.driver import package_errors_as_one_line
 from benchmarks.report import Row, format_table
 from dflash_train.extract.writer import FLUSH_SHARDS
 from dflash_train.store_schema import (
@@ -224,6 +225,7 @@ def _objects(path: Path) -> int:
     return sum(1 for p in path.rglob("*") if p.is_file())
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)

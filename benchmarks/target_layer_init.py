@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from benchmarks.driver import package_errors_as_one_line
 from dflash_train.drafter import DFlashDrafter, save_drafter
 from dflash_train.store_schema import open_store
 from dflash_train.train.config import ModelConfig, TrainConfig
@@ -59,6 +60,7 @@ def copy_target_layers(model: DFlashDrafter, weights: dict, first: int,
     return [name for name in kept if name in trained]
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", required=True, help="The train store (shape, vocabulary).")

@@ -13,6 +13,7 @@ import json
 import re
 from pathlib import Path
 
+from benchmarks.driver import package_errors_as_one_line, writable_file
 from dflash_train.run_layout import LOG, STEP_PREFIX
 from dflash_train.train.errors import TrainError
 from dflash_train.train.log_summary import read_log
@@ -75,6 +76,7 @@ def plot(curves: dict[str, dict[int, tuple[float, list[float]]]], seconds: dict[
     fig.savefig(path, dpi=120)
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="The training run directory.")
@@ -82,6 +84,7 @@ def main() -> None:
                         help="A curve's name and an eval report.json of the run's checkpoints.")
     parser.add_argument("--out", type=Path, required=True, help="The PNG to write.")
     args = parser.parse_args()
+    writable_file("--out", args.out)
     seconds = seconds_by_step(args.run)
     curves = {}
     for spec in args.reports:

@@ -154,8 +154,9 @@ def main() -> None:
         child(args.child, args.out, args.steps, args.anchors[0], args.batch_tokens, args.set,
               args.threads)
         return
-    root = Path(args.dir or tempfile.mkdtemp(prefix="train-memory-"))
-    root.mkdir(parents=True, exist_ok=True)
+    from benchmarks.driver import writable_dir  # here: a child runs this file as a script
+
+    root = writable_dir("--dir", Path(args.dir or tempfile.mkdtemp(prefix="train-memory-")))
     print(f"batch tokens {args.batch_tokens or 'default'}, threads {args.threads or 'default'}, "
           f"settings {' '.join(args.set) or 'default'}")
     print("| width | tokens/seq | anchors/seq | seqs/step | blocks/step | step s | "

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchmarks.driver import package_errors_as_one_line
 from benchmarks.real_target import PRESETS, train_config
 
 
@@ -81,6 +82,7 @@ def validation_time(run, url: str, limit: int, budgets: tuple[int, ...]) -> tupl
     return took, figures.pooled.tau
 
 
+@package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", required=True, help="A SmolLM2 train store (complete parts).")

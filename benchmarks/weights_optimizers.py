@@ -14,6 +14,7 @@ Runs never overlap; on a shared machine the step times are still noisy. Not a te
 import argparse
 from pathlib import Path
 
+from benchmarks.driver import new_dir, package_errors_as_one_line
 from benchmarks.runs import evaluate_json, median_step_s, offline_by_arm, train_arms
 
 ARMS = {
@@ -24,6 +25,7 @@ ARMS = {
 }
 
 
+@package_errors_as_one_line
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", required=True, help="store to train on")
@@ -33,8 +35,8 @@ def main() -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a `dflash train --set` for all four arms (repeatable)")
     a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True)
+    out = new_dir("--out", Path(a.out))
+    out.mkdir()
     common = ["--store", a.store, "--max-steps", str(a.steps), "--no-progress"]
     for s in a.sets:
         common += ["--set", s]
