@@ -26,6 +26,7 @@ from dflash_train.extract.server_http import (
     http_json,
     server_url,
 )
+from dflash_train.json_fields import is_integer
 
 MODELS_TIMEOUT_S = 30.0
 """Most seconds /v1/models may take (less when --server-timeout is less)."""
@@ -66,7 +67,7 @@ def match_model(url: str, models: dict, targets: list[str], need_len: int) -> Se
                   for n in _names(card[key])}
         if served & wanted and isinstance(card.get("id"), str):
             limit = card.get("max_model_len")
-            limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+            limit = limit if is_integer(limit) else None
             if limit is not None and limit < need_len:
                 raise ExtractError(
                     f"--server {url} serves {card['id']} with max_model_len {limit}, but a "

@@ -16,6 +16,7 @@ import urllib.parse
 import urllib.request
 
 from dflash_train.extract.errors import ExtractError
+from dflash_train.json_fields import is_number
 
 URL_EXAMPLE = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT_S = 600.0
@@ -59,7 +60,7 @@ def _url_problem(url: str) -> str | None:
 
 def check_timeout(seconds: float) -> float:
     """--server-timeout as given, refused unless a finite number of seconds > 0."""
-    if isinstance(seconds, bool) or not (math.isfinite(seconds) and seconds > 0):
+    if not is_number(seconds) or not (math.isfinite(seconds) and seconds > 0):
         raise ExtractError(f"--server-timeout must be a finite number of seconds > 0, got "
                            f"{seconds!r}")
     return float(seconds)

@@ -19,6 +19,7 @@ import statistics
 from dataclasses import dataclass
 
 from dflash_train.evaluate.errors import EvalError
+from dflash_train.json_fields import is_number
 
 
 @dataclass
@@ -40,8 +41,7 @@ class TimedDecode:
 
 def checked_time(value, what: str) -> float:
     """A time an engine reports, checked: a finite number >= 0 (EvalError naming `what`)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
+    if not is_number(value) or not math.isfinite(value) or value < 0:
         raise EvalError(f"{what} is {value!r}, not a finite time >= 0")
     return float(value)
 
