@@ -194,11 +194,11 @@ class CachedVerifier:
         return out.features.to(self.dtype), out.top1(-1)
 
     def verify(self, tokens: list[int], tree: DraftTree) -> Walked:
-        out = self.target.verify([tokens[-1], *tree.tokens[1:]], tree.parents)
-        path, bonus = accepted_walk(tree, lambda node, _path: out.top1(node))
+        pending = self.target.verify([tokens[-1], *tree.tokens[1:]], tree.parents)
+        path, bonus = accepted_walk(tree, lambda node, _path: pending.top1(node))
         kept = [0, *path]
-        self.target.keep(kept)
-        return Walked(path, bonus, out.features[:, kept].to(self.dtype))
+        pending.keep(kept)
+        return Walked(path, bonus, pending.features[:, kept].to(self.dtype))
 
 
 class RecomputeVerifier:

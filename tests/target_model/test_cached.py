@@ -79,7 +79,7 @@ def check_rounds(target, rounds: int = 6) -> None:
         # keep a whole chain, a prefix, or a random branch
         last = n - 1 if round_ == 0 else rng.randrange(0, n)
         kept = root_path(parents, last)
-        cached.keep(kept)
+        out.keep(kept)
         committed += [tokens[m] for m in kept]
         assert cached.length == len(committed)
 
@@ -100,9 +100,9 @@ def test_cuda_hybrid_every_node_sees_what_a_recompute_sees(tmp_path):
 def test_keep_refuses_what_is_not_a_root_path(target):
     cached = CachedTarget(target, LAYERS)
     cached.prefill([5, 6, 7])
-    cached.verify([8, 9, 10, 11], [-1, 0, 0, 1])
+    pending = cached.verify([8, 9, 10, 11], [-1, 0, 0, 1])
     with pytest.raises(TargetError, match="not a path from the root"):
-        cached.keep([0, 2, 3])  # 3 is 1's child, not 2's
+        pending.keep([0, 2, 3])  # 3 is 1's child, not 2's
     with pytest.raises(TargetError, match="parents"):
         cached.verify([8, 9], [0, 0])
 
@@ -141,3 +141,84 @@ def test_the_head_runs_only_on_the_nodes_a_walk_asks_for(target, monkeypatch):
     out.top1(4)
     assert rows == [1, 1, 1]
     assert first == recomputed(target, [5, 6, 7, 8, 9, last])[1]
+
+
+def cache_states(cached: CachedTarget) -> list[torch.Tensor]:
+    """Every tensor the cache holds: attention keys/values, linear conv/recurrent states."""
+    out = []
+    for layer in cached.cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            out += [layer.conv_states[0], layer.recurrent_states[0]]
+        else:
+            out += [layer.keys, layer.values]
+    return out
+
+
+@pytest.mark.parametrize("shape", ["whole chain", "chain prefix", "tree branch"])
+def test_keep_leaves_the_cache_a_prefill_of_the_committed_tokens_leaves(target, shape):
+    cached = CachedTarget(target, LAYERS)
+    cached.prefill([5, 6, 7, 8])
+    tokens = [9, 10, 11, 12, 13]
+    parents, path = {"whole chain": ([-1, 0, 1, 2, 3], [0, 1, 2, 3, 4]),
+                     "chain prefix": ([-1, 0, 1, 2, 3], [0, 1, 2]),
+                     "tree branch": ([-1, 0, 0, 2, 1], [0, 1, 4])}[shape]
+    cached.verify(tokens, parents).keep(path)
+    fresh = CachedTarget(target, LAYERS)
+    fresh.prefill([5, 6, 7, 8] + [tokens[n] for n in path])
+    assert cached.length == fresh.length == 4 + len(path)
+    got, want = cache_states(cached), cache_states(fresh)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert all(close(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_a_pending_verify_is_kept_once(target):
+    cached = CachedTarget(target, LAYERS)
+    cached.prefill([5, 6, 7])
+    pending = cached.verify([8, 9, 10], [-1, 0, 0])
+    assert cached.pending is pending
+    pending.keep([0, 2])
+    assert cached.pending is None and cached.length == 5
+    with pytest.raises(TargetError, match="no longer pending .its path was kept already"):
+        pending.keep([0, 2])
+    assert cached.length == 5
+
+
+def test_a_verify_while_one_is_pending_is_refused_and_the_pending_one_still_keeps(target):
+    cached = CachedTarget(target, LAYERS)
+    cached.prefill([5, 6, 7])
+    pending = cached.verify([8, 9, 10], [-1, 0, 1])
+    with pytest.raises(TargetError, match="verify while the last verify is pending"):
+        cached.verify([8, 9], [-1, 0])
+    pending.keep([0, 1, 2])
+    nxt = cached.verify([11, 12], [-1, 0])
+    assert nxt.top1(1) == recomputed(target, [5, 6, 7, 8, 9, 10, 11, 12])[1]
+
+
+def test_a_prefill_drops_the_pending_verify(target):
+    cached = CachedTarget(target, LAYERS)
+    with pytest.raises(TargetError, match="verify before prefill"):
+        cached.verify([8, 9], [-1, 0])
+    cached.prefill([5, 6, 7])
+    stale = cached.verify([8, 9], [-1, 0])
+    cached.prefill([5, 6])
+    with pytest.raises(TargetError, match="a prefill started a new sequence since"):
+        stale.keep([0])
+    assert cached.length == 2
+    cached.verify([8], [-1]).keep([0])  # the new sequence goes on as usual
+
+
+def test_linear_layers_are_tapped_once_and_run_as_their_own_outside_a_verify(target,
+                                                                           monkeypatch):
+    mixers = [layer.linear_attn for layer in target.decoder.layers
+              if hasattr(layer, "linear_attn")]  # none on the attention-only target
+    CachedTarget(target, LAYERS)
+    taps = [m.forward for m in mixers]
+    CachedTarget(target, LAYERS)  # a second cached target shares the first one's taps
+    assert [m.forward for m in mixers] == taps
+    assert all(tap.armed is None for tap in taps)
+    # the no-cache loop runs the same model: an unarmed tap computes what the layer does
+    tapped = recomputed(target, [5, 6, 7, 8])
+    for m in mixers:
+        monkeypatch.delattr(m, "forward")
+    plain = recomputed(target, [5, 6, 7, 8])
+    assert torch.equal(tapped[0], plain[0]) and tapped[1] == plain[1]
