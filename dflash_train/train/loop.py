@@ -83,7 +83,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
         record = train_step(run, batch, waited)
         at_checkpoint = record.step % cfg.run.checkpoint_every == 0 or run.at_last_step()
         if at_checkpoint and run.validation is not None:
-            record.validation = validate(run)  # every rank: the same figures everywhere
+            record.validation = validate_checkpoint(run)  # every rank: the same figures
         last_loss = record.loss
         sinks.log.write(record)
         health.check(record.step, record.loss, record.grad_norm)  # every rank agrees
@@ -98,7 +98,7 @@ def _train(cfg: TrainConfig, resume: bool, echo) -> TrainResult:
                    trained=run.state.step - first_step)
 
 
-def validate(run: Run) -> ValidationFigures:
+def validate_checkpoint(run: Run) -> ValidationFigures:
     """The drafter replayed on the validation stores (train.validation), and the run's best
     so far moved to this step if it beats it. A collective under torchrun."""
     figures = run.validation.evaluate(run.model)

@@ -30,7 +30,7 @@ SETTINGS = {"model.num_hidden_layers": 1, "loader.batch_tokens": 256, "run.ancho
 
 
 def scripted_validate(run):
-    """loop.validate with figures read off TAU_BY_STEP for the step being validated."""
+    """loop.validate_checkpoint with figures read off TAU_BY_STEP for the step validated."""
     tau = TAU_BY_STEP[run.state.step]
     pooled = StoreFigures(tau=tau, tree_tau={16: tau + 0.5}, blocks=10)
     figures = ValidationFigures(pooled=pooled, tau_ci95=None, stores={"v": pooled}, seconds=0.0)
@@ -45,7 +45,7 @@ def _config(store: str, val: str, out: Path, **extra):
 
 def train_scripted(store: str, val: str, out: str, resume: bool = False, **extra) -> None:
     """Train (in whatever process calls it) with the scripted validation."""
-    loop.validate = scripted_validate
+    loop.validate_checkpoint = scripted_validate
     loop.train(_config(store, val, Path(out), **extra), resume=resume)
 
 
@@ -60,11 +60,11 @@ def stores(tmp_path_factory) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def finished(stores, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finished") / "run"
-    original = loop.validate
+    original = loop.validate_checkpoint
     try:
         train_scripted(*stores, str(out))
     finally:
-        loop.validate = original
+        loop.validate_checkpoint = original
     assert json.loads((out / BEST).read_text()) == {"step": 8, "figure": "tau", "value": 2.5}
     return out
 
@@ -115,7 +115,7 @@ def test_export_takes_the_saved_best_whatever_the_marker_says(finished, tmp_path
 def test_a_finished_runs_resume_repairs_its_marker(stores, finished, tmp_path, monkeypatch):
     best = finished / BEST
     saved = best.read_text()
-    monkeypatch.setattr(loop, "validate", scripted_validate)
+    monkeypatch.setattr(loop, "validate_checkpoint", scripted_validate)
     try:
         for marker in ({"step": 4, "figure": "tau", "value": 2.0}, None):
             best.unlink()
@@ -129,7 +129,7 @@ def test_a_finished_runs_resume_repairs_its_marker(stores, finished, tmp_path, m
 
 
 def test_a_resume_stopped_by_patience_says_it_trained_nothing(stores, tmp_path, monkeypatch):
-    monkeypatch.setattr(loop, "validate", scripted_validate)
+    monkeypatch.setattr(loop, "validate_checkpoint", scripted_validate)
     monkeypatch.setitem(TAU_BY_STEP, 6, 1.0)
     run = tmp_path / "run"
     # validations at 2 (1.5), 4 (2.0), 6 (1.0): patience 1 stops at 6
