@@ -221,19 +221,22 @@ def _chosen_samples(opened: _Opened, cfg: ValidationConfig) -> list[SampleKey]:
 def _hash_validation_samples(opened: _Opened, chosen: list[SampleKey],
                              seen: dict[bytes, str]) -> None:
     """Record the identity of every sample of the store in `seen` (token ids' digest ->
-    where), refusing one another validation store holds too, and a store whose chosen
-    samples have no response token to draft at."""
-    chosen_set, draftable = set(chosen), 0
+    where), refusing one another validation store holds too (the same store given twice, by
+    one path or two, counts its samples twice), and a store whose chosen samples have no
+    response token to draft at. A row the store itself holds twice is accepted, as extract,
+    train and eval accept it: a source may repeat a prompt."""
+    chosen_set, draftable, own = set(chosen), 0, set()
     parts = [p for p in opened.store.parts() if not opened.damage.part_is_left_out(p.index)]
     try:
         for part, i, ids, mask in _samples(parts, ("input_ids", "loss_mask")):
             digest = _digest(ids)
-            where = _where(opened.url, part, i)
-            if digest in seen:
-                raise TrainError(f"--val-store {where} holds the same token ids as "
-                                 f"--val-store {seen[digest]}: a sample counted twice; give "
-                                 "each validation store once, with samples of its own")
-            seen[digest] = where
+            if digest in seen and digest not in own:
+                raise TrainError(f"--val-store {_where(opened.url, part, i)} holds the same "
+                                 f"token ids as --val-store {seen[digest]}: a sample counted "
+                                 "twice; give each validation store once, with samples of "
+                                 "its own")
+            own.add(digest)
+            seen.setdefault(digest, _where(opened.url, part, i))
             if (part.index, i) in chosen_set and eligible_anchors(torch.from_numpy(mask)).numel():
                 draftable += 1
     except StoreError as e:

@@ -4,6 +4,7 @@ a run (damaged under --skip-corrupt, or holding one row twice). Each is a clear 
 what is wrong, or is accepted as every other reader accepts it."""
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,11 @@ import zarr
 from click.testing import CliRunner
 
 from dflash_train.cli import main
-from dflash_train.store_schema import open_store, validate
+from dflash_train.store_schema import create_store, open_store, validate
 from dflash_train.store_schema.layout import part_path
 from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store
+from tests.train.conftest import build_store
 
 TRAIN = ["--layers", "1", "--batch-tokens", "256", "--anchors-per-seq", "8", "--no-progress",
          "--max-steps", "1", "--set", "loader.prefetch_batches=0"]
@@ -70,3 +72,41 @@ def test_a_convert_into_a_directory_not_made_yet_makes_it(pristine, tmp_path):
     assert done.exit_code == 0, done.output
     assert validate(str(dst)) == [] and open_store(str(dst)).complete
     assert sorted(p.name for p in dst.parent.iterdir()) == ["copy.zarr"]  # no lock left
+
+
+def _store_with_a_row_twice(url: str) -> str:
+    """A validation store (other prompts than make_store's) whose last row repeats its first,
+    as a source holding one prompt twice gives it."""
+    built = build_store(str(Path(url).with_name("once.zarr")), rows=8, parts=1, first_sample=24)
+    samples = list(built.parts()[0].iter_samples())
+    rows = len(samples) + 1
+    meta = replace(built.meta, source=replace(built.meta.source, num_rows=rows), num_parts=1)
+    store = create_store(url, meta, shard_tokens=built.shard_tokens)
+    store.write_target_rows(**built.target_rows())
+    store.write_files("target", built.read_files("target"))
+    writer = store.part_writer(0, 0, rows)
+    for sample in [*samples, replace(samples[0], source_row=rows - 1)]:
+        writer.append(sample)
+    writer.finish()
+    return url
+
+
+def test_a_validation_store_holding_a_row_twice_is_accepted_as_train_accepts_it(pristine,
+                                                                                tmp_path):
+    val = _store_with_a_row_twice(str(tmp_path / "val.zarr"))
+    for stores in (["--store", val], ["--store", pristine, "--val-store", val]):
+        run = CliRunner().invoke(main, ["train", *stores, "--out", str(tmp_path / "run"),
+                                        *TRAIN])
+        assert run.exit_code == 0, run.output
+        shutil.rmtree(tmp_path / "run")
+
+
+def test_the_same_validation_store_by_two_paths_is_still_refused(pristine, tmp_path):
+    val = _store_with_a_row_twice(str(tmp_path / "val.zarr"))
+    (tmp_path / "link.zarr").symlink_to(val)
+    said = one_line_error(CliRunner().invoke(main, [
+        "train", "--store", pristine, "--val-store", val, "--val-store",
+        str(tmp_path / "link.zarr"), "--out", str(tmp_path / "run"), *TRAIN]))
+    assert f"--val-store {tmp_path / 'link.zarr'} part 0 sample 0 (source row 0) holds the " \
+           f"same token ids as --val-store {val} part 0 sample 0 (source row 0)" in said
+    assert not (tmp_path / "run").exists()
