@@ -41,7 +41,6 @@ from dflash_train.run_layout import (
     DRAFTER_SUBDIR,
     OWN_FILES,
 )
-from dflash_train.run_reader import training_checkpoint_root  # noqa: F401 (train's import)
 
 PROC_STATUS = Path("/proc/self/status")
 """Where Linux reports the process's umask without it being changed to read it."""

@@ -32,7 +32,6 @@ from dflash_train.drafter.files import (
     DamagedFile,
     check_checkpoint_whole,
     check_finite,
-    training_checkpoint_root,
     write_checksums,
 )
 from dflash_train.run_layout import (
@@ -42,11 +41,11 @@ from dflash_train.run_layout import (
     CONFIG,
     DRAFTER_SUBDIR,
     PROVENANCE,
-    STEP_PREFIX,
     TMP_PREFIX,
     TRAINER_STATE,
     checkpoint_dir,
 )
+from dflash_train.run_reader import complete_checkpoints
 from dflash_train.store_schema import StoreError, StoreMeta
 from dflash_train.store_schema.errors import one_line
 from dflash_train.train.config import TrainConfig, train_config_from_dict
@@ -157,31 +156,9 @@ def remove_torn_saves(run_dir: str | Path) -> None:
             shutil.rmtree(torn, ignore_errors=True)
 
 
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob(f"{STEP_PREFIX}*") if (p / COMPLETE).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
-
-
-def read_provenance(path: str | Path) -> StoreMeta | None:
-    """The store provenance a checkpoint (or its drafter/) was trained on, or None for a
-    bare drafter dir or a checkpoint without provenance.json. One that does not read (not
-    JSON, not a provenance) is a StoreError naming the file."""
-    file = (training_checkpoint_root(path) or Path(path)) / PROVENANCE
-    if not file.is_file():
-        return None
-    try:
-        return StoreMeta.from_dict(json.loads(file.read_text()))
-    except (ValueError, StoreError) as e:  # JSON and UTF-8 decode errors are ValueErrors
-        raise StoreError(f"{file}: unreadable provenance ({one_line(e)})") from e
 
 
 def check_provenance(checkpoint: StoreMeta, store: StoreMeta, store_url: str, where: str,

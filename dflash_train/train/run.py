@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dflash_train.devices import native_bf16, resolve_device
 from dflash_train.drafter import DFlashDrafter
 from dflash_train.run_layout import CHECKPOINTS, CONFIG, LOG, SKIPPED, TENSORBOARD
+from dflash_train.run_reader import read_provenance
 from dflash_train.store_schema import Store, StoreError
 from dflash_train.store_schema.errors import one_line
 from dflash_train.store_schema.integrity import SKIP_HINT
@@ -32,7 +33,6 @@ from dflash_train.train.checkpoint import (
     TrainCheckpoint,
     TrainState,
     check_provenance,
-    read_provenance,
     restore_trainer,
 )
 from dflash_train.train.config import OptimConfig, TrainConfig, resolve_chunk_blocks, to_toml

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.drafter import DrafterConfig
-from dflash_train.drafter.files import training_checkpoint_root
 from dflash_train.run_layout import (
     ABORTED_PREFIX,
     CHECKPOINTS,
@@ -29,6 +28,7 @@ from dflash_train.run_layout import (
     RUN_FILES,
     STEP_PREFIX,
 )
+from dflash_train.run_reader import training_checkpoint_root
 from dflash_train.train.checkpoint import (
     SavedConfigError,
     TrainCheckpoint,
