@@ -13,6 +13,7 @@ from dflash_train.dtypes import DTYPE_CHOICES
 from dflash_train.errors import reported_as_one_line
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.errors import ExtractError
+from dflash_train.target_model.sampling import KEY_LIMIT, SamplingConfig
 
 _DEFAULTS = ExtractConfig(model="", data=[], out="")
 
@@ -76,9 +77,26 @@ def _rank_and_world() -> tuple[int, int]:
               show_default=True,
               help="Chat template thinking mode; must match serving.")
 @click.option("--regenerate", is_flag=True,
-              help="Replace each last assistant turn by the target's greedy continuation.")
+              help="Replace each last assistant turn by the target's own continuation "
+                   "(greedy unless --temperature > 0).")
 @click.option("--max-new-tokens", default=_DEFAULTS.max_new_tokens, show_default=True,
               type=click.IntRange(1), help="Tokens generated per prompt with --regenerate.")
+@click.option("--temperature", default=_DEFAULTS.sampling.temperature, show_default=True,
+              type=click.FloatRange(0), metavar="T",
+              help="With --regenerate: sample the answers at temperature T (0: greedy), each "
+                   "draw keyed by --seed, the row and the position, so any batching (and live "
+                   "sample-and-match decoding with that seed) draws the same tokens.")
+@click.option("--top-p", default=_DEFAULTS.sampling.top_p, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True), metavar="P",
+              help="With --temperature: draw among the most probable tokens up to cumulative "
+                   "probability P (1: off).")
+@click.option("--sample-top-k", default=_DEFAULTS.sampling.top_k, show_default=True,
+              type=click.IntRange(0), metavar="K",
+              help="With --temperature: draw among the K most probable tokens (0: off; "
+                   "--top-k is the verifier's stored top-k).")
+@click.option("--seed", default=_DEFAULTS.sampling.seed, show_default=True,
+              type=click.IntRange(0, KEY_LIMIT - 1),
+              help="With --temperature: the seed of the draws, recorded in the store.")
 @click.option("--mask-token-id", type=click.IntRange(0), default=None,
               help="Mask token id recorded for training; default: the tokenizer's mask token, "
                    "else the published id for the model type (Qwen3.5/3.6: 248070), else the "
@@ -109,8 +127,10 @@ def extract(**options) -> None:
 
     options["data"] = list(options["data"])
     options["servers"] = list(options["servers"])
-    cfg = ExtractConfig(**options)
+    drawn = {k: options.pop(k) for k in ("temperature", "top_p", "seed")}
+    drawn["top_k"] = options.pop("sample_top_k")
     with reported_as_one_line():
+        cfg = ExtractConfig(**options, sampling=SamplingConfig(**drawn))
         rank, world = _rank_and_world()
         summary = run_extract(cfg, rank=rank, world_size=world, echo=click.echo)
     if not cfg.dry_run:

@@ -2,14 +2,16 @@
 
 Owns the order of things before the first write: every part is a fixed slice of rows and
 rank r of W takes parts r, r + W, ...; input errors surface in a scan before the store is
-created or the model loaded; a store of something else at --out, and a server of another
-model, are refused before the target loads. `plan_extract` gives the plan (all a dry run
-prints), `build_extract` the run that carries it out, `store_meta` the provenance the store
-is made with (run.py holds the types).
+created or the model loaded; sampling settings that would do nothing (without --regenerate,
+or beside --temperature 0) or cannot be honoured (a server at temperature > 0) are refused
+before the scan; a store of something else at --out (another seed or temperature included),
+and a server of another model, are refused before the target loads. `plan_extract` gives the
+plan (all a dry run prints), `build_extract` the run that carries it out, `store_meta` the
+provenance the store is made with (run.py holds the types).
 Never knows zarr paths: the store is reached only through dflash_train.store_schema.
 """
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from dflash_train.store_schema import (
     target_differences,
 )
 from dflash_train.store_schema.layout import FP8_CONTEXT
+from dflash_train.store_schema.meta import SAMPLING_KEY
 from dflash_train.store_schema.store import store_exists
 from dflash_train.target_model.kernels import missing_kernels_note
 from dflash_train.target_model.loading import (
@@ -47,6 +50,7 @@ from dflash_train.target_model.loading import (
     target_info,
     tokenizer_info,
 )
+from dflash_train.target_model.sampling import GREEDY
 
 
 def run_extract(cfg: ExtractConfig, *, rank: int = 0, world_size: int = 1,
@@ -91,6 +95,7 @@ def plan_extract(cfg: ExtractConfig, rank: int, world: int, echo=print) -> Extra
     if not 0 <= rank < world:
         raise ExtractError(f"RANK={rank} is outside WORLD_SIZE={world}")
     cfg = with_default_data(cfg, echo)
+    _check_sampling(cfg)
     source = open_source(cfg.data, allow_truncated=cfg.allow_truncated)
     for note in source.notes:
         echo(note)
@@ -128,8 +133,38 @@ def store_meta(plan: ExtractPlan, device: torch.device, kernels: str) -> StoreMe
         context_dtype=FP8_CONTEXT if plan.fp8 else None, num_parts=len(plan.parts),
         extra={"mask_token_id": _mask_token_id(plan), "rows_per_part": cfg.rows_per_part,
                "overlong": cfg.overlong,
-               "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None, **cfg.extra},
+               "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None,
+               **_sampling_record(cfg), **cfg.extra},
     )
+
+
+def _sampling_record(cfg: ExtractConfig) -> dict:
+    """The answers' sampling settings, recorded only when sampled: a greedy store's
+    provenance (and so its fingerprint) stays byte for byte what it was."""
+    if not cfg.regenerate or cfg.sampling.greedy:
+        return {}
+    return {SAMPLING_KEY: asdict(cfg.sampling)}
+
+
+def _check_sampling(cfg: ExtractConfig) -> None:
+    """Refuse sampling options that would change nothing, or that a server cannot honour."""
+    s = cfg.sampling
+    given = [f"--{flag} {value}" for flag, value, default in (
+        ("temperature", s.temperature, GREEDY.temperature), ("top-p", s.top_p, GREEDY.top_p),
+        ("sample-top-k", s.top_k, GREEDY.top_k), ("seed", s.seed, GREEDY.seed))
+        if value != default]
+    if given and not cfg.regenerate:
+        raise ExtractError(f"sampling options ({', '.join(given)}) choose how answers are "
+                           "generated: add --regenerate (without it the dataset's answers are "
+                           "stored as they are)")
+    if given and s.greedy:
+        raise ExtractError(f"sampling options ({', '.join(given)}) change nothing at "
+                           "--temperature 0 (greedy): drop them, or sample with --temperature "
+                           "> 0")
+    if cfg.servers and not s.greedy:
+        raise ExtractError(f"sampled regeneration through a server is not supported yet "
+                           f"(--temperature {s.temperature} with --server): drop --server to "
+                           "sample with the loaded target, or regenerate greedily")
 
 
 def with_default_data(cfg: ExtractConfig, echo=print) -> ExtractConfig:

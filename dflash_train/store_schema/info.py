@@ -7,6 +7,7 @@ from zarr.core.sync import sync
 
 from dflash_train.store_schema.errors import StoreError
 from dflash_train.store_schema.layout import SAMPLE_ARRAYS, part_path, token_arrays
+from dflash_train.store_schema.meta import StoreMeta
 from dflash_train.store_schema.store import Store
 
 
@@ -61,6 +62,20 @@ class StoreSummary:
         if not (self.part_tokens_on_disk and self.part_bytes_on_disk and self.logical_part_bytes):
             return None
         return self.logical_part_bytes / self.part_bytes_on_disk
+
+
+def answers_description(meta: StoreMeta) -> str:
+    """Whose answers the store holds and how they were drawn, for `store info`: the
+    dataset's, the target's greedy ones, or the target's sampled at a temperature and seed."""
+    if not meta.source.regenerated:
+        return "the dataset's (not regenerated)"
+    s = meta.sampling
+    if s is None:
+        return "the target's, greedy"
+    top_k = s["top_k"] or "off"
+    top_p = "off" if s["top_p"] == 1 else s["top_p"]
+    return (f"the target's, sampled at temperature {s['temperature']} (top-p {top_p}, "
+            f"top-k {top_k}) with seed {s['seed']}")
 
 
 def summarize(store: Store) -> StoreSummary:
@@ -149,9 +164,10 @@ def _label_windows(store: Store, window: int):
 
 def top1_agreement(store: Store, window: int = 1 << 18) -> tuple[int, int]:
     """(answer tokens equal to the extract forward's top-1 at the token before them, answer
-    tokens) over the readable parts' committed samples. On a regenerated store anything
-    short of all of them is generation drift (a server's kernels or dtype against this
-    forward), and offline replay equals live decoding only where they agree."""
+    tokens) over the readable parts' committed samples. On a greedy regenerated store
+    anything short of all of them is generation drift (a server's kernels or dtype against
+    this forward), and offline replay equals live decoding only where they agree. A sampled
+    store (StoreMeta.sampling) falls short by design: its answers are draws, not the top-1."""
     agree = total = 0
     for answer, top1 in _label_windows(store, window):
         agree += int((answer == top1).sum())

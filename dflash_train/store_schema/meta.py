@@ -17,6 +17,11 @@ from dflash_train.store_schema.layout import (
     schema_version_for,
 )
 
+SAMPLING_KEY = "sampling"
+"""The key of `StoreMeta.extra` that records how sampled answers were drawn."""
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+"""What it holds: target_model/sampling.py's SamplingConfig, field for field."""
+
 
 @dataclass
 class TargetInfo:
@@ -66,7 +71,8 @@ class SourceInfo:
     sha256: list[str]
     max_length: int
     regenerated: bool
-    """Responses replaced by the target's own greedy output (offline tau is then exact)."""
+    """Responses replaced by the target's own output (offline tau is then exact): greedy,
+    or sampled as StoreMeta.sampling says."""
     num_rows: int
     """Rows in the input dataset; parts split these rows."""
 
@@ -124,6 +130,18 @@ class StoreMeta:
                              f"{self.context_dtype} context (needs {needed})")
         if self.top_k < 1 or self.num_parts < 1:
             raise StoreError(f"top_k ({self.top_k}) and num_parts ({self.num_parts}) must be >= 1")
+
+    @property
+    def sampling(self) -> dict[str, Any] | None:
+        """How a regenerated store's answers were drawn ({temperature, top_p, top_k, seed}:
+        SamplingConfig(**it) draws them again); None: greedy, or the dataset's answers. Only a
+        sampled store records it, so a greedy store's provenance is what it always was."""
+        s = self.extra.get(SAMPLING_KEY)
+        if s is not None and not (isinstance(s, dict) and sorted(s) == sorted(SAMPLING_FIELDS)
+                                  and self.source.regenerated):
+            raise StoreError(f"store provenance is damaged: extra.{SAMPLING_KEY} is "
+                             f"{_short(s)}, not the {SAMPLING_FIELDS} of regenerated answers")
+        return s
 
     @property
     def num_context_layers(self) -> int:
