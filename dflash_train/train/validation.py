@@ -3,7 +3,9 @@ held back from training (--val-store) by evaluate.replay, the code `dflash eval`
 its figures join that step's record; the best checkpoint so far follows them (train.best).
 
 Owns what a validation store is refused for (another target or layer set, a sample shared
-with a train store or with another validation store, nothing to draft at) and how the ranks'
+with a train store or with another validation store, nothing to draft at, damage unless the
+run skips it: loader.skip_corrupt rules validation's reads as it rules training's, and the
+same samples are skipped at every checkpoint, so the figures stay comparable) and how the ranks'
 replays become one figure: each rank replays its share of the samples, and the ranks' tau
 histograms are merged (integer counts summed) before any mean is taken, so a figure is the
 same whatever the batch size or the number of ranks. Never trains, never writes a file,
@@ -16,6 +18,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +39,7 @@ from dflash_train.evaluate.replay import (
     sample_keys,
 )
 from dflash_train.store_schema import Part, Store, StoreError, open_store
+from dflash_train.store_schema.integrity import read_by_span
 from dflash_train.store_schema.part import sample_spans
 from dflash_train.train.config import ValidationConfig
 from dflash_train.train.errors import TrainError
@@ -161,22 +165,23 @@ def patience_spent(state: TrainState, patience: int | None) -> bool:
 
 
 def open_validation(cfg: ValidationConfig, train_stores: list[Store], train_parts,
-                    drafter: DrafterConfig, rank: int, world: int, say: Echo
-                    ) -> Validation | None:
+                    drafter: DrafterConfig, rank: int, world: int, say: Echo,
+                    skip_corrupt: bool = False) -> Validation | None:
     """The run's validation stores, refused here (on every rank, before anything is written)
     when one is of another target or layer set than the train stores, holds nothing to
-    draft at, or shares a sample with a train store or another validation store.
+    draft at, shares a sample with a train store or another validation store, or is damaged
+    and `skip_corrupt` (the run's loader.skip_corrupt) is not set.
     train_parts: the (store index, Part) the run trains on (StoreLoader.parts)."""
     if not cfg.stores:
         return None
     reference = train_stores[0]
     stores, seen = [], {}
     for url in cfg.stores:
-        opened = _open(url, reference, say)
+        opened = _open(url, reference, skip_corrupt, say)
         chosen = _chosen_samples(opened, cfg)
         _hash_validation_samples(opened, chosen, seen)
         stores.append(ValidationStore(url, opened.store, opened.damage, chosen[rank::world]))
-    _refuse_shared_with_training(seen, train_stores, train_parts, rank, world)
+    _refuse_shared_with_training(seen, train_stores, train_parts, rank, world, skip_corrupt)
     settings = EvalSettings(mode="replay", tree_budgets=cfg.tree_budgets, recall_at=(1,),
                             batch_tokens=cfg.batch_tokens)
     index = layer_selection(drafter, reference.meta)
@@ -190,12 +195,13 @@ class _Opened:
     damage: DamagePolicy
 
 
-def _open(url: str, reference: Store, say: Echo) -> _Opened:
+def _open(url: str, reference: Store, skip_corrupt: bool, say: Echo) -> _Opened:
     """The store at `url`, refused unless it holds the train stores' target and layers
-    (the rule a resume and eval apply: StoreMeta.target_mismatches) and reads whole."""
+    (the rule a resume and eval apply: StoreMeta.target_mismatches) and reads whole, or
+    its damage is skipped (`skip_corrupt`)."""
     try:
         store = open_store(url)
-        damage = check_store(store, skip=False)
+        damage = check_store(store, skip=skip_corrupt)
     except (StoreError, EvalError) as e:
         raise TrainError(f"--val-store {url}: {e}") from e
     diffs = reference.meta.target_mismatches(store.meta)
@@ -205,6 +211,10 @@ def _open(url: str, reference: Store, say: Echo) -> _Opened:
     if damage.unfinished:
         say(f"--val-store {url}: leaving out unfinished parts {damage.unfinished} (extraction "
             "has not completed them)")
+    if damage.known:
+        more = f" (and {len(damage.known) - 1} more)" if len(damage.known) > 1 else ""
+        say(f"--val-store {url}: skipping damaged data (--skip-corrupt): {damage.known[0]}"
+            f"{more}")
     return _Opened(url, store, damage)
 
 
@@ -228,7 +238,7 @@ def _hash_validation_samples(opened: _Opened, chosen: list[SampleKey],
     chosen_set, draftable, own = set(chosen), 0, set()
     parts = [p for p in opened.store.parts() if not opened.damage.part_is_left_out(p.index)]
     try:
-        for part, i, ids, mask in _samples(parts, ("input_ids", "loss_mask")):
+        for part, i, ids, mask in _samples(parts, ("input_ids", "loss_mask"), opened.damage):
             digest = _digest(ids)
             if digest in seen and digest not in own:
                 raise TrainError(f"--val-store {_where(opened.url, part, i)} holds the same "
@@ -239,7 +249,7 @@ def _hash_validation_samples(opened: _Opened, chosen: list[SampleKey],
             seen.setdefault(digest, _where(opened.url, part, i))
             if (part.index, i) in chosen_set and eligible_anchors(torch.from_numpy(mask)).numel():
                 draftable += 1
-    except StoreError as e:
+    except (StoreError, EvalError) as e:
         raise TrainError(f"--val-store {opened.url}: {e}") from e
     if not draftable:
         raise TrainError(f"--val-store {opened.url}: none of the {len(chosen)} samples chosen "
@@ -248,19 +258,21 @@ def _hash_validation_samples(opened: _Opened, chosen: list[SampleKey],
 
 
 def _refuse_shared_with_training(seen: dict[bytes, str], train_stores: list[Store],
-                                 train_parts, rank: int, world: int) -> None:
+                                 train_parts, rank: int, world: int, skip_corrupt: bool) -> None:
     """Refuse (on every rank alike) when a train sample has the token ids of a validation
-    sample: the figures would reward memorising it. Rank r reads every W-th train part."""
+    sample: the figures would reward memorising it. Rank r reads every W-th train part; a
+    train sample that cannot be read is skipped (`skip_corrupt`: training skips it too)."""
     found: list[tuple[str, str]] = []
     failure = None
     mine = [(i, p) for n, (i, p) in enumerate(train_parts) if n % world == rank]
+    damage = DamagePolicy(skip=skip_corrupt)
     for store_index, part in mine:
         url = train_stores[store_index].url
         try:
-            for p, i, ids in _samples([part], ("input_ids",)):
+            for p, i, ids in _samples([part], ("input_ids",), damage):
                 if (where := seen.get(_digest(ids))) is not None:
                     found.append((where, _where(url, p, i)))
-        except StoreError as e:  # told to the other ranks first, so that none waits forever
+        except (StoreError, EvalError) as e:  # told to the other ranks first: none waits
             failure = f"--store {url}: {e}"
             break
     ranks = gather_objects((found, failure), world)
@@ -274,16 +286,31 @@ def _refuse_shared_with_training(seen: dict[bytes, str], train_stores: list[Stor
                          "prompts)")
 
 
-def _samples(parts: list[Part], names: tuple[str, ...]) -> Iterator[tuple]:
-    """(part, index, *arrays) of every committed sample of `parts`, read a span at a time."""
+def _samples(parts: list[Part], names: tuple[str, ...], damage: DamagePolicy
+             ) -> Iterator[tuple]:
+    """(part, index, *arrays) of every committed sample of `parts`, read a span at a time; a
+    damaged one (known before reading, or failing its read) is handed to `damage`, which
+    refuses it (EvalError) or skips it, as replay does."""
     for part in parts:
         offsets = part.offsets()
-        for start, stop in sample_spans(np.diff(offsets), _READ_TOKENS):
-            base = int(offsets[start])
-            arrays = part.read_tokens(base, int(offsets[stop]), names)
-            for i in range(start, stop):
-                a, b = int(offsets[i]) - base, int(offsets[i + 1]) - base
-                yield part, i, *(arrays[n][a:b] for n in names)
+        spans = sample_spans(np.diff(offsets), _READ_TOKENS)
+        read = partial(_read_span, part, offsets, names)
+        for i, arrays, failed in read_by_span(part.store.url, part.index, spans, read,
+                                              lambda i, read=read: read(i, i + 1)[0]):
+            found = damage.known_damage(part.index, i) or failed
+            if found is not None:
+                damage.handle(found)
+                continue
+            yield part, i, *arrays
+
+
+def _read_span(part: Part, offsets: np.ndarray, names: tuple[str, ...], start: int,
+               stop: int) -> list[tuple]:
+    """The arrays `names` of samples [start, stop) of `part`, one tuple per sample."""
+    base = int(offsets[start])
+    arrays = part.read_tokens(base, int(offsets[stop]), names)
+    return [tuple(arrays[n][int(offsets[i]) - base:int(offsets[i + 1]) - base] for n in names)
+            for i in range(start, stop)]
 
 
 def _digest(ids: np.ndarray) -> bytes:
