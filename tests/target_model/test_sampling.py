@@ -9,6 +9,7 @@ import torch
 from dflash_train.target_model.errors import TargetError
 from dflash_train.target_model.sampling import (
     SamplingConfig,
+    _keyed_bits,
     gumbel_noise,
     sample_next,
     sampling_logits,
@@ -34,6 +35,35 @@ def _chi_square_fits(counts: torch.Tensor, probs: torch.Tensor) -> bool:
     z = 3.09  # the normal's 99.9 % quantile
     limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     return stat < limit
+
+
+def _fmix32(x: int) -> int:
+    """MurmurHash3's finalizer on Python's unbounded ints: the reference for the int64 lanes."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _reference_bits(seed: int, sample: int, position: int, token: int) -> int:
+    key = _fmix32(_fmix32(_fmix32(seed) ^ (sample % 2**32)) ^ (position % 2**32))
+    return _fmix32(key ^ _fmix32(token ^ 0x9E3779B9))
+
+
+def test_the_keyed_bits_are_exact_integer_arithmetic_and_pinned():
+    # exact arithmetic is what makes every device draw the same bits; pinned values keep what
+    # a recorded seed means: changing the stream would silently re-draw every sampled store
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 2**40, (6,), generator=gen).tolist() + [2**32 - 1, 0]
+    pos = torch.randint(0, 2**34, (6,), generator=gen).tolist() + [2**32 - 1, 2**32]
+    for seed in (0, 1, 2**32 - 1):
+        got = _keyed_bits(seed, ids, pos, 70, torch.device("cpu")).tolist()
+        assert got == [[_reference_bits(seed, i, p, t) for t in range(70)]
+                       for i, p in zip(ids, pos, strict=True)]
+    assert _keyed_bits(0, [0, 1], [0, 5], 4, torch.device("cpu")).tolist() == [
+        [2856213345, 2571226413, 3248948688, 1895220952],
+        [4236873141, 2255943566, 3983162323, 2979233627]]
 
 
 def test_the_noise_is_a_pure_function_of_seed_sample_position_and_token():
