@@ -28,6 +28,22 @@ import torch
 
 from benchmarks.driver import package_errors_as_one_line, writable_dir
 
+TOP_K = 64
+"""Candidates each loop drafts per slot (speculative_decode's top_k)."""
+
+
+def refuse_unfillable_budgets(drafter, budgets: list[int]) -> None:
+    """A --budgets value no tree of this drafter can reach (evaluate.tree.max_tree_nodes over
+    its drafted slots) is refused before any decoding."""
+    from dflash_train.evaluate.tree import tree_budget_refusal
+
+    per_depth = (drafter.model.candidate_selector.top_k if drafter.walks
+                 else min(TOP_K, drafter.config.draft_vocab))
+    for budget in budgets:
+        rule = tree_budget_refusal(budget, drafter.block_size - 1, per_depth)
+        if rule is not None:
+            raise SystemExit(f"--budgets {budget}: must be {rule}")
+
 
 def load(model: str, store_url: str, checkpoint: str):
     from dflash_train.evaluate.online import load_online_target
@@ -96,7 +112,7 @@ def measure(target, drafter, prompts, stop, budgets, no_cache_trees: bool) -> di
         rows["greedy"]["seconds"] += seconds
         for name, (verifier, budget) in loops.items():
             run, seconds = timed(lambda v=verifier, b=budget, prompt=prompt: speculative_decode(
-                v, drafter, prompt, stop, 64, b))
+                v, drafter, prompt, stop, TOP_K, b))
             row = rows[name]
             row["tokens"] += len(run.tokens) - len(prompt)
             row["seconds"] += seconds
@@ -169,6 +185,7 @@ def main() -> None:
     from dflash_train.target_model.loading import load_tokenizer
 
     store, target, drafter = load(args.model, args.store, args.checkpoint)
+    refuse_unfillable_budgets(drafter, budgets)
     prompts = prompts_of(store, args.prompts)
     eos = [] if args.ignore_eos else eos_token_ids(target.target.model,
                                                    load_tokenizer(args.model))

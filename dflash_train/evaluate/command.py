@@ -22,6 +22,12 @@ SETTINGS_OPTIONS = ("mode", "tree_budgets", "recall_at", "batch_tokens", "blocks
 """The options that are EvalSettings fields; the others are EvalConfig's."""
 
 
+MAX_TREE_BUDGET = 2**63 - 1
+"""The tree budget is blocks.parquet's `tree_budget` column, a 64-bit integer: a larger one
+would fail there, after the whole replay. A drafter's own bound is evaluate.tree's
+max_tree_nodes (its block depth and candidates per depth), known once it is loaded."""
+
+
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
     try:
         items = tuple(int(x) for x in value.split(",") if x.strip())
@@ -30,6 +36,14 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
     if any(x < 1 for x in items):
         raise click.BadParameter(f"{value!r}: every value must be >= 1")
     return items
+
+
+def _tree_budgets(ctx, param, value: str) -> tuple[int, ...]:
+    budgets = _int_list(ctx, param, value)
+    if any(b > MAX_TREE_BUDGET for b in budgets):
+        raise click.BadParameter(f"{value!r}: every budget must be at most {MAX_TREE_BUDGET:,} "
+                                 "(blocks.parquet's tree_budget column is a 64-bit integer)")
+    return budgets
 
 
 @click.command("eval", context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,7 +55,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
               help="replay: the anchors live decoding visits (first response token, then "
                    "a + tau); all: every eligible anchor.")
 @click.option("--tree-budget", "tree_budgets", default="16,32,64", show_default=True,
-              callback=_int_list,
+              callback=_tree_budgets,
               help="DDTree node budgets (comma list; '' for none): offline, and live with "
                    "--online, a tree of each budget is decoded as its own walk.")
 @click.option("--recall-at", default="1,2,4,8", show_default=True, callback=_int_list,

@@ -133,6 +133,36 @@ def grow_tree(candidates: Candidates, budget: int) -> DraftTree:
     return tree
 
 
+def max_tree_nodes(depth: int, top_k: int, above: int | None = None) -> int:
+    """The most non-root nodes a tree grown from one block can have, whatever the budget.
+
+    Every node at depth d-1 may take each of depth d's `top_k` candidates as a child (grow_tree
+    pushes each node's first child and each child's next sibling; a DFlash slot offers the same
+    top-k under every parent, a DFlash 2 row its selector's top_k), so depth d holds up to
+    top_k**d nodes: top_k + top_k**2 + ... + top_k**depth over the block's depth (block size
+    - 1). A budget beyond it can never be filled. Counting stops once past `above` (the budget
+    being checked): over a real vocabulary the full count has dozens of digits.
+    """
+    total, width = 0, 1
+    for _ in range(depth):
+        width *= top_k
+        total += width
+        if above is not None and total > above:
+            break
+    return total
+
+
+def tree_budget_refusal(budget: int, depth: int, top_k: int) -> str | None:
+    """None when a tree of `budget` nodes fits one block (max_tree_nodes); else the rule it
+    breaks, with the bound and why, for the caller's own error."""
+    most = max_tree_nodes(depth, top_k, above=budget)
+    if budget <= most:
+        return None
+    return (f"at most {most:,} nodes, the most a DDTree grown from one block holds: "
+            f"{top_k:,} candidates per depth over {depth} depths ({top_k} + {top_k}^2 + ... + "
+            f"{top_k}^{depth})")
+
+
 def chain_tree(tokens: Sequence[int]) -> DraftTree:
     """The chain of drafts d_1..d_D as a tree: node d is slot d's draft, child of node d-1."""
     tree = DraftTree()

@@ -21,9 +21,11 @@ from dflash_train.drafter.config import (
     DFLASH2_FIELDS,
     DRAFT_VOCAB_RULE,
     MIN_DRAFT_VOCAB,
+    DrafterConfig,
     max_conv_kernel_size,
 )
 from dflash_train.drafter.model import FinalNormInit
+from dflash_train.evaluate.tree import tree_budget_refusal
 from dflash_train.train.data import LoaderConfig
 from dflash_train.train.errors import TrainError
 from dflash_train.train.loss import LossConfig
@@ -350,9 +352,37 @@ class TrainConfig:
                              "DDP (drop --fsdp), or validate the checkpoints with dflash eval")
         for rule in ACTS_ONLY_WHEN:
             rule.refuse_if_inert(self)
+        _refuse_unfillable_trees(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _tree_top_k(model: ModelConfig) -> int | None:
+    """Candidates per depth of a validation tree, where the config alone says it: DFlash 2's
+    selector top-k, a DFlash draft vocabulary's size; None: it is the store's vocabulary, or
+    the init_from drafter's own."""
+    if model.init_from is not None:
+        return None
+    if model.kind == "dflash2":
+        return model.selector_top_k or _drafter_default("selector_top_k")
+    return model.draft_vocab_size
+
+
+def _refuse_unfillable_trees(cfg: "TrainConfig") -> None:
+    """A validation tree budget no tree of this drafter can reach (evaluate.tree
+    max_tree_nodes, over the block's BLOCK_SIZE - 1 drafted slots) is refused now."""
+    top_k = _tree_top_k(cfg.model)
+    if top_k is None or not cfg.validation.tree_budgets:
+        return
+    largest = cfg.validation.tree_budgets[-1]  # sorted by ValidationConfig
+    rule = tree_budget_refusal(largest, BLOCK_SIZE - 1, top_k)
+    require(rule is None, "validation.tree_budgets", rule or "", largest)
+
+
+def _drafter_default(name: str) -> Any:
+    """What an unset ModelConfig field becomes: DrafterConfig's own default."""
+    return next(f.default for f in dataclasses.fields(DrafterConfig) if f.name == name)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,11 @@ fail late or with a traceback.
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+from click.testing import CliRunner
 
 import benchmarks.arms as arms
 import benchmarks.dflash2_vs_dflash as dflash2_vs_dflash
@@ -19,6 +22,7 @@ import benchmarks.gamma_ddtree as gamma_ddtree
 import benchmarks.live_decoding as live_decoding
 import benchmarks.tau_vs_time as tau_vs_time
 import benchmarks.weights_optimizers as weights_optimizers
+from dflash_train.cli import main
 from dflash_train.train.config import load_train_config
 from dflash_train.train.errors import TrainError
 from tests.evaluate.conftest import save_eos_target
@@ -153,3 +157,73 @@ def test_every_driver_refuses_an_out_it_cannot_write_before_its_work(monkeypatch
              "tau_vs_time": tmp_path}.get(name, a_file)
     said = _refusal(module.main, monkeypatch, *argv, "--out", str(taken))
     assert said.startswith("--out") and "choose another --out" in said, said
+
+
+@pytest.mark.parametrize("depth, top_k", [(1, 3), (3, 2), (4, 3), (2, 5)])
+def test_a_grown_tree_holds_exactly_max_tree_nodes_whatever_the_budget(depth, top_k):
+    from dflash_train.evaluate.tree import (
+        build_tree,
+        grow_tree,
+        max_tree_nodes,
+        selector_candidates,
+    )
+
+    logp = torch.log_softmax(torch.randn(depth, top_k), -1).sort(-1, descending=True).values
+    unary = build_tree(logp, torch.arange(depth * top_k).view(depth, top_k), 10**6)
+    moves = torch.log_softmax(torch.randn(depth, top_k, top_k), -1)
+    selector = grow_tree(selector_candidates(moves, torch.arange(depth * top_k)
+                                             .view(depth, top_k)), 10**6)
+    assert unary.size == selector.size == max_tree_nodes(depth, top_k)
+    assert max_tree_nodes(depth, top_k) == sum(top_k**d for d in range(1, depth + 1))
+
+
+VALIDATED = {"validation.stores": ["val.zarr"]}
+
+
+@pytest.mark.parametrize("drafter", [{"model.kind": "dflash2", "model.selector_top_k": 2},
+                                     {"model.draft_vocab_size": 2}])
+def test_a_validation_tree_budget_past_what_a_block_holds_is_refused(drafter):
+    # two candidates per depth over a 16-token block's 15 drafted slots: 2 + 4 + ... + 2**15
+    most = 2**16 - 2
+    cfg = load_train_config(None, {**VALIDATED, **drafter,
+                                   "validation.tree_budgets": f"16,{most}"})
+    assert cfg.validation.tree_budgets == (16, most)
+    with pytest.raises(TrainError, match=r"--tree-budget \(validation.tree_budgets\) must be "
+                       r"at most 65,534 nodes, the most a DDTree grown from one block holds: "
+                       r"2 candidates per depth over 15 depths .*got 65535"):
+        load_train_config(None, {**VALIDATED, **drafter,
+                                 "validation.tree_budgets": f"16,{most + 1}"})
+
+
+def test_a_dflash2_validation_budget_of_10_to_the_20_is_refused_with_the_bound():
+    with pytest.raises(TrainError, match=r"beyond a 64-bit integer"):
+        load_train_config(None, {**VALIDATED, "model.kind": "dflash2",
+                                 "validation.tree_budgets": str(HUGE)})
+    with pytest.raises(TrainError, match=r"at most 1,229,782,938,247,303,440 nodes"):
+        load_train_config(None, {**VALIDATED, "model.kind": "dflash2",
+                                 "validation.tree_budgets": str(2**62)})
+
+
+@pytest.mark.parametrize("budgets", [str(HUGE), f"16,{2**63}"])
+def test_eval_refuses_a_tree_budget_past_64_bits_before_reading_anything(tmp_path, budgets):
+    result = CliRunner().invoke(main, ["eval", str(tmp_path / "ckpt"), "--store",
+                                       str(tmp_path / "none.zarr"), "--online",
+                                       "--tree-budget", budgets])
+    assert result.exit_code == 2, result.output  # click's usage error: nothing was read
+    assert "--tree-budget" in result.output and "64-bit integer" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_live_decoding_refuses_a_budget_past_what_the_drafters_block_holds(monkeypatch,
+                                                                           tmp_path):
+    drafter = SimpleNamespace(walks=False, block_size=8,
+                              config=SimpleNamespace(draft_vocab=344))
+    monkeypatch.setattr(live_decoding, "load", lambda *_: (None, None, drafter))
+    monkeypatch.setattr(live_decoding, "prompts_of", _never)
+    monkeypatch.setattr(live_decoding, "measure", _never)
+    said = _refusal(live_decoding.main, monkeypatch, "--model", "m", "--store", "s",
+                    "--checkpoint", "c", "--out", str(tmp_path / "out"), "--ignore-eos",
+                    "--budgets", f"16,{HUGE}")
+    # 64 candidates drafted per slot over the block's 7 drafted slots: 64 + ... + 64**7
+    most = sum(64**d for d in range(1, 8))
+    assert said.startswith(f"--budgets {HUGE}: must be at most {most:,} nodes")
