@@ -218,7 +218,8 @@ def build_run(cfg: TrainConfig, resume: bool, echo: Echo = print) -> Run | Alrea
             return AlreadyComplete(done.step, point.path)
     model = _drafter(cfg, point, loader.stores, placement, say)
     validation = open_validation(cfg.validation, loader.stores, loader.parts, model.config,
-                                 placement.rank, placement.world, say)
+                                 placement.rank, placement.world, say,
+                                 skip_corrupt=cfg.loader.skip_corrupt)
     run = assemble_run(cfg, model, placement=placement, total_steps=total_steps, loader=loader,
                        layer_rms=noise_layer_rms(cfg, loader, placement.device), run_dir=run_dir,
                        validation=validation)

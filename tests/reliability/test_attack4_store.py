@@ -170,8 +170,6 @@ def test_a_damaged_validation_store_is_skipped_when_the_run_skips_damage(pristin
         _validation(pristine, val, drafter, False, []).evaluate(drafter)
 
 
-@pytest.mark.xfail(strict=True, reason="train/run.py build_run does not yet pass "
-                   "skip_corrupt=cfg.loader.skip_corrupt to open_validation")
 def test_train_with_skip_corrupt_skips_a_damaged_validation_store(pristine, tmp_path):
     val = build_store(str(tmp_path / "val.zarr"), rows=8, parts=2, first_sample=24).url
     _delete_first_context_shard(val)
