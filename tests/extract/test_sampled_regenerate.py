@@ -150,3 +150,14 @@ def test_sampling_options_that_cannot_apply_are_refused_in_one_line(qwen3_dir, t
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert named in done.stderr
     assert not out.exists()
+
+
+def test_the_cli_options_reach_the_store(qwen3_dir, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", make_chats(3))
+    out = str(tmp_path / "hs.zarr")
+    done = run_cli(cli_args(qwen3_dir, data, out) + [
+        "--regenerate", "--max-new-tokens", "3", "--temperature", "0.7", "--top-p", "0.9",
+        "--sample-top-k", "5", "--seed", "9"])
+    assert done.returncode == 0, done.stderr
+    assert open_store(out).meta.sampling == {"temperature": 0.7, "top_p": 0.9, "top_k": 5,
+                                             "seed": 9}
