@@ -1,0 +1,395 @@
+"""This machine's practical peaks, and each stage's work per second as a share of them.
+
+    python -m benchmarks.roofline [--quick] [--update-docs docs/benchmarks.md]
+
+At the thread count the stages use (torch.get_num_threads()) it measures GEMM rates in
+float32 and bfloat16 at 2048^3 and at SmolLM2's shapes (hidden 576, intermediate 1536, 512-token
+rows) and the memory copy rate (bytes copied per second), on CUDA too when torch sees it. Then,
+on the CPU at SmolLM2's shape:
+  target forward  extract's capture (target_model.capture.forward_states, then the top-k over
+                  the lm_head) on a random-weight LlamaConfig model, in extract's auto dtype;
+                  FLOPs = tokens x (2 x matmul parameters + 4 x layers x mean context x heads
+                  x head_dim), the causal attention's QK^T and AV;
+  drafter step    `dflash train`'s step (train.loop.train_step) at the quick preset's recipe
+                  (benchmarks/optimizer_step.py: 1 layer, 4,096 draft ids, D-PACE, Muon, 16
+                  anchors, 4,096-token batches) on a synthetic store, in train's auto precision;
+                  FLOPs = 6 x (fc + K/V parameters) x context tokens + 6 x layer parameters x
+                  block slots + 4 x hidden x draft vocab x block slots (the frozen head: forward
+                  and the gradient to its input); attention left out;
+  loader          the StoreLoader's bytes of batches per second over that store, vs copy.
+A stage's bound is the roofline's: min(GEMM peak of its dtype, FLOP/byte x copy rate) over
+its least traffic (weights once, inputs and outputs); "bound by" says which side that is.
+The store writer is not measured (benchmarks/store_io.py times it against a raw write).
+Last, the same quantities counted (not measured) at Qwen3.6-27B's shape: what one H200 training
+its drafter needs per second from the other stages. `--quick` (< 30 s, for the test) shrinks
+every measurement and says so. Not a test.
+"""
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.train_memory import WIDTHS, build_store
+
+SMOLLM2 = WIDTHS["smollm2"]
+SMOLLM2_GEMMS = ((512, 576, 1536), (512, 1536, 576), (512, 576, 576))
+"""(rows, in, out) of the MLP's up and down projections and the attention's q/o, 512 rows."""
+BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big each measurement is: the full run, or --quick's for the test."""
+
+    square: int = 2048
+    copy_mib: int = 256
+    seconds: float = 1.0
+    """Least time each rate is measured over."""
+    target_layers: int = 30
+    target_tokens: int = 512
+    batch_tokens: int = 4096
+    samples: int = 96
+    steps: int = 2
+
+
+QUICK = Size(square=1024, copy_mib=32, seconds=0.2, target_layers=2, target_tokens=128,
+             batch_tokens=1024, samples=16, steps=1)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's measured work: FLOPs (0 for pure data movement) and least bytes moved."""
+
+    name: str
+    shape: str
+    flops: float
+    bytes: float
+    seconds: float
+    dtype: torch.dtype | None = None
+    """The dtype its matmuls run in (its GEMM peak); None: bound by copying alone."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rate(work: float, fn, device: torch.device, seconds: float) -> float:
+    """work / second of fn() after a warm-up call; a call slower than `seconds` (emulated bf16
+    at 2048^3 takes ~17 s on an AVX2 CPU) is its own measurement."""
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    first = time.perf_counter() - start
+    if first >= seconds:
+        return work / first
+    calls, start = 0, time.perf_counter()
+    while (took := time.perf_counter() - start) < seconds or calls == 0:
+        fn()
+        _sync(device)
+        calls += 1
+    return work * calls / took
+
+
+def gemm_rate(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device,
+              seconds: float) -> float:
+    """FLOP/s of an [m, k] x [k, n] matmul."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    return _rate(2 * m * k * n, lambda: a @ b, device, seconds)
+
+
+def copy_rate(mib: int, device: torch.device, seconds: float) -> float:
+    """Bytes copied per second (each read once and written once) between two buffers."""
+    src = torch.ones(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return _rate(src.numel(), lambda: dst.copy_(src), device, seconds)
+
+
+def measure_peaks(size: Size, device: torch.device) -> dict[str, float]:
+    """{name: rate}: "copy" in bytes/s, "<dtype> <m>x<k>x<n>" in FLOP/s."""
+    s = size.square
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for m, k, n in ((s, s, s), *SMOLLM2_GEMMS):
+            peaks[f"{_name(dtype)} {m}x{k}x{n}"] = gemm_rate(m, k, n, dtype, device, size.seconds)
+    peaks["copy"] = copy_rate(size.copy_mib, device, size.seconds)
+    return peaks
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def target_forward(size: Size) -> Stage:
+    """extract's capture on a random-weight model of SmolLM2's config, in extract's dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_train.dtypes import resolve_dtype
+    from dflash_train.target_model.capture import forward_states
+    from dflash_train.target_model.verifier import verifier_topk
+
+    shape = {**SMOLLM2, "num_hidden_layers": size.target_layers}
+    dtype = resolve_dtype("auto", CPU)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True)).to(dtype).eval()
+    tokens = size.target_tokens
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens))
+    mask = torch.ones_like(ids)
+    layer_ids = list(range(0, size.target_layers, max(1, size.target_layers // 5)))[:5]
+
+    @torch.inference_mode()
+    def capture():
+        context, final = forward_states(model.model, layer_ids, ids, mask)
+        verifier_topk(final[0], model.lm_head, 8)
+
+    matmul = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
+    heads = shape["num_attention_heads"] * shape["head_dim"]
+    per_token = 2 * matmul + 4 * shape["num_hidden_layers"] * (tokens + 1) / 2 * heads
+    flops = per_token * tokens
+    weights = matmul * dtype.itemsize
+    out = tokens * (len(layer_ids) + 1) * shape["hidden_size"] * dtype.itemsize
+    capture()  # warms kernels up
+    start = time.perf_counter()
+    capture()
+    return Stage("target forward", f"{shape['num_hidden_layers']} layers, {tokens} tokens",
+                 flops, weights + out, time.perf_counter() - start, dtype)
+
+
+def step_flops(fc_kv: float, layers: float, head: float, context: float, slots: float
+               ) -> float:
+    """A drafter step's FLOPs by the module docstring's count (attention left out), from its
+    trained fc and K/V weights, all trained layer weights, the head's weights and the tokens."""
+    return 6 * fc_kv * context + 6 * layers * slots + 4 * head * slots
+
+
+def drafter_flops(model: torch.nn.Module, context_tokens: int, slots: int) -> float:
+    fc_kv = layers = 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad or p.ndim < 2:
+            continue
+        if name.startswith("fc"):
+            fc_kv += p.numel()
+        elif name.startswith("layers."):
+            layers += p.numel()
+            fc_kv += p.numel() if ("k_proj" in name or "v_proj" in name) else 0
+    cfg = model.config
+    head = cfg.hidden_size * (cfg.draft_vocab_size or cfg.vocab_size)
+    return step_flops(fc_kv, layers, head, context_tokens, slots)
+
+
+def drafter_step(store: str, size: Size) -> Stage:
+    """`dflash train`'s step at the quick preset's recipe, in train's auto precision."""
+    from benchmarks.optimizer_step import RECIPE, build_run
+    from dflash_train.train.loop import train_step
+
+    run = build_run(store, "muon", {"loader.batch_tokens": str(size.batch_tokens),
+                                    "run.precision": "auto"})
+    batches = [b for b in run.loader.epoch(0) if b is not None][: size.steps + 1]
+    seconds, flops = [], []
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        train_step(run, batch)
+        if i:  # the first step warms caches and kernels up
+            seconds.append(time.perf_counter() - start)
+            slots = batch.input_ids.shape[0] * run.cfg.run.anchors_per_seq * \
+                run.model.config.block_size
+            flops.append(drafter_flops(run.model, int(batch.lengths.sum()), slots))
+    trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
+    # least traffic: weights, gradient and two optimiser moments, read and written once
+    least = 16 * trainable + sum(t.nbytes for t in (batches[1].context, batches[1].topk_ids))
+    dtype = torch.bfloat16 if run.bf16 else torch.float32
+    return Stage("drafter step", f"1 layer, {RECIPE['model.draft_vocab_size']} draft ids, "
+                 f"{size.batch_tokens}-token batches", statistics.median(flops), least,
+                 statistics.median(seconds), dtype)
+
+
+def loader_stage(store: str, size: Size) -> Stage:
+    """Bytes of batches the StoreLoader hands over per second, with nothing computing."""
+    from benchmarks.optimizer_step import build_run
+
+    loader = build_run(store, "adamw", {"loader.batch_tokens": str(size.batch_tokens)}).loader
+    fields = ("input_ids", "loss_mask", "context", "topk_ids", "topk_logits", "lse")
+    start, moved = time.perf_counter(), 0
+    for batch in loader.epoch(0):
+        if batch is not None:
+            moved += sum(getattr(batch, f).nbytes for f in fields)
+    return Stage("loader", f"{size.batch_tokens}-token batches", 0.0, moved,
+                 time.perf_counter() - start)
+
+
+def bound(stage: Stage, peaks: dict[str, float], square: int) -> tuple[float, str]:
+    """(the roofline's ceiling on the stage's work per second, what sets it)."""
+    if stage.dtype is None:
+        return peaks["copy"], "memory (copy)"
+    peak = peaks[f"{_name(stage.dtype)} {square}x{square}x{square}"]
+    by_memory = stage.flops / stage.bytes * peaks["copy"]
+    if by_memory < peak:
+        return by_memory, "memory (copy)"
+    return peak, f"compute ({_name(stage.dtype)} GEMM)"
+
+
+def _si(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def peaks_table(peaks: dict[str, dict[str, float]]) -> list[str]:
+    """One row per measurement, one column per device."""
+    lines = ["| peak | " + " | ".join(peaks) + " |", "| --- |" + " --- |" * len(peaks)]
+    for name in next(iter(peaks.values())):
+        unit = "B/s" if name == "copy" else "FLOP/s"
+        label = "memory copy" if name == "copy" else f"GEMM {name}"
+        lines.append(f"| {label} | " + " | ".join(_si(d[name], unit) for d in peaks.values())
+                     + " |")
+    return lines
+
+
+def stages_table(stages: list[Stage], peaks: dict[str, float], square: int) -> list[str]:
+    lines = ["| stage | shape | work/s | FLOP/byte | bound | share | bound by |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for st in stages:
+        ceiling, by = bound(st, peaks, square)
+        done = (st.flops or st.bytes) / st.seconds
+        unit = "FLOP/s" if st.dtype is not None else "B/s"
+        intensity = f"{st.flops / st.bytes:.0f}" if st.dtype is not None else "-"
+        lines.append(f"| {st.name} | {st.shape} | {_si(done, unit)} | {intensity} | "
+                     f"{_si(ceiling, unit)} | {done / ceiling:.2f} | {by} |")
+    lines.append("| store writer | - | not measured | - | - | - | - |")
+    return lines
+
+
+@dataclass(frozen=True)
+class H200Feed:
+    """What one H200 training the Qwen3.6-27B drafter would need fed, counted, not measured."""
+
+    peak: float = 989e12
+    """Dense bf16 FLOP/s of an H200 SXM (the H100 SXM's tensor cores)."""
+    hbm: float = 4.8e12
+    host_link: float = 64e9
+    """Bytes/s of the PCIe 5 x16 link the loader's batches cross to the card."""
+    mfu: float = 0.4
+    """Assumed share of `peak` a drafter step and a capture forward each reach."""
+    seq: int = 4096
+    anchors: int = 512
+    """Blocks per sequence (TorchSpec's 512 anchors), of the drafter's 16 slots."""
+    target_params: float = 27e9
+    full_attention_layers: int = 16
+    """Of the target's 64 layers, every 4th is full attention (the rest Gated DeltaNet, linear
+    in the sequence and left out); 24 heads x 256."""
+    capture_tokens: int = 4 * 4096
+    """Tokens per capture forward (a weight read serves them all)."""
+
+    def assumptions(self) -> str:
+        return (f"Assumed: the drafter DrafterConfig.qwen3_6_27b() (5 layers, hidden 5120, "
+                f"intermediate 17408, 32 x 128 query and 8 kv heads, frozen 248,320-word head); "
+                f"{self.seq}-token sequences, {self.anchors} anchors x 16 slots each; an H200 at "
+                f"{self.peak / 1e12:.0f} TFLOP/s bf16 and {self.hbm / 1e12:.1f} TB/s, each "
+                f"stage at {self.mfu:.0%} of peak; the target {self.target_params / 1e9:.0f} B "
+                f"parameters, {self.full_attention_layers} full-attention layers, "
+                f"{self.capture_tokens} tokens per capture forward; the store 5 layers x 5120 "
+                "bf16 per token (top-k rows left out).")
+
+
+def h200_table(a: H200Feed) -> list[str]:
+    """Work per second each stage must deliver to keep one H200's drafter step busy."""
+    from dflash_train.drafter.config import DrafterConfig
+
+    d = DrafterConfig.qwen3_6_27b()
+    h, q = d.hidden_size, d.num_attention_heads * d.head_dim
+    kv = 2 * h * d.num_key_value_heads * d.head_dim
+    layer = 2 * h * q + kv + 3 * h * d.intermediate_size
+    fc = len(d.target_layer_ids) * h * h
+    slots = a.anchors * d.block_size
+    per_seq = step_flops(fc + kv * d.num_hidden_layers, layer * d.num_hidden_layers,
+                         h * d.vocab_size, a.seq, slots)
+    seqs = a.mfu * a.peak / per_seq
+    trained = 16 * (fc + layer * d.num_hidden_layers)
+    store_token = len(d.target_layer_ids) * h * 2
+    attention = 4 * a.full_attention_layers * a.seq / 2 * 24 * 256
+    capture = seqs * a.seq * (2 * a.target_params + attention)
+    capture_intensity = a.capture_tokens * (2 * a.target_params + attention) / (
+        2 * a.target_params + a.capture_tokens * store_token)
+    stream = seqs * a.seq * store_token
+    return [
+        "| stage | needed per second | FLOP/byte | bound by | H200s at the assumed share |",
+        "| --- | --- | --- | --- | --- |",
+        f"| drafter step | {_si(a.mfu * a.peak, 'FLOP/s')} ({seqs:.2f} sequences) | "
+        f"{per_seq / (trained + a.seq * store_token):.0f} | compute | 1 |",
+        f"| target forward (capture) | {_si(capture, 'FLOP/s')} | {capture_intensity:.0f} | "
+        f"compute | {capture / (a.mfu * a.peak):.2f} |",
+        f"| store writer / loader | {_si(stream, 'B/s')} each | - | storage and host link | "
+        f"{stream / a.host_link:.1%} of a PCIe 5 x16 link |",
+    ]
+
+
+def _cpu_name() -> str:
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def report(size: Size, quick: bool) -> str:
+    """The markdown the command prints: the machine, its peaks, the stages, the H200 count."""
+    from dflash_train.devices import native_bf16
+
+    peaks = {"cpu": measure_peaks(size, CPU)}
+    if torch.cuda.is_available():
+        peaks["cuda"] = measure_peaks(size, torch.device("cuda"))
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "smollm2.zarr")
+        build_store(store, "smollm2", 192, samples=size.samples)
+        stages = [target_forward(size), drafter_step(store, size), loader_stage(store, size)]
+    h200 = H200Feed()
+    return "\n".join([
+        f"{time.strftime('%Y-%m-%d')}, {_cpu_name()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, native bf16: {native_bf16(CPU)}"
+        + (" (--quick: smaller shapes than the full run)" if quick else ""), "",
+        *peaks_table(peaks), "",
+        "Stages on the CPU at SmolLM2's shape (share: work/s over the bound):", "",
+        *stages_table(stages, peaks["cpu"], size.square), "",
+        "Qwen3.6-27B, counted: what one H200 training the drafter needs per second.", "",
+        *h200_table(h200), "", h200.assumptions()])
+
+
+def markers_in(text: str, path: Path) -> tuple[int, int]:
+    """Where the roofline block starts and ends in `text`; a clear refusal without them."""
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < begin or text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise SystemExit(f"--update-docs {path}: needs exactly one {BEGIN} followed by one {END}"
+                         " to replace the text between; add them where the table belongs")
+    return begin + len(BEGIN), end
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="Smaller measurements (< 30 s on 2 cores), for the test.")
+    ap.add_argument("--update-docs", type=Path, metavar="FILE",
+                    help="Also replace the text between the roofline markers in FILE.")
+    args = ap.parse_args()
+    if args.update_docs is not None:  # refused before minutes of measuring, not after
+        markers_in(args.update_docs.read_text(), args.update_docs)
+    table = report(QUICK if args.quick else Size(), args.quick)
+    print(table)
+    if args.update_docs is not None:
+        text = args.update_docs.read_text()
+        start, stop = markers_in(text, args.update_docs)
+        args.update_docs.write_text(f"{text[:start]}\n{table}\n{text[stop:]}")
+        print(f"\nwrote the table into {args.update_docs}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
