@@ -22,10 +22,6 @@ SETTINGS_OPTIONS = ("mode", "tree_budgets", "recall_at", "batch_tokens", "blocks
 """The options that are EvalSettings fields; the others are EvalConfig's."""
 
 
-MAX_TREE_BUDGET = 2**63 - 1
-"""The tree budget is blocks.parquet's `tree_budget` column, a 64-bit integer: a larger one
-would fail there, after the whole replay. A drafter's own bound is evaluate.tree's
-max_tree_nodes (its block depth and candidates per depth), known once it is loaded."""
 
 
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
@@ -40,9 +36,11 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 
 def _tree_budgets(ctx, param, value: str) -> tuple[int, ...]:
     budgets = _int_list(ctx, param, value)
-    if any(b > MAX_TREE_BUDGET for b in budgets):
-        raise click.BadParameter(f"{value!r}: every budget must be at most {MAX_TREE_BUDGET:,} "
-                                 "(blocks.parquet's tree_budget column is a 64-bit integer)")
+    from dflash_train.evaluate.tree import budget_cap_refusal
+
+    for budget in budgets:
+        if (rule := budget_cap_refusal(budget)):
+            raise click.BadParameter(f"{value!r}: a budget must be {rule}")
     return budgets
 
 

@@ -133,6 +133,23 @@ def grow_tree(candidates: Candidates, budget: int) -> DraftTree:
     return tree
 
 
+MAX_TREE_BUDGET = 4096
+"""The largest DDTree node budget taken anywhere (eval, --online, validation). A live verify
+feeds the target every node in one forward under a [B, B] ancestor mask (64 MiB of float32 at
+4,096 nodes, 400 MiB at 10,000), and a round commits at most one block however large its
+tree; the combinatorial bound (max_tree_nodes) is no limit in practice, since the candidates
+kept per slot grow with the budget."""
+
+
+def budget_cap_refusal(budget: int) -> str | None:
+    """None for a budget within MAX_TREE_BUDGET; else the rule, with why, for the caller's
+    own error."""
+    if budget <= MAX_TREE_BUDGET:
+        return None
+    return (f"at most {MAX_TREE_BUDGET:,} nodes: a verify feeds every node to the target in "
+            f"one forward with a [B, B] mask, and a round commits at most one block")
+
+
 def max_tree_nodes(depth: int, top_k: int, above: int | None = None) -> int:
     """The most non-root nodes a tree grown from one block can have, whatever the budget.
 
@@ -157,7 +174,7 @@ def tree_budget_refusal(budget: int, depth: int, top_k: int) -> str | None:
     breaks, with the bound and why, for the caller's own error."""
     most = max_tree_nodes(depth, top_k, above=budget)
     if budget <= most:
-        return None
+        return budget_cap_refusal(budget)
     return (f"at most {most:,} nodes, the most a DDTree grown from one block holds: "
             f"{top_k:,} candidates per depth over {depth} depths ({top_k} + {top_k}^2 + ... + "
             f"{top_k}^{depth})")

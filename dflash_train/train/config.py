@@ -25,7 +25,7 @@ from dflash_train.drafter.config import (
     max_conv_kernel_size,
 )
 from dflash_train.drafter.model import FinalNormInit
-from dflash_train.evaluate.tree import tree_budget_refusal
+from dflash_train.evaluate.tree import budget_cap_refusal, tree_budget_refusal
 from dflash_train.train.data import LoaderConfig
 from dflash_train.train.errors import TrainError
 from dflash_train.train.loss import LossConfig
@@ -314,6 +314,9 @@ class ValidationConfig:
         require(all(b >= 1 for b in budgets) and len(set(budgets)) == len(budgets),
                 "validation.tree_budgets", "distinct node budgets >= 1", budgets)
         self.tree_budgets = tuple(sorted(budgets))
+        largest = max(budgets, default=1)
+        require(budget_cap_refusal(largest) is None, "validation.tree_budgets",
+                budget_cap_refusal(largest) or "", largest)
         require(self.best_by != "tree_tau" or bool(budgets), "validation.best_by",
                 "tau when validation.tree_budgets is empty (no tree is measured)", self.best_by)
         require(self.seed >= 0, "validation.seed", ">= 0", self.seed)

@@ -23,6 +23,7 @@ import benchmarks.live_decoding as live_decoding
 import benchmarks.tau_vs_time as tau_vs_time
 import benchmarks.weights_optimizers as weights_optimizers
 from dflash_train.cli import main
+from dflash_train.evaluate.tree import MAX_TREE_BUDGET, budget_cap_refusal, tree_budget_refusal
 from dflash_train.train.config import load_train_config
 from dflash_train.train.errors import TrainError
 from tests.evaluate.conftest import save_eos_target
@@ -180,37 +181,50 @@ def test_a_grown_tree_holds_exactly_max_tree_nodes_whatever_the_budget(depth, to
 VALIDATED = {"validation.stores": ["val.zarr"]}
 
 
-@pytest.mark.parametrize("drafter", [{"model.kind": "dflash2", "model.selector_top_k": 2},
-                                     {"model.draft_vocab_size": 2}])
-def test_a_validation_tree_budget_past_what_a_block_holds_is_refused(drafter):
-    # two candidates per depth over a 16-token block's 15 drafted slots: 2 + 4 + ... + 2**15
+def test_a_tree_budget_past_what_a_block_holds_says_the_bound():
+    # two candidates per depth over a 16-token block's 15 drafted slots: 2 + 4 + ... + 2**15;
+    # within it, the cap still applies (MAX_TREE_BUDGET is below every block's bound but k=1's)
     most = 2**16 - 2
-    cfg = load_train_config(None, {**VALIDATED, **drafter,
-                                   "validation.tree_budgets": f"16,{most}"})
-    assert cfg.validation.tree_budgets == (16, most)
-    with pytest.raises(TrainError, match=r"--tree-budget \(validation.tree_budgets\) must be "
-                       r"at most 65,534 nodes, the most a DDTree grown from one block holds: "
-                       r"2 candidates per depth over 15 depths .*got 65535"):
-        load_train_config(None, {**VALIDATED, **drafter,
-                                 "validation.tree_budgets": f"16,{most + 1}"})
+    assert tree_budget_refusal(most, 15, 2) == budget_cap_refusal(most)
+    assert tree_budget_refusal(most + 1, 15, 2) == (
+        "at most 65,534 nodes, the most a DDTree grown from one block holds: 2 candidates per "
+        "depth over 15 depths (2 + 2^2 + ... + 2^15)")
+    assert tree_budget_refusal(16, 15, 1) == ("at most 15 nodes, the most a DDTree grown from "
+                                              "one block holds: 1 candidates per depth over 15 "
+                                              "depths (1 + 1^2 + ... + 1^15)")
+
+
+@pytest.mark.parametrize("budgets", ["16,10000", str(MAX_TREE_BUDGET + 1)])
+def test_a_tree_budget_past_the_cap_is_refused_by_eval_and_validation(tmp_path, budgets):
+    # 10000 was accepted and grew memory ~20 MB/s under --online on the tiny target
+    with pytest.raises(TrainError, match=rf"at most {MAX_TREE_BUDGET:,} nodes: a verify"):
+        load_train_config(None, {**VALIDATED, "validation.tree_budgets": budgets})
+    result = CliRunner().invoke(main, ["eval", str(tmp_path / "ckpt"), "--store",
+                                       str(tmp_path / "none.zarr"), "--online",
+                                       "--tree-budget", budgets])
+    assert result.exit_code == 2, result.output  # click's usage error: nothing was read
+    assert f"at most {MAX_TREE_BUDGET:,} nodes" in result.output
+    assert "Traceback" not in result.output
+    cfg = load_train_config(None, {**VALIDATED, "validation.tree_budgets": str(MAX_TREE_BUDGET)})
+    assert cfg.validation.tree_budgets == (MAX_TREE_BUDGET,)
 
 
 def test_a_dflash2_validation_budget_of_10_to_the_20_is_refused_with_the_bound():
     with pytest.raises(TrainError, match=r"beyond a 64-bit integer"):
         load_train_config(None, {**VALIDATED, "model.kind": "dflash2",
                                  "validation.tree_budgets": str(HUGE)})
-    with pytest.raises(TrainError, match=r"at most 1,229,782,938,247,303,440 nodes"):
+    with pytest.raises(TrainError, match=rf"at most {MAX_TREE_BUDGET:,} nodes"):
         load_train_config(None, {**VALIDATED, "model.kind": "dflash2",
                                  "validation.tree_budgets": str(2**62)})
 
 
 @pytest.mark.parametrize("budgets", [str(HUGE), f"16,{2**63}"])
-def test_eval_refuses_a_tree_budget_past_64_bits_before_reading_anything(tmp_path, budgets):
+def test_eval_refuses_a_huge_tree_budget_before_reading_anything(tmp_path, budgets):
     result = CliRunner().invoke(main, ["eval", str(tmp_path / "ckpt"), "--store",
                                        str(tmp_path / "none.zarr"), "--online",
                                        "--tree-budget", budgets])
     assert result.exit_code == 2, result.output  # click's usage error: nothing was read
-    assert "--tree-budget" in result.output and "64-bit integer" in result.output
+    assert "--tree-budget" in result.output and f"at most {MAX_TREE_BUDGET:,}" in result.output
     assert "Traceback" not in result.output
 
 
