@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from dflash_train.store_schema.errors import StoreError, one_line
-from dflash_train.store_schema.info import summarize, top1_agreement
+from dflash_train.store_schema.info import answers_description, summarize, top1_agreement
 from dflash_train.store_schema.integrity import check_before_reading, refusal
 from dflash_train.store_schema.layout import FP8_CONTEXT, HIDDEN_DTYPES
 from dflash_train.store_schema.stats import store_stats
@@ -81,6 +81,7 @@ def _info_lines(path: str, meta, summary, agreement) -> list[str]:
         f"context dtype  {_context_dtype(meta)}",
         f"source         {', '.join(meta.source.paths)}  rows {meta.source.num_rows}  "
         f"max_length {meta.source.max_length}  regenerated {meta.source.regenerated}",
+        f"answers        {answers_description(meta)}",
         f"made with      dflash {meta.created_with.dflash}, torch {meta.created_with.torch}, "
         f"transformers {meta.created_with.transformers} on {meta.created_with.device} "
         f"({meta.created_with.kernels})",
@@ -100,9 +101,11 @@ def _info_lines(path: str, meta, summary, agreement) -> list[str]:
         lines.append(f"top-1 agree    n/a: {agreement}")
     elif agreement and agreement[1]:
         agree, answers = agreement
+        # sampled answers differ from the top-1 by design: replay on them is exact anyway
+        why = ("offline == live only where they do" if meta.sampling is None
+               else "sampled answers: offline == live sample-and-match at their settings")
         lines.append(f"top-1 agree    {agree:,} of {answers:,} regenerated tokens "
-                     f"({agree / answers:.2%}) equal the forward's top-1 (offline == live "
-                     "only where they do)")
+                     f"({agree / answers:.2%}) equal the forward's top-1 ({why})")
     if summary.frozen_unfinished:
         lines.append(f"frozen rows    {FROZEN_UNFINISHED}")
     if summary.frozen_damaged:

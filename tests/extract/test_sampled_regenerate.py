@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from click.testing import CliRunner
 from conftest import (
     build_tokenizer,
     cli_args,
@@ -16,6 +17,7 @@ from conftest import (
 )
 from transformers import AutoModelForCausalLM
 
+from dflash_train.cli import main
 from dflash_train.extract.data import to_chat
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.render import render_prompt
@@ -107,6 +109,10 @@ def test_the_seed_decides_the_answers_and_provenance_records_the_settings(qwen3_
     assert meta.extra["sampling"] == meta.sampling and meta.source.regenerated
     assert answers_description(meta) == ("the target's, sampled at temperature 1.0 (top-p "
                                          "off, top-k off) with seed 2")
+    shown = CliRunner().invoke(main, ["store", "info", stores["c"]])
+    assert shown.exit_code == 0, shown.output
+    assert f"answers        {answers_description(meta)}" in shown.output
+    assert "offline == live only where they do" not in shown.output
 
 
 def test_a_greedy_store_records_no_sampling(qwen3_dir, tmp_path):
