@@ -14,15 +14,14 @@ from click.testing import CliRunner
 from dflash_train.evaluate.command import eval_command
 from dflash_train.evaluate.engines import llama_cpp as llama_mod
 from dflash_train.evaluate.engines import llama_server as server_mod
-from dflash_train.evaluate.engines.llama_cpp import (
+from dflash_train.evaluate.engines.llama_cpp import request_body, serve_prompt
+from dflash_train.evaluate.engines.llama_replies import (
     check_steps,
     metrics_agree,
     parse_completion,
     parse_metrics,
     parse_steps,
     printed_equal,
-    request_body,
-    serve_prompt,
 )
 from dflash_train.evaluate.engines.llama_server import (
     LlamaServer,
