@@ -81,7 +81,7 @@ def build(root: Path, s: EmbeddedSettings) -> EmbeddedStores:
 def fit_drafter(store: str, run_dir: Path, steps: int) -> str:
     """A 1-layer drafter trained `steps` steps on `store` by `dflash_train.train` (varied taus)."""
     from dflash_train.train.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
-    from dflash_train.train.data import LoaderConfig
+    from dflash_train.train.loader_config import LoaderConfig
     from dflash_train.train.loop import train
 
     cfg = TrainConfig(

@@ -35,7 +35,8 @@ from dflash_train.store_schema import create_store, open_store
 from dflash_train.store_schema.info import summarize
 from dflash_train.store_schema.layout import FP8_CONTEXT
 from dflash_train.store_schema.subset import copy_store
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
+from dflash_train.train.loader_config import LoaderConfig
 
 ARMS = {"bf16": None, "fp8": FP8_CONTEXT}
 TRAIN_SETTINGS = ["model.num_hidden_layers=1", "loader.batch_tokens=4096",

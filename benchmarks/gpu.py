@@ -219,7 +219,8 @@ def drafter_flops(cfg, n: int, t: int, k: int) -> float:
 def train_batch(s: Shapes, cfg, generator: torch.Generator):
     """A batch as the training loader hands one over: `train_batch` sequences of `seq` random
     tokens on the CPU, every position a loss position, random context and verifier top-4."""
-    from dflash_train.train.data import Batch, SampleRef
+    from dflash_train.train.batch import Batch
+    from dflash_train.train.epoch_plan import SampleRef
 
     n, t, top_k = s.train_batch, s.seq, 4
     return Batch(
@@ -414,7 +415,7 @@ def bench_loader(s: Shapes, device: torch.device, root: Path,
     reads several."""
     from benchmarks.loader_memory import write_repeated_store
     from dflash_train.drafter import DrafterConfig
-    from dflash_train.train.data import LoaderConfig
+    from dflash_train.train.loader_config import LoaderConfig
 
     layers = DrafterConfig.qwen3_6_27b().num_context_features
     token_mb = layers * s.hidden * 2 / 1e6

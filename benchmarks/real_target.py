@@ -217,7 +217,7 @@ def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int,
         TrainConfig,
         ValidationConfig,
     )
-    from dflash_train.train.data import LoaderConfig
+    from dflash_train.train.loader_config import LoaderConfig
 
     validation = ValidationConfig(stores=[val], limit=None) if val else ValidationConfig()
     return TrainConfig(

@@ -39,7 +39,8 @@ from dflash_train.store_schema import (
 )
 from dflash_train.store_schema.info import summarize
 from dflash_train.store_schema.store import open_store
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
+from dflash_train.train.loader_config import LoaderConfig
 
 SAMPLE_TOKENS = 1024
 TOP_K = 16

@@ -55,7 +55,7 @@ def preset_run(store: str, out: Path):
 
 def step_time(run, steps: int) -> Timed:
     """Median wall and CPU seconds of train_step over `steps` steps, the first two apart."""
-    from dflash_train.train.data import empty_batch
+    from dflash_train.train.batch import empty_batch
     from dflash_train.train.loop import train_step
 
     batches, times = run.loader.epoch(0), []

@@ -254,7 +254,7 @@ def save_untrained(train_cfg, out: Path) -> str:
 
 def _train_config(cfg: QuickstartConfig, store: str, run_dir: Path):
     from dflash_train.train.config import ModelConfig, OptimConfig, RunConfig, TrainConfig
-    from dflash_train.train.data import LoaderConfig
+    from dflash_train.train.loader_config import LoaderConfig
     from dflash_train.train.loss import LossConfig
 
     return TrainConfig(

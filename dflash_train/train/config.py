@@ -26,8 +26,8 @@ from dflash_train.drafter.config import (
 )
 from dflash_train.drafter.model import FinalNormInit
 from dflash_train.evaluate.tree import budget_cap_refusal, tree_budget_refusal
-from dflash_train.train.data import LoaderConfig
 from dflash_train.train.errors import TrainError
+from dflash_train.train.loader_config import LoaderConfig
 from dflash_train.train.loss import LossConfig
 from dflash_train.train.noise import NoiseConfig
 from dflash_train.train.options import option_name, require

@@ -1,13 +1,11 @@
 """Stream a store into padded training batches: deterministic, rank-disjoint, bounded memory.
 
-The order of an epoch is a PLAN computed from sample lengths alone (the stores' offsets, a few
-bytes per sample): parts are opened lazily a window at a time, their read units (runs of
-samples about one shard long) shuffled across the window, and samples then drawn at random
-from a buffer bounded in tokens into GLOBAL batches. Rank r of W takes samples r, r+W, ... of
-each global batch, so a run on W ranks sees exactly the batches of a run on one. Because the
-plan never looks at hidden states, resuming at batch N replays it without reading data, and
-every rank computes it without talking to the others. Data is read per sample; the sharded
-context array makes that a read of only the inner chunks the sample covers.
+This module owns the loader (`StoreLoader`): it opens and checks the stores, takes this rank's
+share of each global batch of the epoch's plan (epoch_plan.py), reads the samples a read unit
+at a time into a padded Batch (batch.py), ahead of the step in a thread (prefetch.py) or in
+DataLoader workers. Rank r of W takes samples r, r+W, ... of each global batch, so a run on W
+ranks sees exactly the batches of a run on one. Data is read per sample; the sharded context
+array makes that a read of only the inner chunks the sample covers.
 
 Damage. Before planning, the stores get a structural check that reads no chunk data
 (store_schema.check_before_reading); while reading, a sample whose bytes fail their checksum
@@ -22,22 +20,12 @@ the store, identically on every rank, and handed to DataLoader workers rather th
 Never touches labels or noise: a batch carries the stored arrays as they are.
 """
 
-import ctypes
-import math
-import os
-import queue
-import sys
-import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from itertools import chain
-from typing import Literal
 
 import numpy as np
 import torch
 
-from dflash_train.batching import padded_batches
 from dflash_train.dtypes import torch_dtype
 from dflash_train.store_schema import (
     Damage,
@@ -54,266 +42,11 @@ from dflash_train.store_schema.integrity import read_by_span, refuse_unless_skip
 from dflash_train.store_schema.layout import hidden_to_numpy
 from dflash_train.store_schema.part import sample_spans
 from dflash_train.store_schema.sample import sample_from_arrays
-from dflash_train.train.options import option_name, require
-
-MIN_TRAINABLE_LENGTH = 3
-"""Shortest sample holding a block: an anchor a >= 1 (one context position before it) and
-its first label at a + 1 (blocks.valid_anchor_mask)."""
-
-
-@dataclass
-class LoaderConfig:
-    """How the store is streamed into batches."""
-
-    batch_tokens: int = 16384
-    """Padded tokens per GLOBAL batch (samples x longest sample) at most, summed over ranks;
-    one longer sample still forms a batch of its own."""
-    shuffle_buffer_tokens: int = 65536
-    """Tokens held for shuffling samples; bounds the loader's memory with batch_tokens."""
-    grouping: Literal["random", "by_length"] = "random"
-    """How samples leaving the shuffle buffer form batches. random: drawn one at a time, so a
-    batch pads to the longest of random lengths. by_length: each time the buffer fills, its
-    samples are sorted by length, cut into batches and the batches shuffled, so a batch's
-    rows are of similar length and its budget holds more samples and fewer pads: more data
-    per step, fewer steps per epoch (measured on the quickstart's 6 epochs: 305 steps instead
-    of 455, and held-out tau 1.23 instead of 1.30, so it is not the default)."""
-    part_window: int = 8
-    """Parts opened at once; their read units are shuffled together."""
-    max_length: int | None = None
-    """Samples longer than this are cut to their first max_length tokens."""
-    prefetch_batches: int = 2
-    """Batches read ahead (per worker), overlapping I/O with compute."""
-    pad_to: int = 1
-    """Round each batch's length up to a multiple of this (CUDA: 256, so compiled flex
-    attention sees few shapes); padding never changes the loss."""
-    workers: int = 0
-    """DataLoader worker processes reading batches (spawned, each re-opens the stores);
-    0 reads in a background thread of this process."""
-    seed: int = 0
-    """Seeds the order; epoch e of seed s is the same on every run and every rank."""
-    store_weights: list[float] | None = None
-    """Per store: passes over it per epoch (fractions draw that share of its read units
-    afresh each epoch). None: every store once."""
-    unit_cache_tokens: int = 1 << 20
-    """Tokens of small per-token arrays (~137 B each) kept for read units still being served."""
-    skip_corrupt: bool = False
-    """Skip samples whose data is damaged (missing shard, failed checksum, torn part metadata)
-    and report them, instead of refusing the store. Off: any damage stops the run."""
-
-    def __post_init__(self) -> None:
-        for name in ("batch_tokens", "part_window", "pad_to"):
-            require(getattr(self, name) >= 1, f"loader.{name}", ">= 1", getattr(self, name))
-        require(self.grouping in ("random", "by_length"), "loader.grouping",
-                "random or by_length", self.grouping)
-        for name in ("shuffle_buffer_tokens", "prefetch_batches", "workers", "seed",
-                     "unit_cache_tokens"):
-            require(getattr(self, name) >= 0, f"loader.{name}", ">= 0", getattr(self, name))
-        require(self.max_length is None or self.max_length >= MIN_TRAINABLE_LENGTH,
-                "loader.max_length", f">= {MIN_TRAINABLE_LENGTH} (an anchor after one context "
-                "token, and its label)", self.max_length)
-        weights = self.store_weights
-        if weights is not None:
-            require(all(math.isfinite(w) and w >= 0 for w in weights), "loader.store_weights",
-                    "finite numbers >= 0", weights_text(weights))
-            require(any(w > 0 for w in weights), "loader.store_weights",
-                    "> 0 for at least one store (all zero leaves nothing to train on)",
-                    weights_text(weights))
-
-
-def weights_text(weights: list[float]) -> str:
-    """Weights as they are typed after --weights: 1,0.5."""
-    return ",".join(f"{w:g}" for w in weights)
-
-
-@dataclass(frozen=True)
-class SampleRef:
-    """Where a sample lives: store, part and index within the part."""
-
-    store: int
-    part: int
-    index: int
-    length: int
-    unit: tuple[int, int] = (0, 0)
-    """The read unit [first, last + 1) of samples it is read with."""
-
-
-@dataclass
-class Batch:
-    """Padded samples; position t of row b is valid where t < lengths[b]."""
-
-    input_ids: torch.Tensor  # int64 [b, T]
-    loss_mask: torch.Tensor  # bool [b, T], False on padding
-    context: torch.Tensor  # [b, T, n, H]
-    topk_ids: torch.Tensor  # int64 [b, T, k]
-    topk_logits: torch.Tensor  # float32 [b, T, k]
-    lse: torch.Tensor  # float32 [b, T]
-    lengths: torch.Tensor  # int64 [b]
-    refs: list[SampleRef] = field(default_factory=list)
-    skipped: list[Damage] = field(default_factory=list)
-    """Samples of this batch left out as damaged (only with LoaderConfig.skip_corrupt)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def plan_epoch(
-    parts: list[tuple[int, Part]], cfg: LoaderConfig, epoch: int
-) -> Iterator[list[SampleRef]]:
-    """The global batches of one epoch, from sample lengths only."""
-    rng = np.random.default_rng([cfg.seed, epoch])
-    refs = chain.from_iterable(_shuffled_units(parts, cfg, rng))
-    if cfg.grouping == "random":
-        drawn = _random_draws(refs, cfg.shuffle_buffer_tokens, rng)
-        yield from padded_batches(drawn, _ref_length, cfg.batch_tokens)
-    else:
-        yield from _by_length(refs, cfg, rng)
-
-
-def _shuffled_units(parts: list[tuple[int, Part]], cfg: LoaderConfig,
-                    rng: np.random.Generator) -> Iterator[list[SampleRef]]:
-    """Read units (runs of samples) in random order, a window of parts at a time; a store
-    weight repeats a unit or draws it with the weight's fractional chance."""
-    weights = cfg.store_weights
-    order = rng.permutation(len(parts))
-    for w in range(0, len(order), cfg.part_window):
-        units = []
-        for store_i, part in (parts[i] for i in order[w : w + cfg.part_window]):
-            lengths = part.sample_lengths()
-            if cfg.max_length:
-                lengths = np.minimum(lengths, cfg.max_length)
-            weight = 1.0 if weights is None else weights[store_i]
-            for a, b in sample_spans(lengths, part.store.shard_tokens):
-                copies = int(weight) + int(rng.random() < weight - int(weight))
-                units += [[SampleRef(store_i, part.index, s, int(lengths[s]), (a, b))
-                           for s in range(a, b)]] * copies
-        for u in rng.permutation(len(units)):
-            yield units[u]
-
-
-def _ref_length(ref: SampleRef) -> int:
-    return ref.length
-
-
-def _random_draws(refs: Iterator[SampleRef], keep: int, rng: np.random.Generator
-                  ) -> Iterator[SampleRef]:
-    """The samples in random order: each drawn at random from a buffer refilled to `keep`
-    tokens, which is then emptied at the epoch's end."""
-    buffer: list[SampleRef] = []
-    buffered = 0  # tokens in buffer
-    for ref in refs:
-        buffer.append(ref)
-        buffered += ref.length
-        while buffered > keep and buffer:
-            drawn = buffer.pop(int(rng.integers(len(buffer))))
-            buffered -= drawn.length
-            yield drawn
-    while buffer:
-        yield buffer.pop(int(rng.integers(len(buffer))))
-
-
-def _by_length(refs: Iterator[SampleRef], cfg: LoaderConfig, rng: np.random.Generator
-               ) -> Iterator[list[SampleRef]]:
-    """Each time the buffer holds more than the shuffle buffer's tokens (and at the epoch's
-    end), all of it in batches of samples sorted by length, yielded in random order."""
-    buffer: list[SampleRef] = []
-    buffered = 0  # tokens in buffer
-    for ref in refs:
-        buffer.append(ref)
-        buffered += ref.length
-        if buffered > cfg.shuffle_buffer_tokens:
-            yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
-            buffer, buffered = [], 0
-    yield from _sorted_batches(buffer, cfg.batch_tokens, rng)
-
-
-def _sorted_batches(buffer: list[SampleRef], budget: int, rng: np.random.Generator
-                    ) -> Iterator[list[SampleRef]]:
-    by_length = sorted(buffer, key=_ref_length)  # stable: ties keep the random order
-    batches = list(padded_batches(by_length, _ref_length, budget))
-    for i in rng.permutation(len(batches)):
-        yield batches[i]
-
-
-def empty_batch(store: Store, skipped: list[Damage] | None = None) -> Batch:
-    """A one-token batch with nothing to learn: a rank with no sample in a step still steps."""
-    m = store.meta
-    return Batch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.bool),
-                 torch.zeros(1, 1, m.num_context_layers, m.target.hidden_size,
-                             dtype=torch_dtype(m.hidden_dtype)),
-                 torch.zeros(1, 1, m.top_k, dtype=torch.long), torch.zeros(1, 1, m.top_k),
-                 torch.zeros(1, 1), torch.ones(1, dtype=torch.long), refs=[],
-                 skipped=list(skipped or []))
-
-
-def collate(samples: list[Sample], refs: list[SampleRef], pad_to: int = 1,
-            context: torch.Tensor | None = None) -> Batch:
-    """Pad samples to the longest, rounded up to a multiple of `pad_to` (few distinct shapes
-    keep compiled kernels from recompiling); padding is never a loss position.
-
-    context: the batch's [b, T, n, H] context when the samples' context was already read
-    into its rows (sample i's is context[i, :len(i)]); only its padding is written then."""
-    b, t = len(samples), _round_up(max(len(s) for s in samples), pad_to)
-    s0 = samples[0]
-    n, h = s0.context.shape[1:]
-    k = s0.topk_ids.shape[1]
-    in_place = context is not None
-    if in_place and (tuple(context.shape) != (b, t, n, h) or any(
-            s.context.data_ptr() != context[i].data_ptr() for i, s in enumerate(samples))):
-        raise ValueError(f"collate: context {tuple(context.shape)} does not hold the samples' "
-                         f"context in its rows (expected {(b, t, n, h)})")
-    out = Batch(
-        input_ids=torch.zeros(b, t, dtype=torch.int64),
-        loss_mask=torch.zeros(b, t, dtype=torch.bool),
-        # the largest array: filled row by row below, only its padding zeroed (not all of it)
-        context=context if in_place else torch.empty(b, t, n, h, dtype=s0.context.dtype),
-        topk_ids=torch.zeros(b, t, k, dtype=torch.int64),
-        topk_logits=torch.full((b, t, k), float("-inf")),
-        lse=torch.zeros(b, t),
-        lengths=torch.tensor([len(s) for s in samples], dtype=torch.int64),
-        refs=refs,
-    )
-    for i, s in enumerate(samples):
-        n_i = len(s)
-        out.input_ids[i, :n_i] = s.input_ids
-        out.loss_mask[i, :n_i] = s.loss_mask
-        if not in_place:
-            out.context[i, :n_i] = s.context
-        out.context[i, n_i:] = 0
-        out.topk_ids[i, :n_i] = s.topk_ids
-        out.topk_logits[i, :n_i] = s.topk_logits
-        out.lse[i, :n_i] = s.lse
-    return out
-
-
-BATCH_MMAP_THRESHOLD = 8 << 20
-"""Bytes from which glibc serves an allocation by its own mmap (returned to the OS on free):
-above an inner chunk of the widest target (256 x 5120 x 2 B = 2.6 MB), below a batch's."""
-
-
-def pin_mmap_threshold() -> bool:
-    """Fix glibc's mmap threshold at BATCH_MMAP_THRESHOLD for this process; True if set.
-
-    Every batch allocates its large arrays afresh and frees them a step later in another
-    thread. glibc raises its mmap threshold to the size of each mmapped block freed, so
-    after the first batches these come from the heap instead, whose fragmentation grew
-    the loader's peak RSS with the size of the store (measured: a 10x store 1.41x of a 1x
-    one; with the threshold fixed 1.00x, and both ~300 MiB instead of 320-450). Blocks
-    below it (decode buffers, chunk bytes) stay on the heap, so reading stays as fast.
-    Left alone where the user set MALLOC_MMAP_THRESHOLD_ or the C library is not glibc."""
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD
-    return bool(mallopt(m_mmap_threshold, BATCH_MMAP_THRESHOLD))
+from dflash_train.train.batch import Batch, collate, empty_batch, pin_mmap_threshold, round_up
+from dflash_train.train.epoch_plan import SampleRef, plan_epoch
+from dflash_train.train.loader_config import LoaderConfig, weights_text
+from dflash_train.train.options import option_name
+from dflash_train.train.prefetch import prefetch
 
 
 class StoreLoader:
@@ -371,7 +104,7 @@ class StoreLoader:
         if self.cfg.workers > 0:
             yield from _worker_batches(self, epoch, skip_batches)
             return
-        yield from _prefetch(self._batches(epoch, skip_batches), self.cfg.prefetch_batches)
+        yield from prefetch(self._batches(epoch, skip_batches), self.cfg.prefetch_batches)
 
     def _batches(self, epoch: int, skip: int, worker: int = 0, workers: int = 1):
         """Batches skip, skip+1, ... of the epoch's plan, of which this worker reads every
@@ -554,7 +287,7 @@ class _UnitReader:
         # of the largest array (measured ~10 % of the loader's time).
         meta = next(iter(self.parts.values())).store.meta
         lengths = [t1 - t0 for t0, t1 in map(self._tokens, refs)]
-        context = torch.empty(len(refs), _round_up(max(lengths), self.pad_to),
+        context = torch.empty(len(refs), round_up(max(lengths), self.pad_to),
                               meta.num_context_layers, meta.target.hidden_size,
                               dtype=torch_dtype(meta.hidden_dtype))
         samples, kept, skipped = [], [], []
@@ -578,54 +311,3 @@ class _UnitReader:
         batch = collate(samples, kept, self.pad_to, None if skipped else context)
         batch.skipped = skipped
         return batch
-
-
-PREFETCH_JOIN_S = 60.0
-"""How long closing the loader waits for the batch its thread is building."""
-
-
-def _put_unless_stopped(q: queue.Queue, item, stop: threading.Event) -> bool:
-    """Put `item` on a bounded queue, giving up once the consumer has stopped reading: a
-    plain blocking put would hold the thread (and the consumer's join) on a full queue."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def _prefetch(batches: Iterator[Batch], depth: int) -> Iterator[Batch]:
-    """Run the iterator in a background thread, `depth` items ahead; re-raise its errors."""
-    if depth <= 0:
-        yield from batches
-        return
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-    stop = threading.Event()
-
-    def work():
-        try:
-            for item in batches:
-                if not _put_unless_stopped(q, item, stop):
-                    return
-            _put_unless_stopped(q, done, stop)
-        except BaseException as e:  # surfaced in the consumer, not lost in the thread
-            _put_unless_stopped(q, e, stop)
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        # Wait for the batch it is building: a thread still inside torch or a codec when the
-        # interpreter exits can abort the process after the run has finished.
-        thread.join(timeout=PREFETCH_JOIN_S)

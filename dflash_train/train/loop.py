@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dflash_train.run_layout import checkpoint_dir
 from dflash_train.run_reader import RunDirError, read_best
+from dflash_train.train.batch import Batch, empty_batch
 from dflash_train.train.best import mark_best
 from dflash_train.train.checkpoint import (
     CheckpointContents,
@@ -27,7 +28,6 @@ from dflash_train.train.checkpoint import (
     save_checkpoint,
 )
 from dflash_train.train.config import TrainConfig, to_toml
-from dflash_train.train.data import Batch, empty_batch
 from dflash_train.train.errors import TrainError
 from dflash_train.train.health import StepHealth
 from dflash_train.train.noise import noise_std_at

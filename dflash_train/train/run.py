@@ -36,7 +36,7 @@ from dflash_train.train.checkpoint import (
     restore_trainer,
 )
 from dflash_train.train.config import OptimConfig, TrainConfig, resolve_chunk_blocks, to_toml
-from dflash_train.train.data import StoreLoader, weights_text
+from dflash_train.train.data import StoreLoader
 from dflash_train.train.drafter_shape import (
     initial_drafter,
     most_frequent_labels,
@@ -44,6 +44,7 @@ from dflash_train.train.drafter_shape import (
     shape_conflicts,
 )
 from dflash_train.train.errors import TrainError
+from dflash_train.train.loader_config import weights_text
 from dflash_train.train.optimizer import build_optimizer
 from dflash_train.train.options import option_name
 from dflash_train.train.parallel import (

@@ -19,7 +19,8 @@ from dflash_train.blocks import (
     verifier_rows,
 )
 from dflash_train.evaluate.metrics import AcceptanceStats
-from dflash_train.train.data import Batch, SampleRef
+from dflash_train.train.batch import Batch
+from dflash_train.train.epoch_plan import SampleRef
 from dflash_train.train.loss import GlobalSum, Head, LossConfig, SlotTargets, drafter_loss
 from dflash_train.train.noise import NoiseConfig, add_context_noise
 from dflash_train.train.record import BatchAccuracy

@@ -17,8 +17,9 @@ from dflash_train.run_layout import checkpoint_dir
 from dflash_train.store_schema import create_store, open_store, validate
 from dflash_train.store_schema.layout import part_path
 from dflash_train.train.config import ValidationConfig
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
 from dflash_train.train.errors import TrainError
+from dflash_train.train.loader_config import LoaderConfig
 from dflash_train.train.validation import open_validation
 from tests.reliability.cli_errors import one_line_error
 from tests.reliability.corrupt_store import make_store

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from dflash_train.cli import main
 from dflash_train.store_schema import check_before_reading, open_store, validate
 from dflash_train.train.config import load_train_config
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
+from dflash_train.train.loader_config import LoaderConfig
 from dflash_train.train.loop import train
 from tests.reliability.corrupt_store import (
     ALL_CASES,

@@ -17,8 +17,9 @@ from dflash_train.extract.errors import ExtractError
 from dflash_train.store_schema import StoreError, open_store
 from dflash_train.store_schema.layout import META_KEY
 from dflash_train.train.checkpoint import check_provenance
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
 from dflash_train.train.errors import TrainError
+from dflash_train.train.loader_config import LoaderConfig
 from tests.extract.conftest import run_extract_cfg
 from tests.train.conftest import build_store
 

@@ -14,7 +14,8 @@ from dflash_train.store_schema import store as store_module
 from dflash_train.store_schema.command import store as store_cli
 from dflash_train.store_schema.fp8 import MIN_SCALE
 from dflash_train.store_schema.layout import FP8_CONTEXT, PLAIN_SCHEMA_VERSION, part_path
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
+from dflash_train.train.loader_config import LoaderConfig
 from tests.store_schema.conftest import HIDDEN, LAYERS, VOCAB, flip_bytes, make_meta, random_sample
 
 

@@ -6,7 +6,8 @@ python -m tests.train.loader_rss URL
 import sys
 from pathlib import Path
 
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
+from dflash_train.train.loader_config import LoaderConfig
 
 
 def peak_rss_kb() -> int:

@@ -9,13 +9,10 @@ import pytest
 import torch
 
 from dflash_train.store_schema import create_store
-from dflash_train.train.data import (
-    PREFETCH_JOIN_S,
-    LoaderConfig,
-    StoreLoader,
-    _prefetch,
-    pin_mmap_threshold,
-)
+from dflash_train.train.batch import pin_mmap_threshold
+from dflash_train.train.data import StoreLoader
+from dflash_train.train.loader_config import LoaderConfig
+from dflash_train.train.prefetch import PREFETCH_JOIN_S, prefetch
 from tests.store_schema.conftest import make_meta, random_sample
 
 
@@ -208,7 +205,7 @@ def test_a_loader_closed_mid_epoch_leaves_no_prefetch_thread_working(store_url):
 def test_closing_the_prefetch_after_its_source_ended_does_not_wait_out_the_join():
     """The source ends while the queue is full (a run stopping at max_steps near an epoch's
     end): the thread must not block on putting its end marker while the consumer closes."""
-    batches = _prefetch(iter(range(2)), depth=1)
+    batches = prefetch(iter(range(2)), depth=1)
     assert next(batches) == 0
     time.sleep(0.5)  # the thread has put item 1 and waits to put its end marker
     start = time.monotonic()

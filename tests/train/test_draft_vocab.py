@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from dflash_train.drafter import load_drafter
 from dflash_train.store_schema import open_store
 from dflash_train.train.config import load_train_config
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
 from dflash_train.train.drafter_shape import most_frequent_labels
 from dflash_train.train.errors import TrainError
+from dflash_train.train.loader_config import LoaderConfig
 from dflash_train.train.loop import train
 from dflash_train.train.loss import LossConfig, slot_weights
 from dflash_train.train.step import block_loss, make_blocks

@@ -20,9 +20,10 @@ from dflash_train.evaluate.metrics import AcceptanceStats
 from dflash_train.store_schema import StoreError, open_store
 from dflash_train.train.checkpoint import latest_checkpoint
 from dflash_train.train.config import ModelConfig, load_train_config
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
 from dflash_train.train.drafter_shape import shape_drafter
 from dflash_train.train.errors import TrainError
+from dflash_train.train.loader_config import LoaderConfig
 from dflash_train.train.loop import train
 from dflash_train.train.noise import NoiseConfig
 from dflash_train.train.step import make_blocks, noised_context

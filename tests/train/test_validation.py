@@ -17,12 +17,13 @@ from dflash_train.drafter import load_drafter
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.run_layout import BEST, LOG, checkpoint_dir
-from dflash_train.store_schema import open_store
 from dflash_train.run_reader import read_best
+from dflash_train.store_schema import open_store
 from dflash_train.train.checkpoint import complete_checkpoints
 from dflash_train.train.config import ValidationConfig, load_train_config
-from dflash_train.train.data import LoaderConfig, StoreLoader
+from dflash_train.train.data import StoreLoader
 from dflash_train.train.errors import TrainError
+from dflash_train.train.loader_config import LoaderConfig
 from dflash_train.train.log_summary import format_summary, read_log, summarize_log
 from dflash_train.train.loop import train
 from dflash_train.train.record import StoreFigures, ValidationFigures
