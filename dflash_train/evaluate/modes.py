@@ -20,7 +20,13 @@ from dflash_train.evaluate.checkpoints import EvalCheckpoint
 from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.online import StopRule, evaluate_online, load_online_target, prompt_of
+from dflash_train.evaluate.online import (
+    StopRule,
+    evaluate_online,
+    load_online_target,
+    prompt_of,
+    store_sampling,
+)
 from dflash_train.evaluate.replay import EvalSample, EvalSettings
 from dflash_train.evaluate.summary import RunLabel
 from dflash_train.store_schema import Store
@@ -113,12 +119,14 @@ class DecodeMode(ABC):
 
 
 class OnlineMode(DecodeMode):
-    """`--online`: our greedy speculative decoding loop with the target (online.py)."""
+    """`--online`: our speculative decoding loop with the target (online.py): greedy, or
+    sample-and-match under a sampled store's settings and seed."""
 
     label = "online"
     flag = "--online"
 
     def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
+        self.sampling = store_sampling(store.meta)
         self.target = load_online_target(cfg.model, store.meta, device=str(device))
         self.cached = not cfg.no_cache
 
@@ -131,11 +139,16 @@ class OnlineMode(DecodeMode):
                             if budgets else "")
         how = ("with the target's cache" if self.cached else
                "recomputing the target over the whole sequence every round (--no-cache)")
+        s = self.sampling
+        drawn = "" if s.greedy else (f", the target sampling at temperature {s.temperature} "
+                                     f"(top-p {s.top_p}, top-k {s.top_k or 'off'}) with the "
+                                     f"store's seed {s.seed}")
         inputs.echo(f"online: decoding {len(samples)} prompts live with "
                     f"{len(inputs.drafters)} checkpoint(s) as {walks}, max "
-                    f"{stop.max_new_tokens} new tokens, {how}")
+                    f"{stop.max_new_tokens} new tokens, {how}{drawn}")
         results, generated = evaluate_online(self.target, inputs.drafters, samples,
-                                             inputs.settings, stop, cached=self.cached)
+                                             inputs.settings, stop, cached=self.cached,
+                                             sampling=s)
         lengths = {s.key: len(p) for s in samples if (p := prompt_of(s)) is not None}
         decoded = {n: Decoded(generated, r.sequences, lengths, r.tree_sequences)
                    for n, r in results.items()}

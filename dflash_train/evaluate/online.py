@@ -1,12 +1,18 @@
-"""`eval --online`: real greedy speculative decoding with the target and each drafter.
+"""`eval --online`: real speculative decoding with the target and each drafter.
 
-The loop (docs/reference.md §8): prefill the prompt, the target's argmax is the first token;
+The loop (docs/reference.md §8): prefill the prompt, the target's choice is the first token;
 then per round the drafter drafts a block at the last committed token, a proposal is made of
 that one pass (the chain of its drafts, or for a `--tree-budget` the DDTree grown from it by
 evaluate/tree.py, the code offline replay grows it with), the target verifies the proposal,
-the deepest path that matches the target's greedy choices is committed with the target's next
+the deepest path that matches the target's choices is committed with the target's next
 token (the bonus), and the target's states at the committed positions before the bonus
 extend the drafter's context.
+
+The target's choice (`TargetChoice`) is its argmax on a greedy store, and on a sampled one
+(StoreMeta.sampling) its keyed draw under the store's settings and seed: sample-and-match
+(§8a), drafts staying the drafter's argmax. The draw is keyed as extract keyed the stored
+answer: by the prompt's source row and the drawn token's absolute position, so the text
+generated live is the stored text and the rounds are offline replay's, as at T = 0.
 
 Two verifiers run that loop:
 - `CachedVerifier` (the default): the target keeps its cache across rounds and verifies a
@@ -27,9 +33,9 @@ Every round drafts a full block, as serving engines do; z-lab's loop drafts as m
 tokens are left near max_new_tokens (their last blocks can differ from ours there).
 
 Prompts are the stored samples' tokens before their first response token, so on a store
-made with `extract --regenerate` the generated text equals the stored text and offline
-`--mode replay` must give the same tau, prompt by prompt, for the chain and for each tree
-budget. Never writes the store.
+made with `extract --regenerate` (greedy or sampled) the generated text equals the stored
+text and offline `--mode replay` must give the same tau, prompt by prompt, for the chain and
+for each tree budget. Never writes the store.
 """
 
 from collections.abc import Callable
@@ -50,6 +56,7 @@ from dflash_train.evaluate.tree import (
     path_tokens,
 )
 from dflash_train.store_schema import StoreMeta, TargetInfo, target_differences
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig, perturbed_logits
 
 
 @dataclass
@@ -95,6 +102,32 @@ class OnlineRun:
     rounds: list[Round] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class TargetChoice:
+    """How the target chooses its next token on one prompt: its argmax (greedy), or its keyed
+    draw under `sampling`, keyed by the prompt's `sample_id` (its source row, as extract keyed
+    the stored answer) and the absolute position of the token drawn."""
+
+    sampling: SamplingConfig = GREEDY
+    sample_id: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.greedy
+
+    def draw(self, logits: torch.Tensor, positions) -> list[int]:
+        """The draws of logits rows [N, V] for tokens at `positions` [N] (T > 0 only)."""
+        ids = [self.sample_id] * len(positions)
+        return perturbed_logits(logits, self.sampling, ids, list(positions)).argmax(-1).tolist()
+
+    def pick(self, verified, node: int, position: int) -> int:
+        """The choice after `node` of a cached forward (target_model.cached.Verified), the
+        token drawn sitting at `position`. Greedy: its top-1, the head on that row only."""
+        if self.greedy:
+            return verified.top1(node)
+        return self.draw(verified.logits(node)[None], [position])[0]
+
+
 class TargetStates:
     """The target as the loop needs it: context features and argmax for a token sequence."""
 
@@ -104,17 +137,38 @@ class TargetStates:
         self.dtype = torch_dtype(hidden_dtype)
 
     @torch.inference_mode()
-    def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features [1, T, n, H] (in the store's dtype, as offline sees them) and argmax [T]."""
+    def states(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features [1, T, n, H] (in the store's dtype, as offline sees them, on the host)
+        and the final-normed states [1, T, H] the head reads (on the target's device)."""
         from dflash_train.target_model.capture import forward_states
-        from dflash_train.target_model.verifier import verifier_topk
 
         ids = torch.tensor([tokens], device=self.target.device)
         context, final = forward_states(self.target.decoder, self.layer_ids, ids,
                                         torch.ones_like(ids))
+        return context.to(self.dtype).cpu(), final
+
+    @torch.inference_mode()
+    def __call__(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features [1, T, n, H] and argmax [T]."""
+        from dflash_train.target_model.verifier import verifier_topk
+
+        context, final = self.states(tokens)
         # The same chunked top-k that wrote the store's labels, so ties break the same way.
         top, _, _ = verifier_topk(final[0], self.target.lm_head, 1)
-        return context.to(self.dtype).cpu(), top[:, 0].long().cpu()
+        return context, top[:, 0].long().cpu()
+
+    @torch.inference_mode()
+    def chosen(self, tokens: list[int], start: int, choice: TargetChoice
+               ) -> tuple[torch.Tensor, list[int]]:
+        """Features [1, T, n, H] and the target's choices after positions start .. T-1."""
+        from dflash_train.target_model.verifier import head_logits
+
+        if choice.greedy:
+            context, top1 = self(tokens)
+            return context, top1[start:].tolist()
+        context, final = self.states(tokens)
+        logits = head_logits(final[0, start:], self.target.lm_head)
+        return context, choice.draw(logits, range(start + 1, len(tokens) + 1))
 
 
 def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetStates:
@@ -129,6 +183,19 @@ def load_online_target(model: str, meta: StoreMeta, *, device: str) -> TargetSta
         raise EvalError(str(e)) from e
     check_target(model, target.info, meta.target)
     return TargetStates(target, list(meta.context_layer_ids), meta.hidden_dtype)
+
+
+def store_sampling(meta: StoreMeta) -> SamplingConfig:
+    """How the store's answers were drawn (greedy unless it records sampling settings): the
+    live loop's target chooses the same way, with the same seed."""
+    from dflash_train.store_schema import StoreError
+    from dflash_train.target_model.errors import TargetError
+
+    try:
+        recorded = meta.sampling
+        return GREEDY if recorded is None else SamplingConfig(**recorded)
+    except (StoreError, TargetError) as e:
+        raise EvalError(f"the store's sampling settings cannot be used: {e}") from e
 
 
 EVAL_CHECKED = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size", "revision",
@@ -189,13 +256,18 @@ class CachedVerifier:
         self.dtype = target.dtype
         self.target = CachedTarget(target.target, target.layer_ids)
 
-    def start(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    def start(self, prompt: list[int], choice: TargetChoice = TargetChoice()
+              ) -> tuple[torch.Tensor, int]:
         out = self.target.prefill(prompt)
-        return out.features.to(self.dtype), out.top1(-1)
+        return out.features.to(self.dtype), choice.pick(out, -1, len(prompt))
 
-    def verify(self, tokens: list[int], tree: DraftTree) -> Walked:
+    def verify(self, tokens: list[int], tree: DraftTree,
+               choice: TargetChoice = TargetChoice()) -> Walked:
         pending = self.target.verify([tokens[-1], *tree.tokens[1:]], tree.parents)
-        path, bonus = accepted_walk(tree, lambda node, _path: pending.top1(node))
+        root = len(tokens) - 1
+        # a node reached by `path` sits at root + len(path): the token after it at one more
+        path, bonus = accepted_walk(
+            tree, lambda node, path: choice.pick(pending, node, root + len(path) + 1))
         kept = [0, *path]
         pending.keep(kept)
         return Walked(path, bonus, pending.features[:, kept].to(self.dtype))
@@ -208,21 +280,23 @@ class RecomputeVerifier:
     def __init__(self, target: TargetStates):
         self.target = target
 
-    def start(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
-        features, top1 = self.target(prompt)
-        return features, int(top1[-1])
+    def start(self, prompt: list[int], choice: TargetChoice = TargetChoice()
+              ) -> tuple[torch.Tensor, int]:
+        features, chosen = self.target.chosen(prompt, len(prompt) - 1, choice)
+        return features, chosen[0]
 
-    def verify(self, tokens: list[int], tree: DraftTree) -> Walked:
+    def verify(self, tokens: list[int], tree: DraftTree,
+               choice: TargetChoice = TargetChoice()) -> Walked:
         root = len(tokens) - 1
         branch: list[int] | None = None
-        states: tuple[torch.Tensor, torch.Tensor] | None = None
+        states: tuple[torch.Tensor, list[int]] | None = None  # features, choices from root
 
         def next_token(_node: int, path: list[int]) -> int:
             nonlocal branch, states
             if branch is None or path != branch[: len(path)]:
                 branch = best_branch(tree, path)
-                states = self.target(tokens + path_tokens(tree, branch))
-            return int(states[1][root + len(path)])
+                states = self.target.chosen(tokens + path_tokens(tree, branch), root, choice)
+            return states[1][len(path)]
 
         path, bonus = accepted_walk(tree, next_token)
         return Walked(path, bonus, states[0][:, root : root + len(path) + 1])
@@ -237,11 +311,13 @@ def propose(drafted: Draft, budget: int | None) -> DraftTree:
 
 @torch.no_grad()
 def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop: StopRule,
-                       top_k: int, tree_budget: int | None = None) -> OnlineRun:
-    """Greedy speculative decoding of one prompt with chains, or DDTrees of `tree_budget`
-    nodes; `verifier` is a CachedVerifier or a RecomputeVerifier."""
+                       top_k: int, tree_budget: int | None = None,
+                       choice: TargetChoice = TargetChoice()) -> OnlineRun:
+    """Speculative decoding of one prompt with chains, or DDTrees of `tree_budget` nodes,
+    committing the target's `choice` (greedy, or sample-and-match); `verifier` is a
+    CachedVerifier or a RecomputeVerifier."""
     tokens = list(prompt)
-    features, first = verifier.start(tokens)
+    features, first = verifier.start(tokens, choice)
     cache = drafter.context_cache(features)  # positions 0 .. P-1
     tokens.append(first)
     run = OnlineRun(len(prompt), tokens, tree_budget)
@@ -253,7 +329,7 @@ def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop:
                                 torch.tensor([[tokens[anchor]]]), top_k,
                                 transitions=tree_budget is not None)
         tree = propose(drafted, tree_budget)
-        walked = verifier.verify(tokens, tree)
+        walked = verifier.verify(tokens, tree, choice)
         for token in [*path_tokens(tree, walked.path), walked.bonus]:
             tokens.append(token)
             new += 1
@@ -274,7 +350,7 @@ def online_sample(s: EvalSample, run: OnlineRun) -> EvalSample:
     ids = torch.tensor(run.tokens, dtype=torch.long)
     mask = torch.zeros(len(ids), dtype=torch.bool)
     mask[run.prompt_length:] = True
-    # Greedy decoding: the token at t+1 IS the target's argmax at t (teacher-forced labels).
+    # The token at t+1 IS the target's choice at t, its argmax or its draw (teacher-forced).
     top1 = torch.cat([ids[1:], ids[-1:]])
     return EvalSample(s.part, s.index, s.source_row, ids, mask, torch.empty(0), top1)
 
@@ -287,11 +363,12 @@ def prompt_of(s: EvalSample) -> list[int] | None:
 
 def evaluate_online(target: TargetStates, drafters: dict[str, BlockDrafter],
                     samples: list[EvalSample], settings: EvalSettings, stop: StopRule,
-                    cached: bool = True
+                    cached: bool = True, sampling: SamplingConfig = GREEDY
                     ) -> tuple[dict[str, CheckpointResults], dict[tuple[int, int], list[int]]]:
     """Decode every sample's prompt live with each drafter, with chains and with a DDTree of
-    each budget; metrics as offline, and the generated tokens per sample key (they do not
-    depend on the drafter)."""
+    each budget, the target choosing as `sampling` says (each prompt keyed by its source
+    row); metrics as offline, and the generated tokens per sample key (they do not depend
+    on the drafter)."""
     verifier = CachedVerifier(target) if cached else RecomputeVerifier(target)
     results = {n: CheckpointResults(n, d.block_size, settings) for n, d in drafters.items()}
     generated: dict[tuple[int, int], list[int]] = {}
@@ -299,11 +376,12 @@ def evaluate_online(target: TargetStates, drafters: dict[str, BlockDrafter],
         prompt = prompt_of(s)
         if prompt is None:
             continue
+        choice = TargetChoice(sampling, s.source_row)
         for name, drafter in drafters.items():
             top_k = settings.top_k(drafter.config.vocab_size)
             for budget in (None, *settings.tree_budgets):
-                run = speculative_decode(verifier, drafter, prompt, stop, top_k, budget)
-                # Every walk commits the target's own greedy tokens; in reduced precision a
+                run = speculative_decode(verifier, drafter, prompt, stop, top_k, budget, choice)
+                # Every walk commits the target's own choices; in reduced precision a
                 # near-tie may still break another way under another verify shape, which the
                 # per-walk round check against offline replay then shows.
                 generated.setdefault(s.key, run.tokens)

@@ -5,7 +5,9 @@ For each batch of stored sequences, every checkpoint drafts the same blocks:
 - `--mode replay`: the anchors live greedy decoding would visit (dflash_train.blocks.replay_anchors:
   first response token, then a + tau). Sequential within a sequence, batched across the
   sequences of a batch step by step.
-A block's labels are the stored verifier argmax at a+k-1 (dflash_train.blocks.block_labels); its
+A block's labels are the target's choice at a+k-1 (dflash_train.blocks.block_labels): the stored
+verifier argmax, or on a sampled store (StoreMeta.sampling) the stored next token, the target's
+own draw there (EvalSample.top1, set once where samples are read); its
 draft is the drafter's per-slot top-k, led by what it proposes (a DFlash 2 drafter: its
 selector walk, drafting.BlockDrafter.draft), and the replay's next anchor follows that draft.
 Its tau is the tokens live decoding would commit there: the accepted drafts plus the target's
@@ -13,10 +15,11 @@ bonus token, unless the stored text ends inside those drafts (the end-of-turn to
 token cap was drafted), where no bonus follows (`tokens_left`). Metrics accumulate in
 `CheckpointResults`.
 
-Offline tau equals live greedy speculative decoding (evaluate.online: a full block every
-round, as serving engines draft) only when the store holds the target's own greedy
-continuation (extract --regenerate); the store's agreement rate says how far it does. This
-module never loads the target model and never writes files.
+Offline tau equals live speculative decoding (evaluate.online: a full block every round, as
+serving engines draft) only when the store holds the target's own continuation (extract
+--regenerate): greedy, where the store's agreement rate says how far it does; or sampled with
+a seed, equal to live sample-and-match with that seed by construction (§8a). This module never
+loads the target model and never writes files.
 """
 
 from collections.abc import Callable, Iterable, Iterator
@@ -85,16 +88,21 @@ class EvalSample:
     context: torch.Tensor
     """[L, n, H] in the store's hidden dtype."""
     top1: torch.Tensor
-    """long [L]: the verifier's argmax next token at each position."""
+    """long [L]: the target's choice of next token at each position: the verifier's argmax,
+    or on a sampled store the stored next token (the last position repeats its own token)."""
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.part, self.index)
 
     @classmethod
-    def from_sample(cls, part: int, index: int, s: Sample) -> "EvalSample":
-        return cls(part, index, s.source_row, s.input_ids.long(), s.loss_mask.bool(),
-                   s.context, s.topk_ids[:, 0].long())
+    def from_sample(cls, part: int, index: int, s: Sample, sampled: bool = False
+                    ) -> "EvalSample":
+        """`sampled`: the store's answers are the target's draws at T > 0, so the target's
+        choice at t is the token stored at t+1, not its argmax (docs/reference.md §8a)."""
+        ids = s.input_ids.long()
+        top1 = torch.cat([ids[1:], ids[-1:]]) if sampled else s.topk_ids[:, 0].long()
+        return cls(part, index, s.source_row, ids, s.loss_mask.bool(), s.context, top1)
 
 
 def sample_keys(store: Store, damage: DamagePolicy | None = None) -> list[tuple[int, int]]:
@@ -143,7 +151,12 @@ def _read_one(part: Part, i: int, damage: DamagePolicy) -> EvalSample | None:
     if found is not None:
         damage.handle(found)
         return None
-    return EvalSample.from_sample(part.index, i, sample)
+    return EvalSample.from_sample(part.index, i, sample, _sampled(part))
+
+
+def _sampled(part: Part) -> bool:
+    """The part's store holds sampled answers: its labels are the stored next tokens."""
+    return part.store.meta.sampling is not None
 
 
 def _read_part(part: Part, damage: DamagePolicy) -> Iterator[EvalSample]:
@@ -155,6 +168,7 @@ def _read_part(part: Part, damage: DamagePolicy) -> Iterator[EvalSample]:
     def read_one(k: int) -> Sample | None:  # a sample already known damaged is not read
         return None if known(k) is not None else part.sample(k)
 
+    sampled = _sampled(part)
     spans = sample_spans(np.diff(part.offsets()), part.store.shard_tokens)
     for k, sample, found in read_by_span(part.store.url, part.index, spans,
                                          lambda i, j: list(part.iter_samples(i, j)), read_one):
@@ -162,7 +176,7 @@ def _read_part(part: Part, damage: DamagePolicy) -> Iterator[EvalSample]:
         if found is not None:
             damage.handle(found)
         else:
-            yield EvalSample.from_sample(part.index, k, sample)
+            yield EvalSample.from_sample(part.index, k, sample, sampled)
 
 
 def padded_context(samples: list[EvalSample]) -> torch.Tensor:
@@ -298,7 +312,8 @@ def _runs(blocks: list[tuple[EvalSample, int]]) -> Iterator[tuple[EvalSample, to
 
 def labels_for(blocks: list[tuple[EvalSample, int]], block_size: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored verifier labels [M, B] and validity of blocks (sample, anchor)."""
+    """The target's choices as labels [M, B] (EvalSample.top1) and validity of blocks
+    (sample, anchor)."""
     labels, valid = [], []
     for sample, anchors in _runs(blocks):
         lab, ok = block_labels(sample.top1[:, None], sample.loss_mask, anchors, block_size)

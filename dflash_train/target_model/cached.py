@@ -44,7 +44,7 @@ from dflash_train.target_model.capture import hooked_layers
 from dflash_train.target_model.errors import TargetError
 from dflash_train.target_model.gated_delta import is_gated_delta_layer, tree_forward
 from dflash_train.target_model.loading import Target
-from dflash_train.target_model.verifier import verifier_topk
+from dflash_train.target_model.verifier import head_logits, verifier_topk
 
 States = tuple[torch.Tensor, torch.Tensor]
 """A linear-attention layer's (convolution, recurrent) states: [1, C, K], [1, Hv, dk, dv]."""
@@ -73,6 +73,14 @@ class Verified:
             top, _, _ = verifier_topk(self.hidden[node : node + 1], self.lm_head, 1)
             self._top1[node] = int(top[0, 0])
         return self._top1[node]
+
+    @torch.inference_mode()
+    def logits(self, node: int) -> torch.Tensor:
+        """The target's full next-token logits after `node`, float32 [V] (negative: from the
+        end): what a draw at T > 0 reads. The head runs on that one row only, as `top1` does;
+        a walk asks each node at most once."""
+        node %= self.hidden.shape[0]
+        return head_logits(self.hidden[node : node + 1], self.lm_head)[0]
 
 
 def is_chain(parents: list[int]) -> bool:

@@ -1,4 +1,5 @@
-"""The verifier's top-k next-token logits and log-sum-exp, in vocab chunks.
+"""The verifier's top-k next-token logits and log-sum-exp, in vocab chunks; a few rows' full
+logits (`head_logits`) for a sampled draw.
 
 Owns the logits = lm_head(final_norm(last layer)) computation. The full [tokens, vocab]
 logits are never materialised: at a 248K vocab they would dwarf the hidden states, so the
@@ -26,6 +27,13 @@ def verifier_topk(hidden: torch.Tensor, lm_head: nn.Linear, k: int, *,
         logits.append(v)
         lse.append(s)
     return torch.cat(ids).to(torch.int32), torch.cat(logits), torch.cat(lse)
+
+
+def head_logits(hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+    """Full logits float32 [N, V] of a few states [N, H]: what a draw at T > 0 needs (the
+    keyed Gumbel-max reads every token's logit). Computed in the model's dtype and then
+    widened, as generate hands them to its logits processors; for the rows asked only."""
+    return nn.functional.linear(hidden, lm_head.weight, lm_head.bias).float()
 
 
 def _topk_one(h: torch.Tensor, lm_head: nn.Linear, k: int, vocab_chunk: int):
