@@ -26,7 +26,11 @@ PLOT_EXTRA = "pip install 'dflash-train[plot]'  (matplotlib)"
 
 
 def estimate_warning(meta: StoreMeta, agreement: Agreement) -> str | None:
-    """Why offline tau is only an estimate of live tau here, or None when it is exact."""
+    """Why offline tau is only an estimate of live tau here, or None when it is exact. Never
+    on a sampled store: its answers differ from the verifier's top-1 by design, and replay
+    on them equals live sample-and-match at their settings (docs/reference.md §8a)."""
+    if meta.sampling is not None:
+        return None
     rate = agreement.rate
     shown = "n/a" if rate is None else f"{100 * rate:.2f}%"
     if not meta.source.regenerated:
@@ -69,7 +73,8 @@ class EvalReport:
     limit: int | None
     seed: int
     agreement: Agreement
-    """The store's agreement rate (stored next token == verifier argmax)."""
+    """The store's agreement rate (stored next token == verifier argmax); not written for a
+    sampled store, whose labels are its stored tokens."""
     checkpoints: list[CheckpointEntry]
     """In command order."""
     checks: dict[RunLabel, dict]
@@ -79,18 +84,24 @@ class EvalReport:
 
     def to_json(self) -> dict:
         ag = self.agreement
+        sampled = self.meta.sampling
+        # a greedy store's report keeps exactly the keys it always had
+        how = {} if sampled is None else {"sampling": sampled}
+        agreement = None if sampled else {"matches": ag.matches, "total": ag.total,
+                                          "rate": ag.rate}
         return {
             "store": self.store,
             "target": self.meta.target.name_or_path,
             "context_layer_ids": list(self.meta.context_layer_ids),
             "regenerated": self.meta.source.regenerated,
+            **how,
             "mode": self.settings.mode,
             "samples": self.samples,
             "limit": self.limit,
             "seed": self.seed,
             "tree_budgets": list(self.settings.tree_budgets),
             "recall_at": list(self.settings.recall_at),
-            "agreement": {"matches": ag.matches, "total": ag.total, "rate": ag.rate},
+            "agreement": agreement,
             "warning": estimate_warning(self.meta, ag),
             "checkpoints": [c.to_json() for c in self.checkpoints],
             **{f"{label}_check": self.checks.get(label) for label in RUN_LABELS[1:]},
@@ -201,14 +212,11 @@ def format_table(report: dict) -> str:
 
 
 def _header(report: dict) -> list[str]:
-    """The run, the store's agreement, and what to read the numbers with."""
-    ag = report["agreement"]
+    """The run, the store's agreement (or sampling), and what to read the numbers with."""
     out = [
         f"dflash eval: {report['store']}  mode={report['mode']}  samples={report['samples']}"
         + (f" (limit {report['limit']}, seed {report['seed']})" if report["limit"] else ""),
-        f"store agreement (stored next token == verifier argmax): "
-        f"{_fmt(None if ag['rate'] is None else 100 * ag['rate'], 2)}% "
-        f"({ag['matches']}/{ag['total']})",
+        _answers_line(report),
     ]
     if report["warning"]:
         out.append(f"WARNING: {report['warning']}")
@@ -224,6 +232,21 @@ def _header(report: dict) -> list[str]:
         out.append("note: --mode all scores every eligible anchor; live decoding visits only "
                    "the --mode replay anchors")
     return out
+
+
+def _answers_line(report: dict) -> str:
+    """The store's agreement; for a sampled store, the settings its answers were drawn at
+    (the labels then are those draws, and --online draws the same way)."""
+    s = report.get("sampling")
+    if s is not None:
+        top_p = "off" if s["top_p"] == 1 else s["top_p"]
+        return (f"store answers: the target's, sampled at temperature {s['temperature']} "
+                f"(top-p {top_p}, top-k {s['top_k'] or 'off'}) with seed {s['seed']}; labels "
+                f"are these draws (live: sample-and-match with that seed)")
+    ag = report["agreement"]
+    return (f"store agreement (stored next token == verifier argmax): "
+            f"{_fmt(None if ag['rate'] is None else 100 * ag['rate'], 2)}% "
+            f"({ag['matches']}/{ag['total']})")
 
 
 def _summary_rows(metrics: list[dict], tree_budgets: list[int]) -> list[list[str]]:

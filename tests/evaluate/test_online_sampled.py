@@ -114,3 +114,9 @@ def test_offline_replay_equals_online_sample_and_match_round_by_round(sampled):
     assert check["same_tree_taus"] == {name: {str(b): check["prompts"] for b in budgets}}
     taus = [t for seq in out.online[name].sequences.values() for _, t in seq]
     assert len(set(taus)) >= 2, taus
+    # the report names the sampling; answers unequal to the top-1 are no warning here
+    report = out.report
+    assert report["sampling"] == open_store(store).meta.sampling
+    assert report["warning"] is None and report["agreement"] is None
+    assert f"sampled at temperature {cfg.temperature}" in out.text
+    assert f"with seed {cfg.seed}" in out.text and "WARNING" not in out.text
