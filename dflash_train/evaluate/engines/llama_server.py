@@ -1,7 +1,7 @@
 """llama-server as `eval --served --engine llama.cpp` runs it: found, never assumed
 (`find_llama_server`), started on a free local port with one target and one drafter (or none), asked
 over HTTP, stopped. Everything it answers is untrusted: this module returns raw JSON and
-text, llama_cpp.py validates them.
+text, llama_replies.py validates them.
 
 The flags and endpoints are llama.cpp's (b11434; docs/design.md "eval --served --engine
 llama.cpp" lists them with file:line): one slot (-np 1), no prompt cache (--no-cache-prompt,
