@@ -21,7 +21,9 @@ through MurmurHash3's 32-bit finalizer (fmix32) one at a time; each token's 32 b
 the key xor fmix32 of the token id. The top 23 bits k give the uniform u = (2k + 1) / 2^24,
 exact in float32 and strictly inside (0, 1); G = -log(-log u) in float32, so G lies in
 [-2.80, 16.64]. The uniform's bits are identical on every device; the float32 logs may differ
-by an ulp between CPU and CUDA, far below the logit differences between kernels.
+by an ulp between CPU and CUDA, far below the logit differences between kernels. Under a top-k
+or top-p mask only the kept tokens' noise is computed (the same ops on the same keys, so the
+same bits): top-k 20 of a 152K vocabulary hashes 20 tokens a row, not 152K.
 """
 
 from dataclasses import dataclass
@@ -100,26 +102,48 @@ def _as_keys(values, rows: int, device: torch.device, name: str) -> torch.Tensor
     return t & _MASK32
 
 
-def _keyed_bits(seed: int, sample_ids, positions, vocab_size: int,
-                device: torch.device) -> torch.Tensor:
-    """The 32 hashed bits of every (row key, token id), int64 [rows, vocab_size]."""
+def _row_keys(seed: int, sample_ids, positions, device: torch.device) -> torch.Tensor:
+    """Each row's key, folded from (seed, sample id, position): int64 [rows]."""
     rows = torch.as_tensor(sample_ids).numel()
     sample = _as_keys(sample_ids, rows, device, "sample_ids")
     pos = _as_keys(positions, rows, device, "positions")
     key = _fmix32_(torch.full((rows,), seed & _MASK32, dtype=torch.long, device=device))
-    key = _fmix32_(_fmix32_(key ^ sample) ^ pos)
-    token = _fmix32_(torch.arange(vocab_size, dtype=torch.long, device=device) ^ _TOKEN_SALT)
+    return _fmix32_(_fmix32_(key ^ sample) ^ pos)
+
+
+def _token_hashes(ids: torch.Tensor) -> torch.Tensor:
+    return _fmix32_(ids ^ _TOKEN_SALT)
+
+
+def _keyed_bits(seed: int, sample_ids, positions, vocab_size: int,
+                device: torch.device) -> torch.Tensor:
+    """The 32 hashed bits of every (row key, token id), int64 [rows, vocab_size]."""
+    key = _row_keys(seed, sample_ids, positions, device)
+    token = _token_hashes(torch.arange(vocab_size, dtype=torch.long, device=device))
     return _fmix32_(key[:, None] ^ token[None, :])
+
+
+def _gumbel_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel float32 of hashed bits (module docstring), consuming `bits`."""
+    bits.bitwise_right_shift_(32 - _UNIFORM_BITS).mul_(2).add_(1)
+    u = bits.to(torch.float32).mul_(2.0 ** -(_UNIFORM_BITS + 1))
+    return u.log_().neg_().log_().neg_()
 
 
 def gumbel_noise(seed: int, sample_ids, positions, vocab_size: int,
                  device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard Gumbel noise float32 [rows, vocab_size], row r keyed by (seed, sample_ids[r],
     positions[r]) and column v by the token id: a pure function of those four numbers."""
-    bits = _keyed_bits(seed, sample_ids, positions, vocab_size, torch.device(device))
-    bits.bitwise_right_shift_(32 - _UNIFORM_BITS).mul_(2).add_(1)
-    u = bits.to(torch.float32).mul_(2.0 ** -(_UNIFORM_BITS + 1))
-    return u.log_().neg_().log_().neg_()
+    return _gumbel_of_bits(_keyed_bits(seed, sample_ids, positions, vocab_size,
+                                       torch.device(device)))
+
+
+def _gumbel_at(seed: int, sample_ids, positions, rows: torch.Tensor,
+               cols: torch.Tensor) -> torch.Tensor:
+    """gumbel_noise's values at the pairs (rows[i], cols[i]) only, float32 [n]: the same
+    integer ops on the same (row key, token id), so the same bits."""
+    key = _row_keys(seed, sample_ids, positions, rows.device)
+    return _gumbel_of_bits(_fmix32_(key[rows] ^ _token_hashes(cols)))
 
 
 def sampling_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -144,8 +168,17 @@ def perturbed_logits(logits: torch.Tensor, cfg: SamplingConfig, sample_ids,
     is the sample. What a decoding loop that picks by argmax (HF generate with do_sample off, a
     verify step) needs in place of the logits. `positions` are where the drawn tokens will
     sit: absolute positions in their own sequence, prompt counted, padding not."""
-    noise = gumbel_noise(cfg.seed, sample_ids, positions, logits.shape[-1], logits.device)
-    return sampling_logits(logits, cfg) + noise
+    scaled = sampling_logits(logits, cfg)
+    vocab = scaled.shape[-1]
+    if 0 < cfg.top_k < vocab or cfg.top_p < 1:
+        # A token top-k / top-p removed is -inf whatever its noise: hash only the kept ones
+        # (top-k 20 of a 152K vocab: 20 tokens, not 152K). Any non-finite value is unchanged
+        # by a finite noise, so skipping those too keeps every element's bits.
+        rows, cols = torch.isfinite(scaled).nonzero(as_tuple=True)
+        if 2 * rows.numel() < scaled.numel():
+            scaled[rows, cols] += _gumbel_at(cfg.seed, sample_ids, positions, rows, cols)
+            return scaled
+    return scaled + gumbel_noise(cfg.seed, sample_ids, positions, vocab, logits.device)
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, sample_ids=None,

@@ -11,6 +11,7 @@ from dflash_train.target_model.sampling import (
     SamplingConfig,
     _keyed_bits,
     gumbel_noise,
+    perturbed_logits,
     sample_next,
     sampling_logits,
 )
@@ -158,3 +159,30 @@ def test_a_draw_needs_its_keys():
         sample_next(LOGITS[None], SamplingConfig(temperature=1.0))
     with pytest.raises(TargetError, match="positions has 1 entries for 2 rows"):
         sample_next(LOGITS.expand(2, -1), SamplingConfig(temperature=1.0), [0, 1], [3])
+
+
+def _full_noise(logits: torch.Tensor, cfg: SamplingConfig, ids, positions) -> torch.Tensor:
+    """The reference: every token's noise computed, masked or not."""
+    return sampling_logits(logits, cfg) + gumbel_noise(cfg.seed, ids, positions,
+                                                       logits.shape[-1])
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0, top_k=20, seed=7),
+                                 SamplingConfig(temperature=0.6, top_k=20, top_p=0.95, seed=8),
+                                 SamplingConfig(temperature=0.7, top_p=0.3, seed=9)],
+                         ids=["top_k20", "top_k20-top_p0.95", "top_p0.3"])
+def test_noise_on_the_kept_tokens_only_draws_what_full_noise_draws(cfg):
+    # a Qwen-sized vocabulary, logits with ties (bf16-like rounding), many keys
+    vocab, rows = 151936, 64
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(torch.bfloat16).float()
+    ids, positions = torch.arange(rows) * 7 + 3, torch.arange(rows) + 1000
+    got = perturbed_logits(logits, cfg, ids, positions)
+    want = _full_noise(logits, cfg, ids, positions)
+    assert torch.equal(got, want)  # every element's bits, -inf included
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    drawn = [int(sample_next(logits[r : r + 1], cfg, [int(ids[r])], [p]))
+             for r in range(4) for p in range(50)]
+    assert drawn == [int(_full_noise(logits[r : r + 1], cfg, [int(ids[r])], [p]).argmax())
+                     for r in range(4) for p in range(50)]
+    assert len(set(drawn)) > 4  # 4 rows, yet more tokens: the keys draw, not one winner
