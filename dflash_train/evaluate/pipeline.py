@@ -226,10 +226,26 @@ def prepare(cfg: EvalConfig, modes: list[DecodeMode], echo: Callable[[str], None
     vocab = store.meta.target.vocab_size
     settings = replace(cfg.settings,
                        recall_at=tuple(sorted({min(k, vocab) for k in cfg.settings.recall_at})))
+    _check_sampled_store(store, modes)
     checkpoints, drafters = load_drafters(store, cfg.checkpoints, device=device, dtype=dtype)
     for mode in modes:
         mode.prepare(cfg, store, device)
     return EvalInputs(store, settings, checkpoints, drafters, echo), damage
+
+
+def _check_sampled_store(store: Store, modes: list[DecodeMode]) -> None:
+    """A serving engine decodes greedily: on sampled answers its text and rounds could never
+    equal the stored ones, and its check would only report that. --online samples as the
+    store did."""
+    try:
+        sampled = store.meta.sampling is not None
+    except StoreError as e:
+        raise EvalError(f"--store {store.url}: {e}") from e
+    served = [m.flag for m in modes if m.label == "served"]
+    if sampled and served:
+        raise EvalError(f"{served[0]} decodes greedily, but the store's answers are sampled "
+                        f"({store.meta.sampling}); use --online (sample-and-match with the "
+                        "store's settings), or a greedy store")
 
 
 def replay_offline(cfg: EvalConfig, inputs: EvalInputs, damage: DamagePolicy, keys,
