@@ -1,6 +1,6 @@
 """Muon's training step against AdamW's where bf16 is emulated (issue 63).
 
-    python -m benchmarks.optimizer_step [--steps 2] [--rounds 1] [--as-is]
+    python -m benchmarks.optimizer_step [--steps 3] [--as-is]
 
 One child process trains the quick preset's recipe (benchmarks/real_target.py: SmolLM2's
 shape, a 1-layer drafter, 4,096 draft ids, D-PACE, 16 anchors, 4,096-token batches) on a
@@ -9,12 +9,13 @@ ATEN_CPU_CAPABILITY=avx2) and bf16 reported non-native (DFLASH_NATIVE_BF16=0): a
 machine then computes like an AVX2-only Zen 3. `--as-is` leaves the machine as it is. The
 child first times a float32 and a bf16 GEMM at 512x576x1536, to show bf16 is emulated there.
 
-Arms, taking turns (`--rounds`) so a shared machine slows each alike:
+Arms, each its own run over the same batches:
   adamw       optim.optimizer=adamw;
   muon-torch  torch.optim.Muon, whose Newton-Schulz casts to bf16: the path at 6498e34;
   muon        ours (train/optimizer.py): float32 Newton-Schulz where bf16 is emulated.
-Each arm times `dflash train`'s own step (train.loop.train_step) after one warm-up step and
-prints the median step and optimiser seconds, and each Muon arm's step over AdamW's. Not a test.
+In each round every arm takes one `dflash train` step (train.loop.train_step) in turn, so a
+shared machine's load falls on the three alike; round 0 warms up and is not counted. Prints
+the median step and optimiser seconds and, per round, each arm's step over AdamW's. Not a test.
 """
 
 import argparse
@@ -81,32 +82,37 @@ def build_run(store: str, arm: str, settings: dict[str, str] | None = None):
         optimizer.Muon = ours
 
 
-def time_arm(store: str, arm: str, steps: int) -> tuple[float, float]:
-    """Median (step, optimiser step) seconds of `steps` train steps after a warm-up one."""
-    from dflash_train.train.loop import train_step
+class ClockedRun:
+    """An arm's run whose train steps are timed whole and in the optimiser's step."""
 
-    run = build_run(store, arm)
-    inner_step, spent = run.optimizer.step, []
+    def __init__(self, store: str, arm: str) -> None:
+        self.run = build_run(store, arm)
+        self.batches = iter(self.run.loader.epoch(0))
+        self.spent: list[float] = []
+        inner = self.run.optimizer.step
 
-    def clocked(*args, **kwargs):
-        start = time.perf_counter()
-        out = inner_step(*args, **kwargs)
-        spent.append(time.perf_counter() - start)
-        return out
+        def clocked(*args, **kwargs):
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.spent.append(time.perf_counter() - start)
+            return out
 
-    # the LR scheduler warns that the step it wrapped was replaced: by this clock, on purpose
-    warnings.filterwarnings("ignore", message="Seems like `optimizer.step", category=UserWarning)
-    run.optimizer.step = clocked
-    batches, totals = iter(run.loader.epoch(0)), []
-    for _ in range(steps + 1):
-        batch = next(batches)
-        start = time.perf_counter()
-        train_step(run, batch)
-        totals.append(time.perf_counter() - start)
-    return statistics.median(totals[1:]), statistics.median(spent[1:])
+        # the LR scheduler warns that the step it wrapped was replaced: by this clock, on purpose
+        warnings.filterwarnings("ignore", message="Seems like `optimizer.step",
+                                category=UserWarning)
+        self.run.optimizer.step = clocked
+
+    def step(self) -> tuple[float, float, float]:
+        """(wall seconds of one train step on the next batch, of its optimiser step, the
+        process's CPU seconds in the step: less swayed by other jobs on a shared machine)."""
+        from dflash_train.train.loop import train_step
+
+        start, cpu = time.perf_counter(), time.process_time()
+        train_step(self.run, next(self.batches))
+        return time.perf_counter() - start, self.spent[-1], time.process_time() - cpu
 
 
-def child(steps: int, rounds: int) -> None:
+def child(steps: int) -> None:
     from benchmarks.train_memory import build_store
     from dflash_train.devices import native_bf16
 
@@ -114,37 +120,45 @@ def child(steps: int, rounds: int) -> None:
           f"{torch.backends.cpu.get_cpu_capability()}, native bf16: {native_bf16(CPU)}; GEMM "
           f"512x576x1536: float32 {gemm_gflops(torch.float32):.1f} GFLOP/s, bf16 "
           f"{gemm_gflops(torch.bfloat16):.1f} GFLOP/s", flush=True)
-    times: dict[str, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
+    rounds: list[dict[str, tuple[float, float, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "smollm2.zarr")
-        build_store(store, "smollm2", 192, samples=96)
-        for r in range(rounds):
-            for arm in ARMS:
-                times[arm].append(time_arm(store, arm, steps))
-                print(f"round {r + 1} {arm}: step {times[arm][-1][0]:.2f} s, optimizer "
-                      f"{times[arm][-1][1]:.2f} s", flush=True)
-    medians = {arm: [statistics.median(t[i] for t in ts) for i in (0, 1)]
-               for arm, ts in times.items()}
-    adamw = medians["adamw"][0]
-    print("\n| arm | step s | optimizer s | step / adamw's |\n| --- | --- | --- | --- |")
-    for arm, (step, opt) in medians.items():
-        print(f"| {arm} | {step:.2f} | {opt:.2f} | {step / adamw:.2f} |")
+        build_store(store, "smollm2", 192, samples=32 * (steps + 1))
+        runs = {arm: ClockedRun(store, arm) for arm in ARMS}
+        for r in range(steps + 1):  # round 0 warms caches and kernels up, uncounted
+            rounds.append({arm: run.step() for arm, run in runs.items()})
+            print(f"round {r}: " + ", ".join(f"{arm} {s:.2f} s (optimizer {o:.2f} s)"
+                                             for arm, (s, o, _) in rounds[-1].items()),
+                  flush=True)
+    print(report(rounds[1:]))
+
+
+def report(counted: list[dict[str, tuple[float, float, float]]]) -> str:
+    """Medians of the counted rounds, and each round's ratio to AdamW's step."""
+    lines = ["| arm | step s | optimizer s | step / adamw's, per round | CPU s / adamw's |",
+             "| --- | --- | --- | --- | --- |"]
+    for arm in ARMS:
+        walls = ", ".join(f"{r[arm][0] / r['adamw'][0]:.2f}" for r in counted)
+        cpus = ", ".join(f"{r[arm][2] / r['adamw'][2]:.2f}" for r in counted)
+        lines.append(f"| {arm} | {statistics.median(r[arm][0] for r in counted):.2f} | "
+                     f"{statistics.median(r[arm][1] for r in counted):.2f} | {walls} | {cpus} |")
+    return "\n" + "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=2, help="Counted steps per arm and round.")
-    ap.add_argument("--rounds", type=int, default=1, help="Turns each arm takes.")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="Counted rounds; in each, every arm takes one step in turn.")
     ap.add_argument("--as-is", action="store_true",
                     help="Keep this machine's kernels and bf16 rule (no AVX2 emulation).")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.steps, args.rounds)
+        return child(args.steps)
     # the kernel caps are read when torch loads: only a new process can take them
     env = {**os.environ, **({} if args.as_is else AVX2_ONLY)}
     command = [sys.executable, "-m", "benchmarks.optimizer_step", "--child",
-               "--steps", str(args.steps), "--rounds", str(args.rounds)]
+               "--steps", str(args.steps)]
     print(" ".join(f"{k}={v}" for k, v in AVX2_ONLY.items() if not args.as_is),
           *command[1:], flush=True)
     sys.exit(subprocess.run(command, env=env).returncode)
