@@ -127,9 +127,10 @@ class OptimConfig:
     """AdamW (or Muon + AdamW) with linear warmup and cosine decay (docs/reference.md §5)."""
 
     optimizer: Literal["adamw", "muon"] = "adamw"
-    """`adamw`: AdamW on every trained parameter (default). `muon`: torch's Muon on the
-    drafter's 2-D weight matrices (fc, attention and MLP projections), AdamW on the rest
-    (norms), as speculators does; one schedule drives both."""
+    """`adamw`: AdamW on every trained parameter (default). `muon`: Muon (torch's, its
+    Newton-Schulz in float32 where bf16 is emulated) on the drafter's 2-D weight matrices
+    (fc, attention and MLP projections), AdamW on the rest (norms), as speculators does; one
+    schedule drives both."""
     lr: float = 6e-4
     """Peak learning rate, below LR_MAX (AdamW's; Muon's too unless `muon_lr` is set)."""
     muon_lr: float | None = None

@@ -88,6 +88,14 @@ def _adjusted_lr(lr: float, rule: str | None, shape: torch.Size) -> float:
     return lr * math.sqrt(max(1, rows / cols)) if rule in (None, "original") else lr
 
 
+def _loss_of(closure) -> torch.Tensor | None:
+    """What torch's optimisers do with a step's closure: re-evaluate the loss with grads on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Muon):
     """torch's Muon (same arguments, checks, groups and state_dict) whose step orthogonalises
     in `ns_dtype`: float32 where bf16 is emulated. Kept off the param groups so a checkpoint
@@ -99,10 +107,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss_of(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -148,10 +153,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _loss_of(closure)
         for opt in self._inner.values():
             if opt is not None:
                 opt.step()
