@@ -158,14 +158,12 @@ class TargetStates:
         return context, top[:, 0].long().cpu()
 
     @torch.inference_mode()
-    def chosen(self, tokens: list[int], start: int, choice: TargetChoice
-               ) -> tuple[torch.Tensor, list[int]]:
-        """Features [1, T, n, H] and the target's choices after positions start .. T-1."""
+    def drawn(self, tokens: list[int], start: int, choice: TargetChoice
+              ) -> tuple[torch.Tensor, list[int]]:
+        """Features [1, T, n, H] and the target's draws (T > 0) after positions start ..
+        T-1: the head on those rows only."""
         from dflash_train.target_model.verifier import head_logits
 
-        if choice.greedy:
-            context, top1 = self(tokens)
-            return context, top1[start:].tolist()
         context, final = self.states(tokens)
         logits = head_logits(final[0, start:], self.target.lm_head)
         return context, choice.draw(logits, range(start + 1, len(tokens) + 1))
@@ -280,9 +278,17 @@ class RecomputeVerifier:
     def __init__(self, target: TargetStates):
         self.target = target
 
+    def _chosen(self, tokens: list[int], start: int, choice: TargetChoice
+                ) -> tuple[torch.Tensor, list[int]]:
+        """Features [1, T, n, H] and the target's choices after positions start .. T-1."""
+        if choice.greedy:
+            features, top1 = self.target(tokens)
+            return features, top1[start:].tolist()
+        return self.target.drawn(tokens, start, choice)
+
     def start(self, prompt: list[int], choice: TargetChoice = TargetChoice()
               ) -> tuple[torch.Tensor, int]:
-        features, chosen = self.target.chosen(prompt, len(prompt) - 1, choice)
+        features, chosen = self._chosen(prompt, len(prompt) - 1, choice)
         return features, chosen[0]
 
     def verify(self, tokens: list[int], tree: DraftTree,
@@ -295,7 +301,7 @@ class RecomputeVerifier:
             nonlocal branch, states
             if branch is None or path != branch[: len(path)]:
                 branch = best_branch(tree, path)
-                states = self.target.chosen(tokens + path_tokens(tree, branch), root, choice)
+                states = self._chosen(tokens + path_tokens(tree, branch), root, choice)
             return states[1][len(path)]
 
         path, bonus = accepted_walk(tree, next_token)
