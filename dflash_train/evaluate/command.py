@@ -94,8 +94,13 @@ def _tree_budgets(ctx, param, value: str) -> tuple[int, ...]:
                    "round (O(L^2); the reference the cached loop is checked against).")
 @click.option("--served", is_flag=True,
               help="Also serve the target (--model) with each checkpoint through a serving "
-                   "engine (--engine), greedy on the same prompts, and report the engine's "
-                   "own acceptance counters beside offline and --online.")
+                   "engine (--engine) on the same prompts, greedy or with a sampled store's "
+                   "settings and a seed per request, and report the engine's own acceptance "
+                   "counters beside offline and --online.")
+@click.option("--temperature", default=None, type=click.FloatRange(0),
+              help="The temperature this evaluation is meant for: refused unless it is the "
+                   "store's (0 for a greedy store). Every mode decodes with the store's "
+                   "sampling settings; this only makes the intent checked.")
 @click.option("--engine", type=click.Choice(["vllm", "llama.cpp"]), default="vllm",
               show_default=True,
               help="--served's engine: vLLM (--model a directory) or llama.cpp's llama-server "

