@@ -10,7 +10,6 @@ import torch
 
 from dflash_train.assets.tiny import make_chats, write_jsonl
 from dflash_train.drafter import save_drafter
-from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import (
     CachedVerifier,
     RecomputeVerifier,
@@ -121,11 +120,3 @@ def test_offline_replay_equals_online_sample_and_match_round_by_round(sampled):
     assert report["warning"] is None and report["agreement"] is None
     assert f"sampled at temperature {cfg.temperature}" in out.text
     assert f"with seed {cfg.seed}" in out.text and "WARNING" not in out.text
-
-
-def test_served_decoding_is_refused_on_a_sampled_store(sampled):
-    # engines decode greedily: their text could never be the stored draws
-    target_dir, store, drafter_dir, _ = sampled
-    with pytest.raises(EvalError, match="--served decodes greedily"):
-        run_eval(EvalConfig(store=store, checkpoints=[drafter_dir], served=True,
-                            model=target_dir, progress=False), echo=lambda _: None)
