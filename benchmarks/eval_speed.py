@@ -18,7 +18,7 @@ GOAL = 5.0
 
 
 def _blocks(results) -> int:
-    return sum(r.stats.taus.summary()["n"] for r in results.values())
+    return sum(r.walks[None].taus.summary()["n"] for r in results.values())
 
 
 def naive_blocks(target, drafter, samples, sequences, top_k: int, limit: int) -> int:
@@ -65,13 +65,14 @@ def bench(store_url: str, checkpoint: str, naive_limit: int = 64) -> tuple[list[
     (name, drafter), = drafters.items()
     top_k = settings.top_k(drafter.config.vocab_size)
     start = time.perf_counter()
-    naive = naive_blocks(target, drafter, samples, offline[name].sequences, top_k, naive_limit)
+    naive = naive_blocks(target, drafter, samples, offline[name].walks[None].rounds, top_k,
+                         naive_limit)
     naive_s = time.perf_counter() - start
 
     off_rate = _blocks(offline) / offline_s
     on_rate = _blocks(online) / online_s
     naive_rate = naive / naive_s
-    same = sum(offline[name].sequences.get(k) == online[name].sequences.get(k)
+    same = sum(offline[name].walks[None].rounds.get(k) == online[name].walks[None].rounds.get(k)
                for k in generated)
     summary = offline[name].summary()
     rows = [

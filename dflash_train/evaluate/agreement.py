@@ -5,10 +5,10 @@ check in that mode's JSON shape (evaluate/modes.py)."""
 
 from dataclasses import dataclass, field
 
+from dflash_train.evaluate.metrics import Budget, Rounds, Walk
+
 Key = tuple[int, int]
 """A sample: (part, index)."""
-Rounds = list[tuple[int, int]]
-"""(anchor, tau) of a prompt's rounds, in order."""
 
 
 @dataclass
@@ -17,12 +17,17 @@ class Decoded:
 
     text: dict[Key, list[int]]
     """Prompt + generated tokens (the stored ones for offline replay)."""
-    rounds: dict[Key, Rounds]
-    """Its rounds; a prompt without any (first token an end of turn) may be absent."""
+    walks: dict[Budget, Rounds]
+    """Per walk (None: the chain, else a DDTree's node budget; a serving engine has the chain
+    only): its rounds. A prompt without any (first token an end of turn) may be absent."""
     prompt_lengths: dict[Key, int] = field(default_factory=dict)
     """Tokens before the first generated one (a run's own; a reference needs none)."""
-    tree_rounds: dict[int, dict[Key, Rounds]] = field(default_factory=dict)
-    """Per DDTree node budget: the rounds of its tree walk (none for a serving engine)."""
+
+    @classmethod
+    def of(cls, text: dict[Key, list[int]], walks: dict[Budget, Walk],
+           prompt_lengths: dict[Key, int] | None = None) -> "Decoded":
+        """A run's text and the rounds of each of its walks."""
+        return cls(text, {b: w.rounds for b, w in walks.items()}, prompt_lengths or {})
 
 
 @dataclass
@@ -33,11 +38,9 @@ class RunCheck:
     """Prompts the run decoded."""
     text_differs: list[Key]
     """Prompts whose generated text is not the stored text."""
-    taus_differ: dict[str, list[Key]]
-    """Per earlier run ("offline", "online") it is compared with: prompts whose rounds
-    differ from that run's."""
-    tree_taus_differ: dict[str, dict[int, list[Key]]]
-    """Per earlier run, per tree budget both have: prompts whose tree rounds differ."""
+    taus_differ: dict[str, dict[Budget, list[Key]]]
+    """Per earlier run ("offline", "online") it is compared with, per walk both have: prompts
+    whose rounds differ from that run's."""
     against: str | None
     """The earlier run `first_difference` is taken against (the first compared), if any."""
     first_difference: dict | None
@@ -49,17 +52,14 @@ def check_run(run: Decoded, stored: dict[Key, list[int]], earlier: dict[str, Dec
               ) -> RunCheck:
     """Compare `run` with the stored text and each earlier run (by label, in order)."""
     keys = sorted(run.text)
-    taus_differ = {label: [k for k in keys
-                           if run.rounds.get(k, []) != ref.rounds.get(k, [])]
-                   for label, ref in earlier.items()}
-    tree_taus_differ = {
-        label: {b: [k for k in keys if rounds.get(k, []) != ref.tree_rounds[b].get(k, [])]
-                for b, rounds in run.tree_rounds.items() if b in ref.tree_rounds}
+    taus_differ = {
+        label: {b: [k for k in keys if rounds.get(k, []) != ref.walks[b].get(k, [])]
+                for b, rounds in run.walks.items() if b in ref.walks}
         for label, ref in earlier.items()}
     against = next(iter(earlier), None)
     diff = None if against is None else first_difference(run, earlier[against])
     return RunCheck(len(keys), [k for k in keys if run.text[k] != stored.get(k)],
-                    taus_differ, tree_taus_differ, against, diff)
+                    taus_differ, against, diff)
 
 
 def _first_mismatch(a: list, b: list) -> int:
@@ -80,7 +80,7 @@ def first_difference(run: Decoded, ref: Decoded) -> dict | None:
                     "response_token": t - run.prompt_lengths[key],
                     "served": mine[t] if t < len(mine) else None,
                     "reference": theirs[t] if t < len(theirs) else None}
-        mine, theirs = run.rounds.get(key, []), list(ref.rounds.get(key, []))
+        mine, theirs = run.walks[None].get(key, []), list(ref.walks[None].get(key, []))
         if mine != theirs:
             r = _first_mismatch(mine, theirs)
             return {"prompt": where, "kind": "tau", "round": r,

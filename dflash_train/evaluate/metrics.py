@@ -262,3 +262,47 @@ def _normal_ci(
     var = float(((values - mean) ** 2 * counts).sum()) / (n - 1)
     half = Z_95 * math.sqrt(var / n)
     return [mean - half, mean + half]
+
+
+Budget = int | None
+"""A walk's key: the DDTree's node budget, or None for the chain."""
+Rounds = dict[tuple[int, int], list[tuple[int, int]]]
+"""Per sample key (part, index): the (anchor, tau) of its rounds in the order walked."""
+
+
+class Walk:
+    """One walk of a checkpoint over the samples, the chain's or a DDTree budget's: its
+    rounds' tau, by anchor position too, and each sample's rounds. The chain's drafts are
+    scored slot by slot as well (`stats`, whose histogram is this walk's `taus`)."""
+
+    def __init__(self, block_size: int, position_bin: int,
+                 recall_at: tuple[int, ...] | None = None):
+        self.stats = None if recall_at is None else AcceptanceStats(block_size, recall_at)
+        """The chain's per-slot metrics (AcceptanceStats); None for a DDTree's walk."""
+        self.taus = TauHistogram(block_size) if self.stats is None else self.stats.taus
+        self.positions = PositionBins(position_bin, block_size)
+        self.rounds: Rounds = {}
+
+    def record(self, keys: list[tuple[int, int]], anchors: list[int], taus: list[int]) -> None:
+        """Add rounds by position and per sample; `taus` counted into the histogram already
+        where `stats` scored them, else here."""
+        t = torch.tensor(taus, dtype=torch.long)
+        if self.stats is None:
+            self.taus.update(t)
+        self.positions.update(torch.tensor(anchors, dtype=torch.long), t)
+        for key, anchor, tau in zip(keys, anchors, taus, strict=True):
+            self.rounds.setdefault(key, []).append((anchor, tau))
+
+    def merge(self, other: "Walk") -> None:
+        """Add another walk's counts (another rank's or store's); rounds are not kept."""
+        if self.stats is not None:
+            self.stats.merge(other.stats)
+        else:
+            self.taus.merge(other.taus)
+        self.positions.merge(other.positions)
+
+    def tree_summary(self) -> dict:
+        """A DDTree walk's report entry: its tau, rounds and tau by anchor position."""
+        s = self.taus.summary()
+        return {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"], "rounds": s["n"],
+                "tau_hist": s["tau_hist"], "tau_by_position": self.positions.summary()}

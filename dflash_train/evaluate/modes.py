@@ -20,6 +20,7 @@ from dflash_train.evaluate.checkpoints import EvalCheckpoint
 from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.metrics import Budget, Walk
 from dflash_train.evaluate.online import (
     StopRule,
     evaluate_online,
@@ -36,7 +37,8 @@ class RunResults(Protocol):
     """One checkpoint's results of any run (replay.CheckpointResults,
     engines.shared.ServedResults)."""
 
-    sequences: dict[tuple[int, int], list[tuple[int, int]]]
+    walks: dict[Budget, Walk]
+    """Per walk (None: the chain, else a DDTree budget): its metrics and rounds."""
 
     def summary(self) -> dict:
         """Its report column: a summary.EvalSummary as JSON."""
@@ -150,8 +152,7 @@ class OnlineMode(DecodeMode):
                                              inputs.settings, stop, cached=self.cached,
                                              sampling=s)
         lengths = {s.key: len(p) for s in samples if (p := prompt_of(s)) is not None}
-        decoded = {n: Decoded(generated, r.sequences, lengths, r.tree_sequences)
-                   for n, r in results.items()}
+        decoded = {n: Decoded.of(generated, r.walks, lengths) for n, r in results.items()}
         checks = check_runs(decoded, samples, earlier)
         return ModeRun(self.label, results, decoded, check=self.check_json(checks))
 
@@ -159,10 +160,11 @@ class OnlineMode(DecodeMode):
     def check_json(checks: dict[str, RunCheck]) -> dict:
         """The text is the target's, whatever the drafter: the first checkpoint's says it."""
         first = next(iter(checks.values()))
-        replayed = {n: c.taus_differ["offline"] for n, c in checks.items()
-                    if "offline" in c.taus_differ}  # offline rounds are live ones in replay
-        trees = {n: c.tree_taus_differ["offline"] for n, c in checks.items()
-                 if "offline" in c.tree_taus_differ}
+        walks = {n: c.taus_differ["offline"] for n, c in checks.items()
+                 if "offline" in c.taus_differ}  # offline rounds are live ones in replay
+        replayed = {n: by_walk[None] for n, by_walk in walks.items()}
+        trees = {n: {b: keys for b, keys in by_walk.items() if b is not None}
+                 for n, by_walk in walks.items()}
         return {"prompts": first.prompts, "same_text": first.prompts - len(first.text_differs),
                 "text_differs": _named(first.text_differs),
                 "same_taus": {n: first.prompts - len(keys) for n, keys in replayed.items()},
@@ -189,7 +191,6 @@ def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:
 def offline_run(results: dict, samples: list[EvalSample], settings: EvalSettings) -> ModeRun:
     """Offline replay as a run the decode modes are checked against (its text: the store's)."""
     stored = {s.key: s.input_ids.tolist() for s in samples}
-    decoded = {n: Decoded(stored, r.sequences, tree_rounds=r.tree_sequences)
-               for n, r in results.items()}
+    decoded = {n: Decoded.of(stored, r.walks) for n, r in results.items()}
     return ModeRun("offline", results, decoded, live_rounds=settings.mode == "replay")
 

@@ -385,7 +385,7 @@ def evaluate_online(target: TargetStates, drafters: dict[str, BlockDrafter],
         choice = TargetChoice(sampling, s.source_row)
         for name, drafter in drafters.items():
             top_k = settings.top_k(drafter.config.vocab_size)
-            for budget in (None, *settings.tree_budgets):
+            for budget in results[name].walks:
                 run = speculative_decode(verifier, drafter, prompt, stop, top_k, budget, choice)
                 # Every walk commits the target's own choices; in reduced precision a
                 # near-tie may still break another way under another verify shape, which the

@@ -287,7 +287,7 @@ def _evaluated(cfg: EvalConfig, damage: DamagePolicy, total: int, offline: ModeR
     if total - skipped <= 0:
         raise EvalError(f"--store {cfg.store}: every sample chosen was damaged and skipped; "
                         "nothing was evaluated")
-    if all(r.stats.summary()["n_blocks"] == 0 for r in offline.results.values()):
+    if all(r.walks[None].taus.summary()["n"] == 0 for r in offline.results.values()):
         raise EvalError(f"--store {cfg.store}: none of the {total - skipped} "
                         "samples has a response token to draft at (empty loss masks?); "
                         "nothing was evaluated")

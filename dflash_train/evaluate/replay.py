@@ -35,9 +35,8 @@ from dflash_train.evaluate.damage import DamagePolicy
 from dflash_train.evaluate.drafting import BlockDrafter, Draft, cat_drafts, select_rows
 from dflash_train.evaluate.metrics import (
     DEFAULT_POSITION_BIN,
-    AcceptanceStats,
-    PositionBins,
-    TauHistogram,
+    Budget,
+    Walk,
     agreement_counts,
     committed_lengths,
 )
@@ -196,43 +195,29 @@ DDTree's; tau is what that block committed."""
 
 @dataclass
 class CheckpointResults:
-    """Everything measured for one checkpoint: metrics, per-block rows, and the rounds of
-    each walk (the chain, and the DDTree of each budget)."""
+    """Everything measured for one checkpoint: each walk's metrics and rounds (the chain,
+    and the DDTree of each budget) and the per-block rows."""
 
     name: str
     block_size: int
     settings: EvalSettings
-    stats: AcceptanceStats = field(init=False)
-    """The chain's metrics."""
-    positions: PositionBins = field(init=False)
-    """The chain's tau by anchor position."""
-    tree: dict[int, TauHistogram] = field(init=False)
-    """Per budget: the DDTree rounds' tau."""
-    tree_positions: dict[int, PositionBins] = field(init=False)
-    """Per budget: the DDTree rounds' tau by anchor position."""
+    walks: dict[Budget, Walk] = field(init=False)
+    """Per walk: None (the chain), then each DDTree budget."""
     rows: dict[str, list] = field(init=False)
     """Per block, in the order drafted (ROW_NAMES); `table()` orders them canonically."""
-    sequences: dict[tuple[int, int], list[tuple[int, int]]] = field(init=False)
-    """Per sample key: the (anchor, tau) of the chain's blocks in the order drafted."""
-    tree_sequences: dict[int, dict[tuple[int, int], list[tuple[int, int]]]] = field(init=False)
-    """Per budget, per sample key: the (anchor, tau) of the DDTree's blocks."""
 
     def __post_init__(self) -> None:
-        self.stats = AcceptanceStats(self.block_size, self.settings.recall_at)
-        self.positions = PositionBins(self.settings.position_bin, self.block_size)
-        self.tree = {b: TauHistogram(self.block_size) for b in self.settings.tree_budgets}
-        self.tree_positions = {b: PositionBins(self.settings.position_bin, self.block_size)
-                               for b in self.settings.tree_budgets}
+        s = self.settings
+        self.walks = {None: Walk(self.block_size, s.position_bin, s.recall_at)}
+        self.walks |= {b: Walk(self.block_size, s.position_bin) for b in s.tree_budgets}
         self.rows = {n: [] for n in ROW_NAMES}
-        self.sequences = {}
-        self.tree_sequences = {b: {} for b in self.settings.tree_budgets}
 
     def add(self, blocks: list[tuple[EvalSample, int]], logp: torch.Tensor,
             ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> list[int]:
         """Score chain blocks (sample, anchor) with draft top-k [M, B, k] and labels [M, B]."""
-        taus = self.stats.update(ids, labels, valid, tokens_left(blocks, self.block_size))
-        self.positions.update(_anchors(blocks), taus)
-        return self._record(blocks, taus.tolist(), None, self.sequences)
+        taus = self.walks[None].stats.update(ids, labels, valid,
+                                             tokens_left(blocks, self.block_size))
+        return self._record(None, blocks, taus.tolist())
 
     def add_trees(self, budget: int, blocks: list[tuple[EvalSample, int]],
                   trees: list[DraftTree], labels: torch.Tensor, valid: torch.Tensor
@@ -242,17 +227,15 @@ class CheckpointResults:
         depth = torch.tensor([len(accepted_path(t, lab, ok)) for t, lab, ok in
                               zip(trees, label_rows, valid_rows, strict=True)], dtype=torch.long)
         taus = committed_lengths(depth, tokens_left(blocks, self.block_size))
-        self.tree[budget].update(taus)
-        self.tree_positions[budget].update(_anchors(blocks), taus)
-        return self._record(blocks, taus.tolist(), budget, self.tree_sequences[budget])
+        return self._record(budget, blocks, taus.tolist())
 
-    def _record(self, blocks: list[tuple[EvalSample, int]], taus: list[int],
-                budget: int | None, sequences: dict) -> list[int]:
+    def _record(self, budget: Budget, blocks: list[tuple[EvalSample, int]], taus: list[int]
+                ) -> list[int]:
+        self.walks[budget].record([s.key for s, _ in blocks], [a for _, a in blocks], taus)
         for (s, anchor), tau in zip(blocks, taus, strict=True):
             for name, value in zip(ROW_NAMES, (s.part, s.index, s.source_row, anchor, budget,
                                                tau), strict=True):
                 self.rows[name].append(value)
-            sequences.setdefault(s.key, []).append((anchor, tau))
         return taus
 
     def table(self) -> dict[str, list]:
@@ -267,18 +250,7 @@ class CheckpointResults:
     def summary(self) -> dict:
         """Its column of the report: the chain's metrics plus each budget's DDTree rounds,
         each with its tau by anchor position."""
-        tree = {}
-        for b, hist in self.tree.items():
-            s = hist.summary()
-            tree[str(b)] = {"mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"],
-                            "rounds": s["n"], "tau_hist": s["tau_hist"],
-                            "tau_by_position": self.tree_positions[b].summary()}
-        return EvalSummary(self.stats, tree, self.positions).to_json()
-
-
-def _anchors(blocks: list[tuple[EvalSample, int]]) -> torch.Tensor:
-    """The anchor of each block (sample, anchor) [M]."""
-    return torch.tensor([a for _, a in blocks], dtype=torch.long)
+        return EvalSummary(self.walks).to_json()
 
 
 @dataclass
@@ -368,10 +340,8 @@ def evaluate_all(drafter: BlockDrafter, samples: list[EvalSample], results: Chec
     if not blocks:
         return
     labels, valid = labels_for(blocks, drafter.block_size)
-    results.add(blocks, drafted.logp, drafted.ids, labels, valid)
-    for budget in settings.tree_budgets:
-        grown = [grow_tree(drafted.tree_candidates(m), budget) for m in range(len(blocks))]
-        results.add_trees(budget, blocks, grown, labels, valid)
+    for budget in results.walks:
+        scorer(results, budget)(blocks, drafted, labels, valid)
 
 
 Scorer = Callable[[list[tuple[EvalSample, int]], Draft, torch.Tensor, torch.Tensor], list[int]]
@@ -407,20 +377,26 @@ def walk_replay(drafter: BlockDrafter, samples: list[EvalSample], cache, top_k: 
             taus[r] = tau
 
 
+def scorer(results: CheckpointResults, budget: Budget) -> Scorer:
+    """Scores blocks into `budget`'s walk: the chain's drafts, or the DDTree of `budget`
+    nodes grown from each block's draft."""
+    def score(blocks, d, labels, valid):
+        if budget is None:
+            return results.add(blocks, d.logp, d.ids, labels, valid)
+        grown = [grow_tree(d.tree_candidates(m), budget) for m in range(len(blocks))]
+        return results.add_trees(budget, blocks, grown, labels, valid)
+
+    return score
+
+
 def evaluate_replay(drafter: BlockDrafter, samples: list[EvalSample],
                     results: CheckpointResults, top_k: int) -> None:
     """--mode replay: the chain's walk, then each budget's DDTree walk (its next anchor is
     a + its own tau, as a tree decoder moves on), all over one context cache."""
     cache = drafter.context_cache(padded_context(samples))
-    walk_replay(drafter, samples, cache, top_k,
-                lambda blocks, d, labels, valid: results.add(blocks, d.logp, d.ids, labels,
-                                                             valid))
-    for budget in results.settings.tree_budgets:
-        def score(blocks, d, labels, valid, budget=budget):
-            grown = [grow_tree(d.tree_candidates(m), budget) for m in range(len(blocks))]
-            return results.add_trees(budget, blocks, grown, labels, valid)
-
-        walk_replay(drafter, samples, cache, top_k, score, transitions=True)
+    for budget in results.walks:
+        walk_replay(drafter, samples, cache, top_k, scorer(results, budget),
+                    transitions=budget is not None)
 
 
 def evaluate_offline(

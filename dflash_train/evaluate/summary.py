@@ -5,7 +5,7 @@ line, whatever the run, so a new decode mode fills this type rather than a dict 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins
+from dflash_train.evaluate.metrics import Budget, Walk
 
 RunLabel = Literal["offline", "online", "served"]
 """Which run a summary is of: its key in the report's checkpoint entry."""
@@ -17,13 +17,10 @@ RUN_LABELS: tuple[RunLabel, ...] = ("offline", "online", "served")
 class EvalSummary:
     """One checkpoint's figures from one run; `to_json` is its report column."""
 
-    stats: AcceptanceStats
-    """Committed tokens per block, streaks and per-slot acceptance, in our convention."""
-    tree: dict[str, dict] = field(default_factory=dict)
-    """DDTree acceptance per node budget (mean_tau, tau_ci95, tau_hist, tau_by_position);
-    empty for a run whose drafts' top-k is not visible (served)."""
-    positions: PositionBins | None = None
-    """The chain's tau by anchor position (`tau_by_position`); None: not measured."""
+    walks: dict[Budget, Walk]
+    """The chain's walk (None: committed tokens per block, streaks and per-slot acceptance in
+    our convention, tau by anchor position) and each DDTree budget's (its tau); a run whose
+    drafts' top-k is not visible (served) has the chain's only."""
     sees_drafts: bool = True
     """Every slot's draft and its top-k are visible (offline, --online). A serving engine
     shows only what it committed: its slot accuracy and top-k recall are unknown (null)."""
@@ -33,10 +30,11 @@ class EvalSummary:
     with and without the drafter)."""
 
     def to_json(self) -> dict:
-        out = self.stats.summary()
+        chain = self.walks[None]
+        out = chain.stats.summary()
         if not self.sees_drafts:
-            out["slot_accuracy"] = [None] * (self.stats.block_size - 1)
+            out["slot_accuracy"] = [None] * (chain.stats.block_size - 1)
             out["topk_recall"] = {}
-        positions = None if self.positions is None else self.positions.summary()
-        return {**out, "block_size": self.stats.block_size, "tau_by_position": positions,
-                "tree": self.tree, **self.engine}
+        tree = {str(b): w.tree_summary() for b, w in self.walks.items() if b is not None}
+        return {**out, "block_size": chain.stats.block_size,
+                "tau_by_position": chain.positions.summary(), "tree": tree, **self.engine}

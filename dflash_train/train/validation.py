@@ -30,6 +30,7 @@ from dflash_train.evaluate.checkpoints import layer_selection
 from dflash_train.evaluate.damage import DamagePolicy, check_store
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
+from dflash_train.evaluate.metrics import Budget, Walk
 from dflash_train.evaluate.replay import (
     CheckpointResults,
     EvalSettings,
@@ -96,14 +97,13 @@ class Validation:
             model.train(training)
         ranks = gather_objects((mine, failure), self.world)
         _raise_first_failure(failure for _, failure in ranks)
-        per_store = [self._merged(shares)  # [rank][store] -> (stats, tree)
+        per_store = [self._merged(shares)  # [rank][store] -> walks
                      for shares in zip(*(replays for replays, _ in ranks), strict=True)]
-        pooled = self._merged([(r.stats, r.tree) for r in per_store])
-        summary = pooled.summary()
+        pooled = self._merged([r.walks for r in per_store])
         return ValidationFigures(
-            pooled=_figures(summary), tau_ci95=summary["tau_ci95"],
-            stores={s.url: _figures(r.summary()) for s, r in zip(self.stores, per_store,
-                                                                   strict=True)},
+            pooled=_figures(pooled.walks), tau_ci95=pooled.walks[None].taus.summary()["tau_ci95"],
+            stores={s.url: _figures(r.walks) for s, r in zip(self.stores, per_store,
+                                                              strict=True)},
             seconds=time.perf_counter() - start)
 
     def _replay(self, drafter: BlockDrafter, store: ValidationStore):
@@ -113,16 +113,17 @@ class Validation:
                                           self.settings)
         except (StoreError, EvalError) as e:
             raise TrainError(f"--val-store {store.url}: {e}") from e
-        replayed = results[store.url]
-        return replayed.stats, replayed.tree
+        walks = results[store.url].walks
+        for walk in walks.values():
+            walk.rounds = {}  # counts only travel between ranks
+        return walks
 
-    def _merged(self, shares: Sequence[tuple]) -> CheckpointResults:
+    def _merged(self, shares: Sequence[dict[Budget, Walk]]) -> CheckpointResults:
         """One result whose counts are the sum of every share's (a rank's, or a store's)."""
-        out = CheckpointResults("validation", shares[0][0].block_size, self.settings)
-        for stats, tree in shares:
-            out.stats.merge(stats)
-            for budget, hist in tree.items():
-                out.tree[budget].merge(hist)
+        out = CheckpointResults("validation", shares[0][None].stats.block_size, self.settings)
+        for walks in shares:
+            for budget, walk in walks.items():
+                out.walks[budget].merge(walk)
         return out
 
 
@@ -133,10 +134,11 @@ def _raise_first_failure(failures) -> None:
             raise TrainError(failure)
 
 
-def _figures(summary: dict) -> StoreFigures:
-    """The figures kept of CheckpointResults.summary(): the chain's and each tree's tau."""
-    return StoreFigures(tau=summary["mean_tau"], blocks=summary["n_blocks"],
-                        tree_tau={int(b): t["mean_tau"] for b, t in summary["tree"].items()})
+def _figures(walks: dict[Budget, Walk]) -> StoreFigures:
+    """The figures kept of a replay's walks: the chain's and each tree's tau."""
+    taus = {b: w.taus.summary() for b, w in walks.items()}
+    return StoreFigures(tau=taus[None]["mean_tau"], blocks=taus[None]["n"],
+                        tree_tau={b: t["mean_tau"] for b, t in taus.items() if b is not None})
 
 
 def best_value(figures: ValidationFigures, cfg: ValidationConfig) -> float | None:

@@ -56,9 +56,9 @@ def test_llama_gguf_target_through_extract_train_eval_and_export(llama_store, ll
     check = out.report["online_check"]
     assert check["same_text"] == check["prompts"] == store.num_samples
     for name in out.offline:
-        assert out.offline[name].sequences == out.online[name].sequences, name
+        assert out.offline[name].walks[None].rounds == out.online[name].walks[None].rounds, name
         assert out.offline[name].summary() == out.online[name].summary(), name
-    taus = [t for seq in out.online["llama_fitted"].sequences.values() for _, t in seq]
+    taus = [t for seq in out.online["llama_fitted"].walks[None].rounds.values() for _, t in seq]
     assert len(set(taus)) >= 4
 
     exported = CliRunner().invoke(main, ["export", str(checkpoint), str(tmp_path / "export")])

@@ -52,18 +52,18 @@ def test_offline_replay_equals_live_speculative_decoding_prompt_by_prompt(
         assert tokens == by_key[key].input_ids.tolist(), key
     # ... and every prompt visited the same anchors with the same tau, for both drafters.
     for name in ("trained", "rand"):
-        assert out.offline[name].sequences == out.online[name].sequences, name
+        assert out.offline[name].walks[None].rounds == out.online[name].walks[None].rounds, name
         # each DDTree budget walked offline as it is decoded live: a + the tree's own tau
-        assert out.offline[name].tree_sequences == out.online[name].tree_sequences, name
+        assert _walk_rounds(out.offline[name]) == _walk_rounds(out.online[name]), name
         # the whole summary, tau by anchor position (chain and each budget) included
         assert out.offline[name].summary() == out.online[name].summary(), name
     by_position = out.online["trained"].summary()["tau_by_position"]["bins"]
     assert len(by_position) >= 3 and len({b["mean_tau"] for b in by_position}) >= 2
-    trees = out.online["trained"].tree_sequences
-    assert trees[16] != out.online["trained"].sequences, "the trees moved on as chains did"
+    trees = _walk_rounds(out.online["trained"])
+    assert trees[16] != out.online["trained"].walks[None].rounds, "the trees moved on as chains did"
     assert sum(map(len, trees[16].values())) < sum(map(len, trees[4].values()))
     # The trained drafter makes this a real test: streaks of many lengths, full blocks too.
-    taus = [t for seq in out.online["trained"].sequences.values() for _, t in seq]
+    taus = [t for seq in out.online["trained"].walks[None].rounds.values() for _, t in seq]
     assert len(set(taus)) >= 4 and max(taus) == 8
     check = out.report["online_check"]
     assert check["same_text"] == check["prompts"] == len(stored)
@@ -80,9 +80,9 @@ def test_a_draft_vocabulary_drafter_replays_offline_what_it_drafts_live(
     out = run_eval(EvalConfig(store=regen_store, checkpoints=[mapped], online=True,
                               model=eos_target_dir, progress=False,
                               settings=EvalSettings(mode="replay", tree_budgets=(4,))))
-    assert out.offline["mapped"].sequences == out.online["mapped"].sequences
+    assert out.offline["mapped"].walks[None].rounds == out.online["mapped"].walks[None].rounds
     assert out.offline["mapped"].summary() == out.online["mapped"].summary()
-    taus = [t for seq in out.online["mapped"].sequences.values() for _, t in seq]
+    taus = [t for seq in out.online["mapped"].walks[None].rounds.values() for _, t in seq]
     assert len(set(taus)) >= 3, "acceptance too uniform to test"
 
 
@@ -97,12 +97,12 @@ def test_offline_replay_equals_live_decoding_on_a_hybrid_linear_attention_target
     check = out.report["online_check"]
     assert check["same_text"] == check["prompts"] == open_store(hybrid_store).num_samples
     name = "hybrid_drafter"
-    assert out.offline[name].sequences == out.online[name].sequences
+    assert out.offline[name].walks[None].rounds == out.online[name].walks[None].rounds
     # the tree verified live on the hybrid (Gated DeltaNet stepped node by node) is the one
     # replay walks
-    assert out.offline[name].tree_sequences == out.online[name].tree_sequences
+    assert _walk_rounds(out.offline[name]) == _walk_rounds(out.online[name])
     assert check["same_tree_taus"] == {name: {"8": check["prompts"]}}
-    taus = [t for seq in out.online[name].sequences.values() for _, t in seq]
+    taus = [t for seq in out.online[name].walks[None].rounds.values() for _, t in seq]
     assert len(set(taus)) >= 4
 
 
@@ -241,7 +241,7 @@ def _online_and_replay(continuation, wrong, block_size, stop):
     results = CheckpointResults("s", block_size, EvalSettings(tree_budgets=(),
                                                               recall_at=(1,)))
     evaluate_replay(ScriptedReplayDrafter(script, wrong, block_size), [stored], results, 1)
-    return run, results.sequences[(0, 0)]
+    return run, results.walks[None].rounds[(0, 0)]
 
 
 def test_a_token_cap_inside_the_accepted_drafts_counts_the_tokens_produced_online_and_offline():
@@ -288,7 +288,7 @@ def test_online_metrics_use_the_generated_text_as_labels():
         ScriptedTarget(script), {"s": ScriptedDrafter(script, {6}, 4)}, [sample], settings,
         stop, cached=False)
     assert generated == {(0, 0): script}
-    assert results["s"].sequences == {(0, 0): [(3, 3), (6, 3)]}
+    assert results["s"].walks[None].rounds == {(0, 0): [(3, 3), (6, 3)]}
     assert results["s"].summary()["slot_accuracy"] == pytest.approx([1.0, 1.0, 0.5])
 
 
@@ -334,20 +334,25 @@ def test_dflash2_replay_equals_live_decoding_chain_and_tree_and_follows_the_walk
                      settings=EvalSettings(mode="replay", tree_budgets=(4,)),
                      online=True, model=eos_target_dir, progress=False)
     out = run_eval(cfg)
-    unary = out.offline["trained"].sequences  # the same unary logits, drafted by argmax
+    unary = out.offline["trained"].walks[None].rounds  # the same unary logits, drafted by argmax
     for name in ("d2_free", "d2_factorised"):
-        assert out.offline[name].sequences == out.online[name].sequences, name
+        assert out.offline[name].walks[None].rounds == out.online[name].walks[None].rounds, name
         assert out.offline[name].summary() == out.online[name].summary(), name
         # the selector changed drafts, so counting the unary argmax would measure another
         # drafter (TorchSpec #177)
-        assert out.offline[name].sequences != unary, name
-        taus = [t for seq in out.online[name].sequences.values() for _, t in seq]
+        assert out.offline[name].walks[None].rounds != unary, name
+        taus = [t for seq in out.online[name].walks[None].rounds.values() for _, t in seq]
         assert len(set(taus)) >= 3, (name, taus)
         # the selector-aware DDTree is decoded live round by round as replay walks it
-        assert out.offline[name].tree_sequences == out.online[name].tree_sequences, name
-        tree_taus = [t for seq in out.online[name].tree_sequences[4].values() for _, t in seq]
+        assert _walk_rounds(out.offline[name]) == _walk_rounds(out.online[name]), name
+        tree_taus = [t for seq in out.online[name].walks[4].rounds.values() for _, t in seq]
         assert len(set(tree_taus)) >= 3, (name, tree_taus)
     check = out.report["online_check"]
     assert check["same_taus"] == {"trained": 12, "d2_free": 12, "d2_factorised": 12}
     assert check["same_tree_taus"] == {n: {"4": 12} for n in ("trained", "d2_free",
                                                                 "d2_factorised")}
+
+
+def _walk_rounds(results) -> dict:
+    """Each walk's rounds per sample (None: the chain, else a DDTree budget)."""
+    return {b: w.rounds for b, w in results.walks.items()}

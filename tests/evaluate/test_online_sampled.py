@@ -108,11 +108,11 @@ def test_offline_replay_equals_online_sample_and_match_round_by_round(sampled):
     name = "drafter"
     check = out.report["online_check"]
     assert check["same_text"] == check["prompts"] == open_store(store).num_samples
-    assert out.offline[name].sequences == out.online[name].sequences
-    assert out.offline[name].tree_sequences == out.online[name].tree_sequences
+    assert out.offline[name].walks[None].rounds == out.online[name].walks[None].rounds
+    assert _walk_rounds(out.offline[name]) == _walk_rounds(out.online[name])
     assert out.offline[name].summary() == out.online[name].summary()
     assert check["same_tree_taus"] == {name: {str(b): check["prompts"] for b in budgets}}
-    taus = [t for seq in out.online[name].sequences.values() for _, t in seq]
+    taus = [t for seq in out.online[name].walks[None].rounds.values() for _, t in seq]
     assert len(set(taus)) >= 2, taus
     # the report names the sampling; answers unequal to the top-1 are no warning here
     report = out.report
@@ -120,3 +120,8 @@ def test_offline_replay_equals_online_sample_and_match_round_by_round(sampled):
     assert report["warning"] is None and report["agreement"] is None
     assert f"sampled at temperature {cfg.temperature}" in out.text
     assert f"with seed {cfg.seed}" in out.text and "WARNING" not in out.text
+
+
+def _walk_rounds(results) -> dict:
+    """Each walk's rounds per sample (None: the chain, else a DDTree budget)."""
+    return {b: w.rounds for b, w in results.walks.items()}

@@ -153,7 +153,7 @@ def test_replay_visits_first_response_token_then_jumps_by_tau():
     s = _sample(0, prompt=3, length=12)
     drafter, results = _crafted({0: {5, 9}}, s)
     evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
-    assert results.sequences[(0, 0)] == [(3, 2), (5, 4), (9, 2)]
+    assert results.walks[None].rounds[(0, 0)] == [(3, 2), (5, 4), (9, 2)]
     summary = results.summary()
     assert summary["n_blocks"] == 3
     assert summary["mean_tau"] == pytest.approx(8 / 3)  # 2 + 4 + 2: the 9 response tokens
@@ -175,18 +175,18 @@ def test_each_budget_walks_its_own_tree_as_a_tree_decoder_moves_on():
     # Response 3..11, B = 4, wrong rank 0 at positions 5 and 9 (the truth is rank 1 there).
     # budget 1: the one node is slot 1's rank 0 (positions 4, 6, 8, 10: all right): tau 2
     # every round, next anchor a + 2; at a=9 only 10, 11 are left: tau 2.
-    assert results.tree_sequences[1] == {(0, 0): [(3, 2), (5, 2), (7, 2), (9, 2)]}
+    assert results.walks[1].rounds == {(0, 0): [(3, 2), (5, 2), (7, 2), (9, 2)]}
     # budget 2: the rank-0 chain of slots 1, 2. a=3: 4 ok, 5 wrong -> 2. a=5: 6, 7 -> 3.
     # a=8: 9 wrong -> 1. a=9: 10, 11 and the text ends: 2 (no bonus).
-    assert results.tree_sequences[2] == {(0, 0): [(3, 2), (5, 3), (8, 1), (9, 2)]}
+    assert results.walks[2].rounds == {(0, 0): [(3, 2), (5, 3), (8, 1), (9, 2)]}
     # budget 64: every path with one rank 1 is in (score -2.2 and up). a=3: 4, 5 (rank 1),
     # 6 -> tau 4. a=7: 8, 9 (rank 1), 10 -> depth 3, 4 tokens left (8..11): tau 4.
-    assert results.tree_sequences[64] == {(0, 0): [(3, 4), (7, 4)]}
+    assert results.walks[64].rounds == {(0, 0): [(3, 4), (7, 4)]}
     assert results.summary()["tree"]["2"]["mean_tau"] == pytest.approx(8 / 4)
     assert results.summary()["tree"]["2"]["rounds"] == 4
     assert results.summary()["tree"]["64"]["rounds"] == 2
     # the chain walked its own anchors, untouched by the trees
-    assert results.sequences == {(0, 0): [(3, 2), (5, 4), (9, 2)]}
+    assert results.walks[None].rounds == {(0, 0): [(3, 2), (5, 4), (9, 2)]}
 
 
 def test_mode_all_scores_every_eligible_anchor():
@@ -213,12 +213,12 @@ def test_replay_steps_many_sequences_together_without_mixing_them():
     for s in samples:  # each alone
         drafter, results = _crafted(wrong, s)
         evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
-        expected.update(results.sequences)
+        expected.update(results.walks[None].rounds)
     drafter, results = _crafted(wrong, *samples)
     evaluate_replay(drafter, samples, results, SETTINGS.top_k(VOCAB_SIZE))
-    assert results.sequences == expected
+    assert results.walks[None].rounds == expected
     # sample 3: prompt 0..3, response 4 only -> no anchor with a label: no block at all.
-    assert (0, 3) not in results.sequences
+    assert (0, 3) not in results.walks[None].rounds
 
 
 def _bins(by_position: dict) -> list[tuple[int, int, float]]:
@@ -235,7 +235,7 @@ def test_tau_by_anchor_position_bins_the_replay_rounds():
     # wrong -> 3. a=8: 9 wrong -> 1. a=9: 10..12 -> 4. a=13: 14, 15 wrong -> 2. a=15: 4.
     # a=19: 20, 21, 22 wrong -> 3. a=22: 4. a=26: 27..29 and the text ends: 3 (no bonus).
     # Sample 2 (prompt 0..1, text to 8, wrong at 3): a=2: 1. a=3: 4. a=7: 8, then the end: 1.
-    assert results.sequences == {
+    assert results.walks[None].rounds == {
         (0, 0): [(3, 2), (5, 4), (9, 2)],
         (0, 1): [(5, 3), (8, 1), (9, 4), (13, 2), (15, 4), (19, 3), (22, 4), (26, 3)],
         (0, 2): [(2, 1), (3, 4), (7, 1)]}
@@ -253,7 +253,7 @@ def test_tau_by_anchor_position_bins_the_replay_rounds():
     assert ci[3] is None
     # budget 2 walks its own anchors (sample 0: (3, 2), (5, 3), (8, 1), (9, 2), see
     # test_each_budget_walks_its_own_tree...), binned the same way
-    tree = results.tree_sequences[2]
+    tree = results.walks[2].rounds
     assert tree[(0, 0)] == [(3, 2), (5, 3), (8, 1), (9, 2)]
     rounds = [r for seq in tree.values() for r in seq]
     want = {}
@@ -358,7 +358,7 @@ def test_a_dflash2_drafter_warm_started_from_dflash_replays_its_tau_exactly(
     out = run_eval(cfg)
     dflash, dflash2 = out.offline["trained"], out.offline["warm"]
     assert dflash.summary()["mean_tau"] > 2  # a trained drafter: the equality has teeth
-    assert dflash2.sequences == dflash.sequences
+    assert dflash2.walks[None].rounds == dflash.walks[None].rounds
     assert dflash2.summary()["mean_tau"] == dflash.summary()["mean_tau"]
     with pytest.raises(TrainError, match="is a DFlash 2 drafter; pass --set model.kind"):
         initial_drafter(ModelConfig(init_from=warm_dir))

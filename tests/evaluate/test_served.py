@@ -76,7 +76,7 @@ def test_a_cap_inside_the_accepted_drafts_reads_as_the_tokens_committed():
     served = ServedResults("s", 8, [run], {"num_drafts": 2, "num_accepted_tokens": 9,
                                            "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]}, 4,
                            "vllm")
-    assert served.sequences == online.sequences == {(0, 0): [(3, 3), (6, 3)]}
+    assert served.walks[None].rounds == online.walks[None].rounds == {(0, 0): [(3, 3), (6, 3)]}
     mine, theirs = served.summary(), online.summary()
     for key in ("n_blocks", "mean_tau", "mean_streak", "streak_hist", "cond_accept",
                 "tau_by_position"):
@@ -95,7 +95,7 @@ def test_an_eos_inside_the_accepted_drafts_reads_as_the_tokens_committed():
     online, tokens = _online(continuation, {5}, 8, stop)
     run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 7], 8), 8, "vLLM")
     served = ServedResults("s", 8, [run], {}, BIN, "vllm")
-    assert served.sequences == online.sequences == {(0, 0): [(3, 2), (5, 4)]}
+    assert served.walks[None].rounds == online.walks[None].rounds == {(0, 0): [(3, 2), (5, 4)]}
     assert served.summary()["cond_accept"] == online.summary()["cond_accept"]
     assert not served.summary()["vllm"]["counters_agree"]  # no Prometheus totals given
 
@@ -138,13 +138,13 @@ def test_the_first_difference_names_the_prompt_and_the_position():
     served = _served([a, b], [[1, 1], [3]])
     text = {(0, 0): a, (0, 1): b}
     sequences = {(0, 0): [(3, 2), (5, 2)], (0, 1): [(3, 3)]}
-    assert first_difference(served.decoded(), Decoded(text, sequences)) is None
+    assert first_difference(served.decoded(), Decoded(text, {None: sequences})) is None
     other = {(0, 0): a, (0, 1): PROMPT + [30, 31, 99, 33]}
-    assert first_difference(served.decoded(), Decoded(other, sequences)) == {
+    assert first_difference(served.decoded(), Decoded(other, {None: sequences})) == {
         "prompt": "0/1", "kind": "text", "position": 5, "response_token": 2,
         "served": 32, "reference": 99}
     rounds = {(0, 0): [(3, 1), (4, 3)], (0, 1): [(3, 3)]}
-    assert first_difference(served.decoded(), Decoded(text, rounds)) == {
+    assert first_difference(served.decoded(), Decoded(text, {None: rounds})) == {
         "prompt": "0/0", "kind": "tau", "round": 0, "position": 3, "served": 2,
         "reference": 1}
 
@@ -348,7 +348,8 @@ def fake_vllm(tmp_path, monkeypatch):
 
 
 def _numbered_prompts(n: int, max_tokens) -> list[ServedPrompt]:
-    return [ServedPrompt(sample=types.SimpleNamespace(part=i // 10, index=i % 10),
+    return [ServedPrompt(sample=types.SimpleNamespace(part=i // 10, index=i % 10,
+                                                           key=divmod(i, 10)),
                          ids=[7, i, 100 + i], max_tokens=max_tokens(i)) for i in range(n)]
 
 

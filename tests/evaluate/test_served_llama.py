@@ -80,7 +80,7 @@ def test_served_rounds_equal_online_and_offline_prompt_by_prompt(llama_server, t
     for run in served.runs:  # the store's text (and so --online's) ...
         assert run.tokens == out.generated[run.prompt.sample.key]
     # ... and the same rounds: anchors and committed tokens, prompt by prompt.
-    assert served.sequences == online.sequences == offline.sequences
+    assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
     mine, theirs = served.summary(), online.summary()
     for key in ("n_blocks", "mean_tau", "streak_hist", "cond_accept"):
         assert mine[key] == theirs[key], key
@@ -113,7 +113,7 @@ def _served_equals_online(llama_server, target_gguf, store, drafter, tmp_path) -
                    echo=lambda line: None)
     served, online, offline = out.served[name], out.online[name], out.offline[name]
     assert out.report["served_check"]["checkpoints"][name]["first_difference"] is None
-    assert served.sequences == online.sequences == offline.sequences
+    assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
     assert served.summary()["llama_cpp"]["counters_agree"]
     return online.summary()
 

@@ -75,7 +75,7 @@ def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
     for run in served.runs:  # same text as the store (and so as --online) ...
         assert run.tokens == out.generated[run.prompt.sample.key]
     # ... and the same rounds: anchors and committed tokens, prompt by prompt.
-    assert served.sequences == online.sequences == offline.sequences
+    assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
     mine, theirs = served.summary(), online.summary()
     for key in ("n_blocks", "mean_tau", "streak_hist", "cond_accept", "tau_by_position"):
         assert mine[key] == theirs[key], key
@@ -123,7 +123,7 @@ def test_a_draft_vocabulary_drafter_is_served_as_it_replays(vllm_python, target_
                               progress=False),
                    echo=lambda line: None)
     served, online, offline = out.served["mapped"], out.online["mapped"], out.offline["mapped"]
-    assert served.sequences == online.sequences == offline.sequences
+    assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
     assert served.summary()["mean_tau"] == online.summary()["mean_tau"]
     assert sum(n > 0 for n in online.summary()["streak_hist"]) >= 2, "too uniform to test"
     assert out.report["served_check"]["checkpoints"]["mapped"]["first_difference"] is None

@@ -95,7 +95,7 @@ def our_decode(store_url: str, target_dir: str, drafter_dirs: list[str]) -> dict
                      settings=EvalSettings(tree_budgets=(1,), recall_at=(1,)),
                      online=True, model=target_dir, progress=False)
     out = run_eval(cfg, echo=lambda _: None)
-    return {name: {key: (ids, results.sequences.get(key, []))
+    return {name: {key: (ids, results.walks[None].rounds.get(key, []))
                    for key, ids in out.generated.items()}
             for name, results in out.online.items()}
 

@@ -102,4 +102,4 @@ def test_a_store_regenerated_by_vllm_serve_replays_offline_equal_to_online(
     out = run_eval(EvalConfig(store=served, checkpoints=[path], online=True, model=target_dir,
                               progress=False, out=str(tmp_path / "eval")),
                    echo=lambda line: None)
-    assert out.online["d20"].sequences == out.offline["d20"].sequences
+    assert out.online["d20"].walks[None].rounds == out.offline["d20"].walks[None].rounds

@@ -36,7 +36,7 @@ from dflash_train.blocks import replay_anchors
 from dflash_train.evaluate.agreement import Decoded, RunCheck
 from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.metrics import AcceptanceStats, PositionBins, TauHistogram
+from dflash_train.evaluate.metrics import Budget, TauHistogram, Walk
 from dflash_train.evaluate.modes import DecodeMode, EvalInputs, ModeRun, RunResults, check_runs
 from dflash_train.evaluate.online import StopRule, prompt_of, store_sampling
 from dflash_train.evaluate.replay import ROW_NAMES, EvalSample
@@ -213,20 +213,17 @@ class ServedResults:
     speed: dict | None = None
     """Decode speed with and without the drafter (speed.speed_summary); None: not measured
     (--no-speed)."""
-    stats: AcceptanceStats = field(init=False)
+    walks: dict[Budget, Walk] = field(init=False)
+    """The chain's walk only (None): the engine's trees and top-k are not visible."""
 
     def __post_init__(self) -> None:
-        self.stats = AcceptanceStats(self.block_size, recall_at=(1,))
+        chain = Walk(self.block_size, self.position_bin, recall_at=(1,))
         for run in self.runs:
-            if run.committed:
-                self.stats.update(*_as_blocks(run, self.block_size))
-
-    @property
-    def sequences(self) -> dict[tuple[int, int], list[tuple[int, int]]]:
-        """Per sample key: (anchor, tau) of its rounds, as CheckpointResults.sequences (a
-        prompt without rounds, its first token an end of turn, has no entry there either)."""
-        return {r.prompt.sample.key: list(zip(r.anchors, r.committed, strict=True))
-                for r in self.runs if r.committed}
+            if run.committed:  # a prompt whose first token ends the turn has no rounds
+                chain.stats.update(*_as_blocks(run, self.block_size))
+                chain.record([run.prompt.sample.key] * len(run.anchors), run.anchors,
+                             run.committed)
+        self.walks = {None: chain}
 
     def engine_summary(self) -> dict:
         """The engine's convention, from its per-step counts (vLLM's and llama.cpp's are the
@@ -253,18 +250,14 @@ class ServedResults:
         """The served column: committed tokens as offline counts them (drafts past a
         rejection, top-k and trees are not visible from outside the engine), and the
         engine's own counters."""
-        positions = PositionBins(self.position_bin, self.block_size)
-        for r in self.runs:
-            positions.update(torch.tensor(r.anchors, dtype=torch.long),
-                             torch.tensor(r.committed, dtype=torch.long))
-        return EvalSummary(self.stats, positions=positions, sees_drafts=False,
+        return EvalSummary(self.walks, sees_drafts=False,
                            engine={self.engine: self.engine_summary(), "info": self.info,
                                    "speed": self.speed}).to_json()
 
     def decoded(self) -> Decoded:
         """Its text and rounds per prompt, as the agreement check reads them."""
-        return Decoded({r.prompt.sample.key: r.tokens for r in self.runs}, self.sequences,
-                       {r.prompt.sample.key: len(r.prompt.ids) for r in self.runs})
+        return Decoded.of({r.prompt.sample.key: r.tokens for r in self.runs}, self.walks,
+                          {r.prompt.sample.key: len(r.prompt.ids) for r in self.runs})
 
     def table(self) -> dict[str, list]:
         """Per-block rows in replay.ROW_NAMES' columns, ordered by (part, sample, anchor):
@@ -363,8 +356,8 @@ class ServedMode(DecodeMode):
         out = {"prompts": 0, "against": None, "checkpoints": {}}
         for name, c in checks.items():
             entry = {"same_text": c.prompts - len(c.text_differs)}
-            entry |= {f"same_taus_as_{label}": c.prompts - len(keys)
-                      for label, keys in c.taus_differ.items()}
+            entry |= {f"same_taus_as_{label}": c.prompts - len(by_walk[None])
+                      for label, by_walk in c.taus_differ.items()}
             entry["first_difference"] = c.first_difference
             entry["likely_causes"] = None if c.first_difference is None else \
                 self.causes(c.first_difference, inputs, name)
@@ -420,7 +413,7 @@ def offline_walk(offline: RunResults, runs: list[ServedRun]) -> list[int]:
     taus = []
     for r in runs:
         sample = r.prompt.sample
-        at = dict(offline.sequences.get(sample.key, []))
+        at = dict(offline.walks[None].rounds.get(sample.key, []))
         end = len(r.prompt.ids) + r.prompt.max_tokens - 1  # the last token drafts no block
         for anchor in replay_anchors(sample.loss_mask, at.__getitem__):
             if anchor >= end or anchor not in at:
