@@ -18,7 +18,7 @@ GOAL = 5.0
 
 
 def _blocks(results) -> int:
-    return sum(r.walks[None].taus.summary()["n"] for r in results.values())
+    return sum(r.walks[None].taus.summary().to_json()["n"] for r in results.values())
 
 
 def naive_blocks(target, drafter, samples, sequences, top_k: int, limit: int) -> int:
@@ -74,7 +74,7 @@ def bench(store_url: str, checkpoint: str, naive_limit: int = 64) -> tuple[list[
     naive_rate = naive / naive_s
     same = sum(offline[name].walks[None].rounds.get(k) == online[name].walks[None].rounds.get(k)
                for k in generated)
-    summary = offline[name].summary()
+    summary = offline[name].summary().to_json()
     rows = [
         Row("5 eval", "offline replay / --online blocks/s",
             f"{off_rate / on_rate:.1f}x ({off_rate:.0f} vs {on_rate:.1f} blocks/s)",
@@ -82,7 +82,7 @@ def bench(store_url: str, checkpoint: str, naive_limit: int = 64) -> tuple[list[
         Row("5 eval", "offline replay / naive per-block loop",
             f"{off_rate / naive_rate:.1f}x ({naive_rate:.1f} blocks/s over {naive} blocks)"),
         Row("5 eval", "tau offline vs online, prompts with equal taus",
-            f"{summary['mean_tau']:.3f} vs {online[name].summary()['mean_tau']:.3f}; "
+            f"{summary['mean_tau']:.3f} vs {online[name].summary().to_json()['mean_tau']:.3f}; "
             f"{same}/{len(generated)}"),
     ]
     return rows, summary
@@ -99,4 +99,4 @@ def offline_summary(store_url: str, checkpoint: str) -> dict:
                                 dtype=torch.float32)
     offline, _ = evaluate_offline(drafters, read_samples(store), EvalSettings())
     (result,) = offline.values()
-    return result.summary()
+    return result.summary().to_json()

@@ -295,10 +295,7 @@ class Walk:
 
     def merge(self, other: "Walk") -> None:
         """Add another walk's counts (another rank's or store's); rounds are not kept."""
-        if self.stats is not None:
-            self.stats.merge(other.stats)
-        else:
-            self.taus.merge(other.taus)
+        (self.stats or self.taus).merge(other.stats or other.taus)
         self.positions.merge(other.positions)
 
     def tree_summary(self) -> dict:

@@ -29,7 +29,7 @@ from dflash_train.evaluate.online import (
     store_sampling,
 )
 from dflash_train.evaluate.replay import EvalSample, EvalSettings
-from dflash_train.evaluate.summary import RunLabel
+from dflash_train.evaluate.summary import EvalSummary, RunLabel
 from dflash_train.store_schema import Store
 
 
@@ -40,8 +40,8 @@ class RunResults(Protocol):
     walks: dict[Budget, Walk]
     """Per walk (None: the chain, else a DDTree budget): its metrics and rounds."""
 
-    def summary(self) -> dict:
-        """Its report column: a summary.EvalSummary as JSON."""
+    def summary(self) -> EvalSummary:
+        """Its report column."""
 
     def table(self) -> dict[str, list]:
         """Its per-block rows (replay.ROW_NAMES), ordered by (walk, part, sample, anchor)."""

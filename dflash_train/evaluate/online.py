@@ -403,12 +403,9 @@ def _score(results: CheckpointResults, s: EvalSample, run: OnlineRun, block_size
     live = online_sample(s, run)
     blocks = [(live, r.anchor) for r in run.rounds]
     labels, valid = labels_for(blocks, block_size)
-    if run.tree_budget is None:
-        taus = results.add(blocks, torch.stack([r.logp for r in run.rounds]),
-                           torch.stack([r.ids for r in run.rounds]), labels, valid)
-    else:
-        taus = results.add_trees(run.tree_budget, blocks, [r.tree for r in run.rounds],
-                                 labels, valid)
+    drafts = (torch.stack([r.ids for r in run.rounds]) if run.tree_budget is None
+              else [r.tree for r in run.rounds])
+    taus = results.add(run.tree_budget, blocks, drafts, labels, valid)
     verified = [r.tau for r in run.rounds]
     if taus != verified:
         what = "chain" if run.tree_budget is None else f"tree @{run.tree_budget}"

@@ -212,26 +212,19 @@ class CheckpointResults:
         self.walks |= {b: Walk(self.block_size, s.position_bin) for b in s.tree_budgets}
         self.rows = {n: [] for n in ROW_NAMES}
 
-    def add(self, blocks: list[tuple[EvalSample, int]], logp: torch.Tensor,
-            ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> list[int]:
-        """Score chain blocks (sample, anchor) with draft top-k [M, B, k] and labels [M, B]."""
-        taus = self.walks[None].stats.update(ids, labels, valid,
-                                             tokens_left(blocks, self.block_size))
-        return self._record(None, blocks, taus.tolist())
-
-    def add_trees(self, budget: int, blocks: list[tuple[EvalSample, int]],
-                  trees: list[DraftTree], labels: torch.Tensor, valid: torch.Tensor
-                  ) -> list[int]:
-        """Score DDTree blocks of `budget` nodes, one tree per block, with labels [M, B]."""
-        label_rows, valid_rows = labels[:, 1:].tolist(), valid[:, 1:].tolist()
-        depth = torch.tensor([len(accepted_path(t, lab, ok)) for t, lab, ok in
-                              zip(trees, label_rows, valid_rows, strict=True)], dtype=torch.long)
-        taus = committed_lengths(depth, tokens_left(blocks, self.block_size))
-        return self._record(budget, blocks, taus.tolist())
-
-    def _record(self, budget: Budget, blocks: list[tuple[EvalSample, int]], taus: list[int]
-                ) -> list[int]:
-        self.walks[budget].record([s.key for s, _ in blocks], [a for _, a in blocks], taus)
+    def add(self, budget: Budget, blocks: list[tuple[EvalSample, int]],
+            drafts: torch.Tensor | list[DraftTree], labels: torch.Tensor, valid: torch.Tensor
+            ) -> list[int]:
+        """Score blocks (sample, anchor) of `budget`'s walk against labels [M, B]: the
+        chain's draft top-k ids [M, B, k], or one DDTree of `budget` nodes per block."""
+        left, walk = tokens_left(blocks, self.block_size), self.walks[budget]
+        if budget is None:
+            taus = walk.stats.update(drafts, labels, valid, left).tolist()
+        else:
+            depth = [len(accepted_path(t, lab, ok)) for t, lab, ok in
+                     zip(drafts, labels[:, 1:].tolist(), valid[:, 1:].tolist(), strict=True)]
+            taus = committed_lengths(torch.tensor(depth, dtype=torch.long), left).tolist()
+        walk.record([s.key for s, _ in blocks], [a for _, a in blocks], taus)
         for (s, anchor), tau in zip(blocks, taus, strict=True):
             for name, value in zip(ROW_NAMES, (s.part, s.index, s.source_row, anchor, budget,
                                                tau), strict=True):
@@ -247,10 +240,10 @@ class CheckpointResults:
         order = sorted(range(len(keys)), key=keys.__getitem__)
         return {name: [self.rows[name][i] for i in order] for name in ROW_NAMES}
 
-    def summary(self) -> dict:
+    def summary(self) -> EvalSummary:
         """Its column of the report: the chain's metrics plus each budget's DDTree rounds,
         each with its tau by anchor position."""
-        return EvalSummary(self.walks).to_json()
+        return EvalSummary(self.walks)
 
 
 @dataclass
@@ -381,10 +374,9 @@ def scorer(results: CheckpointResults, budget: Budget) -> Scorer:
     """Scores blocks into `budget`'s walk: the chain's drafts, or the DDTree of `budget`
     nodes grown from each block's draft."""
     def score(blocks, d, labels, valid):
-        if budget is None:
-            return results.add(blocks, d.logp, d.ids, labels, valid)
-        grown = [grow_tree(d.tree_candidates(m), budget) for m in range(len(blocks))]
-        return results.add_trees(budget, blocks, grown, labels, valid)
+        drafts = d.ids if budget is None else [grow_tree(d.tree_candidates(m), budget)
+                                               for m in range(len(blocks))]
+        return results.add(budget, blocks, drafts, labels, valid)
 
     return score
 

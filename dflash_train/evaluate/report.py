@@ -13,7 +13,7 @@ from pathlib import Path
 from dflash_train.drafter.files import write_file_atomically
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.replay import Agreement, EvalSettings
-from dflash_train.evaluate.summary import RUN_LABELS, RunLabel
+from dflash_train.evaluate.summary import RUN_LABELS, EvalSummary, RunLabel
 from dflash_train.store_schema import StoreMeta
 
 REPORT_FILE = "report.json"
@@ -51,12 +51,13 @@ class CheckpointEntry:
     path: str
     trained_on: list[str] | None
     """The training data of its run (its provenance), when it has one."""
-    summaries: dict[RunLabel, dict]
-    """Its summary (summary.EvalSummary as JSON) per run made."""
+    summaries: dict[RunLabel, EvalSummary]
+    """Its summary per run made."""
 
     def to_json(self) -> dict:
         return {"name": self.name, "path": self.path, "trained_on": self.trained_on,
-                **{label: self.summaries.get(label) for label in RUN_LABELS}}
+                **{label: s.to_json() if (s := self.summaries.get(label)) else None
+                   for label in RUN_LABELS}}
 
 
 @dataclass

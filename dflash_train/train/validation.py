@@ -113,10 +113,7 @@ class Validation:
                                           self.settings)
         except (StoreError, EvalError) as e:
             raise TrainError(f"--val-store {store.url}: {e}") from e
-        walks = results[store.url].walks
-        for walk in walks.values():
-            walk.rounds = {}  # counts only travel between ranks
-        return walks
+        return results[store.url].walks
 
     def _merged(self, shares: Sequence[dict[Budget, Walk]]) -> CheckpointResults:
         """One result whose counts are the sum of every share's (a rank's, or a store's)."""

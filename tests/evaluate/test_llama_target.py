@@ -57,7 +57,7 @@ def test_llama_gguf_target_through_extract_train_eval_and_export(llama_store, ll
     assert check["same_text"] == check["prompts"] == store.num_samples
     for name in out.offline:
         assert out.offline[name].walks[None].rounds == out.online[name].walks[None].rounds, name
-        assert out.offline[name].summary() == out.online[name].summary(), name
+        assert out.offline[name].summary().to_json() == out.online[name].summary().to_json(), name
     taus = [t for seq in out.online["llama_fitted"].walks[None].rounds.values() for _, t in seq]
     assert len(set(taus)) >= 4
 

@@ -56,8 +56,8 @@ def test_offline_replay_equals_live_speculative_decoding_prompt_by_prompt(
         # each DDTree budget walked offline as it is decoded live: a + the tree's own tau
         assert _walk_rounds(out.offline[name]) == _walk_rounds(out.online[name]), name
         # the whole summary, tau by anchor position (chain and each budget) included
-        assert out.offline[name].summary() == out.online[name].summary(), name
-    by_position = out.online["trained"].summary()["tau_by_position"]["bins"]
+        assert out.offline[name].summary().to_json() == out.online[name].summary().to_json(), name
+    by_position = out.online["trained"].summary().to_json()["tau_by_position"]["bins"]
     assert len(by_position) >= 3 and len({b["mean_tau"] for b in by_position}) >= 2
     trees = _walk_rounds(out.online["trained"])
     assert trees[16] != out.online["trained"].walks[None].rounds, "the trees moved on as chains did"
@@ -81,7 +81,7 @@ def test_a_draft_vocabulary_drafter_replays_offline_what_it_drafts_live(
                               model=eos_target_dir, progress=False,
                               settings=EvalSettings(mode="replay", tree_budgets=(4,))))
     assert out.offline["mapped"].walks[None].rounds == out.online["mapped"].walks[None].rounds
-    assert out.offline["mapped"].summary() == out.online["mapped"].summary()
+    assert out.offline["mapped"].summary().to_json() == out.online["mapped"].summary().to_json()
     taus = [t for seq in out.online["mapped"].walks[None].rounds.values() for _, t in seq]
     assert len(set(taus)) >= 3, "acceptance too uniform to test"
 
@@ -289,7 +289,7 @@ def test_online_metrics_use_the_generated_text_as_labels():
         stop, cached=False)
     assert generated == {(0, 0): script}
     assert results["s"].walks[None].rounds == {(0, 0): [(3, 3), (6, 3)]}
-    assert results["s"].summary()["slot_accuracy"] == pytest.approx([1.0, 1.0, 0.5])
+    assert results["s"].summary().to_json()["slot_accuracy"] == pytest.approx([1.0, 1.0, 0.5])
 
 
 def test_online_refuses_a_model_that_is_not_the_store_target(tmp_path, regen_store,
@@ -337,7 +337,7 @@ def test_dflash2_replay_equals_live_decoding_chain_and_tree_and_follows_the_walk
     unary = out.offline["trained"].walks[None].rounds  # the same unary logits, drafted by argmax
     for name in ("d2_free", "d2_factorised"):
         assert out.offline[name].walks[None].rounds == out.online[name].walks[None].rounds, name
-        assert out.offline[name].summary() == out.online[name].summary(), name
+        assert out.offline[name].summary().to_json() == out.online[name].summary().to_json(), name
         # the selector changed drafts, so counting the unary argmax would measure another
         # drafter (TorchSpec #177)
         assert out.offline[name].walks[None].rounds != unary, name

@@ -110,7 +110,7 @@ def test_offline_replay_equals_online_sample_and_match_round_by_round(sampled):
     assert check["same_text"] == check["prompts"] == open_store(store).num_samples
     assert out.offline[name].walks[None].rounds == out.online[name].walks[None].rounds
     assert _walk_rounds(out.offline[name]) == _walk_rounds(out.online[name])
-    assert out.offline[name].summary() == out.online[name].summary()
+    assert out.offline[name].summary().to_json() == out.online[name].summary().to_json()
     assert check["same_tree_taus"] == {name: {str(b): check["prompts"] for b in budgets}}
     taus = [t for seq in out.online[name].walks[None].rounds.values() for _, t in seq]
     assert len(set(taus)) >= 2, taus

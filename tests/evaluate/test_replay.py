@@ -154,7 +154,7 @@ def test_replay_visits_first_response_token_then_jumps_by_tau():
     drafter, results = _crafted({0: {5, 9}}, s)
     evaluate_replay(drafter, [s], results, SETTINGS.top_k(VOCAB_SIZE))
     assert results.walks[None].rounds[(0, 0)] == [(3, 2), (5, 4), (9, 2)]
-    summary = results.summary()
+    summary = results.summary().to_json()
     assert summary["n_blocks"] == 3
     assert summary["mean_tau"] == pytest.approx(8 / 3)  # 2 + 4 + 2: the 9 response tokens
     assert summary["mean_streak"] == pytest.approx(2.0)  # accepted drafts 1, 3, 2
@@ -182,9 +182,9 @@ def test_each_budget_walks_its_own_tree_as_a_tree_decoder_moves_on():
     # budget 64: every path with one rank 1 is in (score -2.2 and up). a=3: 4, 5 (rank 1),
     # 6 -> tau 4. a=7: 8, 9 (rank 1), 10 -> depth 3, 4 tokens left (8..11): tau 4.
     assert results.walks[64].rounds == {(0, 0): [(3, 4), (7, 4)]}
-    assert results.summary()["tree"]["2"]["mean_tau"] == pytest.approx(8 / 4)
-    assert results.summary()["tree"]["2"]["rounds"] == 4
-    assert results.summary()["tree"]["64"]["rounds"] == 2
+    assert results.summary().to_json()["tree"]["2"]["mean_tau"] == pytest.approx(8 / 4)
+    assert results.summary().to_json()["tree"]["2"]["rounds"] == 4
+    assert results.summary().to_json()["tree"]["64"]["rounds"] == 2
     # the chain walked its own anchors, untouched by the trees
     assert results.walks[None].rounds == {(0, 0): [(3, 2), (5, 4), (9, 2)]}
 
@@ -239,7 +239,7 @@ def test_tau_by_anchor_position_bins_the_replay_rounds():
         (0, 0): [(3, 2), (5, 4), (9, 2)],
         (0, 1): [(5, 3), (8, 1), (9, 4), (13, 2), (15, 4), (19, 3), (22, 4), (26, 3)],
         (0, 2): [(2, 1), (3, 4), (7, 1)]}
-    summary = results.summary()
+    summary = results.summary().to_json()
     # bins of 8 by anchor, prompt included: 0..7 {2, 4, 3, 1, 4, 1}, 8..15 {2, 1, 4, 2, 4},
     # 16..23 {3, 4}, 24..31 {3}
     assert _bins(summary["tau_by_position"]) == [(0, 6, 2.5), (8, 5, 2.6), (16, 2, 3.5),
@@ -274,7 +274,7 @@ def test_blocks_per_forward_and_batch_size_change_nothing():
                                     batch_tokens=batch_tokens, blocks_per_forward=per_forward,
                                     position_bin=4)
             results, _ = evaluate_offline({"crafted": drafter}, samples, settings)
-            runs.append((results["crafted"].table(), results["crafted"].summary()))
+            runs.append((results["crafted"].table(), results["crafted"].summary().to_json()))
         assert runs[0] == runs[1] == runs[2]
         assert len(runs[0][1]["tau_by_position"]["bins"]) == bins  # bins of 4 tokens
 
@@ -309,7 +309,7 @@ def test_a_real_drafter_gives_the_same_blocks_whatever_the_batching(small_store)
             settings = EvalSettings(mode=mode, batch_tokens=batch_tokens,
                                     blocks_per_forward=per_forward, position_bin=8)
             results, _ = evaluate_offline(drafter, read_samples(store), settings)
-            per_mode.append((results["d"].table(), results["d"].summary()))
+            per_mode.append((results["d"].table(), results["d"].summary().to_json()))
         assert per_mode[0] == per_mode[1]
         rows.append(per_mode[0])
     assert len(rows[0][0]["tau"]) > len(rows[1][0]["tau"]) > 0  # all scores more anchors
@@ -357,9 +357,9 @@ def test_a_dflash2_drafter_warm_started_from_dflash_replays_its_tau_exactly(
                      settings=EvalSettings(mode="replay", tree_budgets=(4,)), progress=False)
     out = run_eval(cfg)
     dflash, dflash2 = out.offline["trained"], out.offline["warm"]
-    assert dflash.summary()["mean_tau"] > 2  # a trained drafter: the equality has teeth
+    assert dflash.summary().to_json()["mean_tau"] > 2  # a trained drafter: the equality has teeth
     assert dflash2.walks[None].rounds == dflash.walks[None].rounds
-    assert dflash2.summary()["mean_tau"] == dflash.summary()["mean_tau"]
+    assert dflash2.summary().to_json()["mean_tau"] == dflash.summary().to_json()["mean_tau"]
     with pytest.raises(TrainError, match="is a DFlash 2 drafter; pass --set model.kind"):
         initial_drafter(ModelConfig(init_from=warm_dir))
 

@@ -77,7 +77,7 @@ def test_a_cap_inside_the_accepted_drafts_reads_as_the_tokens_committed():
                                            "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]}, 4,
                            "vllm")
     assert served.walks[None].rounds == online.walks[None].rounds == {(0, 0): [(3, 3), (6, 3)]}
-    mine, theirs = served.summary(), online.summary()
+    mine, theirs = served.summary().to_json(), online.summary().to_json()
     for key in ("n_blocks", "mean_tau", "mean_streak", "streak_hist", "cond_accept",
                 "tau_by_position"):
         assert mine[key] == theirs[key], key
@@ -96,8 +96,8 @@ def test_an_eos_inside_the_accepted_drafts_reads_as_the_tokens_committed():
     run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 7], 8), 8, "vLLM")
     served = ServedResults("s", 8, [run], {}, BIN, "vllm")
     assert served.walks[None].rounds == online.walks[None].rounds == {(0, 0): [(3, 2), (5, 4)]}
-    assert served.summary()["cond_accept"] == online.summary()["cond_accept"]
-    assert not served.summary()["vllm"]["counters_agree"]  # no Prometheus totals given
+    assert served.summary().to_json()["cond_accept"] == online.summary().to_json()["cond_accept"]
+    assert not served.summary().to_json()["vllm"]["counters_agree"]  # no Prometheus totals given
 
 
 def test_counts_that_do_not_add_up_to_the_output_are_refused_naming_the_prompt():
@@ -114,7 +114,7 @@ def test_counts_that_do_not_add_up_to_the_output_are_refused_naming_the_prompt()
 def test_a_first_token_eos_is_a_prompt_without_rounds():
     run = served_run(_prompt(PROMPT + [EOS_ID]), _raw([EOS_ID], [], 8), 8, "vLLM")
     served = ServedResults("s", 8, [run], {}, BIN, "vllm")
-    assert run.committed == [] and served.summary()["n_blocks"] == 0
+    assert run.committed == [] and served.summary().to_json()["n_blocks"] == 0
 
 
 def test_prompts_are_capped_by_max_new_tokens_and_the_store_max_length():
@@ -177,20 +177,20 @@ def test_served_results_parse_the_driver_result_and_refuse_a_missing_prompt():
               "counters": {"num_drafts": 1, "num_accepted_tokens": 1,
                            "accepted_per_pos": [1, 0, 0]}}
     served = served_results("s", _job([_prompt(tokens)]), result, 4)
-    assert served.summary()["vllm"]["counters_agree"]
-    assert served.summary()["info"]["versions"] == {"vllm": "x"}
+    assert served.summary().to_json()["vllm"]["counters_agree"]
+    assert served.summary().to_json()["info"]["versions"] == {"vllm": "x"}
     with pytest.raises(EvalError, match=r"no output for prompts \['0/1'\]"):
         served_results("s", _job([_prompt(tokens), _prompt(tokens, 1)]), result, 4)
 
 
 def _report_with_served(served: ServedResults, online) -> dict:
-    summary = online.summary()
+    summary = online.summary().to_json()
     return {
         "store": "s.zarr", "mode": "replay", "samples": 1, "limit": None, "seed": 0,
         "agreement": {"rate": 1.0, "matches": 1, "total": 1}, "warning": None,
         "tree_budgets": [1], "recall_at": [1, 2],
         "checkpoints": [{"name": "s", "offline": summary, "online": None,
-                         "served": served.summary()}],
+                         "served": served.summary().to_json()}],
         "served_check": {"prompts": 1, "against": "offline", "checkpoints": {"s": {
             "same_text": 1, "same_taus_as_offline": 0, "likely_causes": ["because"],
             "first_difference": {"prompt": "0/0", "kind": "tau", "round": 1,
@@ -224,7 +224,7 @@ def test_an_engine_bins_its_rounds_by_the_jobs_position_bin():
     raw = dict(_raw(tokens[len(PROMPT):], [3, 1, 2], 4), key="0/0")
     served = served_results("s", _job([_prompt(tokens)], position_bin=5), {"prompts": [raw]}, 4)
     assert served.runs[0].anchors == [3, 7, 9]
-    by_position = served.summary()["tau_by_position"]
+    by_position = served.summary().to_json()["tau_by_position"]
     assert by_position["bin_tokens"] == 5
     assert [(b["start"], b["n_blocks"]) for b in by_position["bins"]] == [(0, 1), (5, 2)]
 
@@ -386,12 +386,12 @@ def test_vllm_decodes_with_and_without_the_drafter_taking_turns_wave_by_wave(
     assert log.read_text().splitlines() == ["drafter 16", "plain 16", "plain 16",
                                             "drafter 16", "drafter 1", "plain 1"]
     assert all(r.accepted == [1] * len(r.committed) for r in served.runs)
-    assert served.summary()["vllm"]["counters_agree"]
+    assert served.summary().to_json()["vllm"]["counters_agree"]
     # each prompt of m tokens: m - 1 decoded; with the drafter in ceil((m - 1) / 2) rounds
     # of 30 ms, without it in m - 1 steps of 10 ms
     tokens = sum(p.max_tokens - 1 for p in prompts)
     rounds = sum(-(-(p.max_tokens - 1) // 2) for p in prompts)
-    speed = served.summary()["speed"]
+    speed = served.summary().to_json()["speed"]
     assert speed["prompts"] == speed["same_text"] == 33
     assert speed["with_drafter"]["decode_tokens"] == speed["without_drafter"]["decode_tokens"] \
         == tokens
@@ -485,7 +485,7 @@ def test_the_table_shows_the_speed_with_and_without_the_drafter():
     online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
     run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
     served = ServedResults("s", 8, [run], {}, BIN, "vllm", speed=_speed_example())
-    assert served.summary()["speed"] == _speed_example()
+    assert served.summary().to_json()["speed"] == _speed_example()
     lines = format_table(_report_with_served(served, online)).splitlines()
     speed = next(x for x in lines if x.startswith("    speed, decode only"))
     assert "(3 prompts, one prompt at a time; same text without the drafter for 2)" in speed
@@ -495,7 +495,7 @@ def test_the_table_shows_the_speed_with_and_without_the_drafter():
     assert "costs 6.00 decode steps without the drafter, so it pays where tau > 6.00; " \
            "here 2.50 tokens per round" in even
     unmeasured = ServedResults("s", 8, [run], {}, BIN, "vllm")
-    assert unmeasured.summary()["speed"] is None
+    assert unmeasured.summary().to_json()["speed"] is None
     assert "speed" not in format_table(_report_with_served(unmeasured, online))
 
 

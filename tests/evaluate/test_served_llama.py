@@ -81,7 +81,7 @@ def test_served_rounds_equal_online_and_offline_prompt_by_prompt(llama_server, t
         assert run.tokens == out.generated[run.prompt.sample.key]
     # ... and the same rounds: anchors and committed tokens, prompt by prompt.
     assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
-    mine, theirs = served.summary(), online.summary()
+    mine, theirs = served.summary().to_json(), online.summary().to_json()
     for key in ("n_blocks", "mean_tau", "streak_hist", "cond_accept"):
         assert mine[key] == theirs[key], key
     assert sum(n > 0 for n in theirs["streak_hist"]) >= 3, "acceptance too uniform to test"
@@ -114,8 +114,8 @@ def _served_equals_online(llama_server, target_gguf, store, drafter, tmp_path) -
     served, online, offline = out.served[name], out.online[name], out.offline[name]
     assert out.report["served_check"]["checkpoints"][name]["first_difference"] is None
     assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
-    assert served.summary()["llama_cpp"]["counters_agree"]
-    return online.summary()
+    assert served.summary().to_json()["llama_cpp"]["counters_agree"]
+    return online.summary().to_json()
 
 
 def test_a_draft_vocabulary_drafter_is_served_as_it_replays(llama_server, target_gguf, store,

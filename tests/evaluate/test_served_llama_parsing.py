@@ -171,7 +171,7 @@ def test_a_cap_is_applied_where_online_applies_it_and_later_steps_are_left_out()
     results = ServedResults("s", 8, [served.run], {}, BIN, "llama_cpp",
                             counters_agree=True)
     assert results.walks[None].rounds == online.walks[None].rounds
-    assert results.summary()["llama_cpp"]["num_accepted_tokens"] == 9  # its convention
+    assert results.summary().to_json()["llama_cpp"]["num_accepted_tokens"] == 9  # its convention
 
 
 def test_an_end_of_generation_online_does_not_stop_on_is_flagged():
@@ -287,9 +287,9 @@ def test_llama_cpp_decodes_with_and_without_the_drafter_taking_turns_prompt_by_p
                                                         "drafter", "plain", "plain", "drafter"]
     # asked for 6 + 8 tokens, 1 accepted draft a step: 7 steps each, 3 kept for 6 tokens
     assert all(r.committed == [2, 2, 1] and r.anchors == [3, 5, 7] for r in served.runs)
-    assert served.summary()["llama_cpp"]["counters_agree"]  # all 28 steps in /metrics
-    assert [b["start"] for b in served.summary()["tau_by_position"]["bins"]] == [0, 4]
-    speed = served.summary()["speed"]
+    assert served.summary().to_json()["llama_cpp"]["counters_agree"]  # all 28 steps in /metrics
+    assert [b["start"] for b in served.summary().to_json()["tau_by_position"]["bins"]] == [0, 4]
+    speed = served.summary().to_json()["speed"]
     assert speed["prompts"] == speed["same_text"] == 4
     assert speed["with_drafter"]["decode_tokens"] == 4 * 13  # the whole generation, uncut
     assert speed["with_drafter"]["rounds"] == 4 * 7

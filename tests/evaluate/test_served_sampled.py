@@ -118,14 +118,14 @@ def test_tau_check_walks_offline_as_the_engine_did_and_says_whether_intervals_me
     rounds = list(zip(run.anchors, run.committed, strict=True))  # (3, 2) (5, 3) (8, 1) (9, 3)
     # offline under --mode all: a tau at every anchor, the walk visits 3, 5, 8, 9
     every = {a: 4 for a in range(3, 12)} | dict(rounds)
-    offline = types.SimpleNamespace(sequences={(0, 0): sorted(every.items())})
+    offline = _offline({(0, 0): sorted(every.items())})
     same = tau_check(served, offline)
     assert same["served"] == same["offline"] and same["offline"]["rounds"] == 4
     assert same["within"] is True
-    worse = types.SimpleNamespace(sequences={(0, 0): [(3, 1), (4, 1), (5, 1), (6, 1), (7, 1),
-                                                      (8, 1), (9, 1), (10, 1), (11, 1)]})
+    worse = _offline({(0, 0): [(3, 1), (4, 1), (5, 1), (6, 1), (7, 1),
+                               (8, 1), (9, 1), (10, 1), (11, 1)]})
     assert tau_check(served, worse)["within"] is False
-    one = types.SimpleNamespace(sequences={(0, 0): [(3, 2)]})  # its walk ends at anchor 5
+    one = _offline({(0, 0): [(3, 2)]})  # its walk ends at anchor 5
     assert tau_check(served, one)["offline"]["rounds"] == 1
     assert tau_check(served, one)["within"] is None
 
@@ -323,3 +323,8 @@ def test_real_vllm_samples_reproducibly_and_its_tau_agrees_with_offline(tmp_path
     tau = first.report["served_check"]["checkpoints"]["d20"]["tau_check"]
     assert tau["within"], tau
     assert first.report["checkpoints"][0]["served"]["vllm"]["counters_agree"]
+
+
+def _offline(rounds: dict) -> types.SimpleNamespace:
+    """Offline results as tau_check reads them: the chain's rounds per sample."""
+    return types.SimpleNamespace(walks={None: types.SimpleNamespace(rounds=rounds)})

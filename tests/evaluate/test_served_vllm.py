@@ -76,7 +76,7 @@ def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
         assert run.tokens == out.generated[run.prompt.sample.key]
     # ... and the same rounds: anchors and committed tokens, prompt by prompt.
     assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
-    mine, theirs = served.summary(), online.summary()
+    mine, theirs = served.summary().to_json(), online.summary().to_json()
     for key in ("n_blocks", "mean_tau", "streak_hist", "cond_accept", "tau_by_position"):
         assert mine[key] == theirs[key], key
     assert sum(n > 0 for n in theirs["streak_hist"]) >= 3, "acceptance too uniform to test"
@@ -124,8 +124,8 @@ def test_a_draft_vocabulary_drafter_is_served_as_it_replays(vllm_python, target_
                    echo=lambda line: None)
     served, online, offline = out.served["mapped"], out.online["mapped"], out.offline["mapped"]
     assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
-    assert served.summary()["mean_tau"] == online.summary()["mean_tau"]
-    assert sum(n > 0 for n in online.summary()["streak_hist"]) >= 2, "too uniform to test"
+    assert served.summary().to_json()["mean_tau"] == online.summary().to_json()["mean_tau"]
+    assert sum(n > 0 for n in online.summary().to_json()["streak_hist"]) >= 2, "too uniform to test"
     assert out.report["served_check"]["checkpoints"]["mapped"]["first_difference"] is None
 
 

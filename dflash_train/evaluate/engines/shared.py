@@ -246,13 +246,13 @@ class ServedResults:
             "prometheus": c, "counters_agree": agree,
         }
 
-    def summary(self) -> dict:
+    def summary(self) -> EvalSummary:
         """The served column: committed tokens as offline counts them (drafts past a
         rejection, top-k and trees are not visible from outside the engine), and the
         engine's own counters."""
         return EvalSummary(self.walks, sees_drafts=False,
                            engine={self.engine: self.engine_summary(), "info": self.info,
-                                   "speed": self.speed}).to_json()
+                                   "speed": self.speed})
 
     def decoded(self) -> Decoded:
         """Its text and rounds per prompt, as the agreement check reads them."""
