@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.driver import package_errors_as_one_line, writable_dir
-from benchmarks.real_target import PRESETS, RealTargetConfig, train_drafter
+from benchmarks.real_target import EXTRACT_BATCH_TOKENS, PRESETS, RealTargetConfig, train_drafter
 
 GREEDY_PIECES = ("train.jsonl", "train.zarr", "held_out.jsonl", "held_out.zarr", "results.json")
 """What real_target leaves in its --out; results.json, written last, says it finished."""
@@ -42,9 +42,6 @@ the train row at the same index would share their noise under one seed: two seed
 independent."""
 TARGET_HALF_WIDTH = 0.02
 """The interval half-width the needed-prompts estimate aims at."""
-BATCH_TOKENS = 8192
-"""Padded tokens per extract forward; not recorded in a store, it bounds memory only (the
-answers are keyed by row and position, never by batch). real_target extracts with the same."""
 NOT_RECIPE = ("eval_every", "fidelity_prompts", "drafter_layers")
 """RealTargetConfig fields that change neither the stores nor a drafter's training."""
 
@@ -164,7 +161,7 @@ def extract_config(greedy: str, job: StoreJob):
         max_length=meta.source.max_length, overlong=meta.extra["overlong"],
         rows_per_part=meta.extra["rows_per_part"], device="cpu", dtype=meta.hidden_dtype,
         regenerate=True, max_new_tokens=meta.extra["max_new_tokens"],
-        batch_tokens=BATCH_TOKENS,
+        batch_tokens=EXTRACT_BATCH_TOKENS,
         sampling=SamplingConfig(temperature=job.temperature, seed=job.seed))
 
 
