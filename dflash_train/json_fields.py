@@ -17,7 +17,8 @@ LARGEST_INT = 2**53
 """The largest integer a JSON number keeps exactly in every reader (a double's mantissa)."""
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """A value as an error message shows it: its repr, cut to 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -30,11 +31,11 @@ class Fields:
 
     def __init__(self, raw: Any, where: str, error: type[DflashError]):
         if not isinstance(raw, Mapping):
-            raise error(f"{where}: expected a JSON object, got {_show(raw)}")
+            raise error(f"{where}: expected a JSON object, got {show_value(raw)}")
         self.raw, self.where, self.error = raw, where, error
 
     def _fail(self, name: str, value: Any, wanted: str) -> DflashError:
-        return self.error(f"{self.where}: field {name!r} is {_show(value)}, not {wanted}")
+        return self.error(f"{self.where}: field {name!r} is {show_value(value)}, not {wanted}")
 
     def get(self, name: str) -> Any:
         if name not in self.raw:

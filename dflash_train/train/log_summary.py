@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_train.json_fields import Fields, is_number
+from dflash_train.json_fields import Fields, is_number, show_value
 from dflash_train.run_layout import LOG
 from dflash_train.train.errors import TrainError
 from dflash_train.train.record import StepRecord
@@ -132,7 +132,7 @@ def _optional(fields: Fields, name: str, kind: str) -> None:
 def _check_slot_acc(fields: Fields, slots: tuple[int, int] | None) -> None:
     acc = fields.sequence("slot_acc")
     if not all(a is None or is_number(a) for a in acc):
-        raise TrainError(f"{fields.where}: field 'slot_acc' is {_show(acc)}, not a list of "
+        raise TrainError(f"{fields.where}: field 'slot_acc' is {show_value(acc)}, not a list of "
                          "numbers")
     if slots is not None and len(acc) != slots[0]:
         raise TrainError(f"{fields.where}: 'slot_acc' has {len(acc)} slots, line "
@@ -147,7 +147,7 @@ def _check_validation(validation: Fields) -> None:
     if validation.raw.get("tau_ci95") is not None:
         ci = validation.sequence("tau_ci95")
         if len(ci) != 2 or not all(is_number(x) for x in ci):
-            raise TrainError(f"{validation.where}: field 'tau_ci95' is {_show(ci)}, not two "
+            raise TrainError(f"{validation.where}: field 'tau_ci95' is {show_value(ci)}, not two "
                              "numbers")
     if validation.raw.get("stores") is not None:
         stores = validation.mapping("stores")
@@ -165,14 +165,9 @@ def _check_figures(figures: Fields) -> None:
     for budget in trees.raw:
         # str.isdigit alone takes '²', which int() refuses
         if not (budget.isascii() and budget.isdigit() and len(budget) <= _BUDGET_DIGITS):
-            raise TrainError(f"{trees.where}: key {_show(budget)} is not a node budget (a "
+            raise TrainError(f"{trees.where}: key {show_value(budget)} is not a node budget (a "
                              "whole number)")
         _optional(trees, budget, "number")
-
-
-def _show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _mean(values) -> float | None:
