@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu import H200_BF16_FLOPS
 from benchmarks.train_memory import WIDTHS, build_store
 
 SMOLLM2 = WIDTHS["smollm2"]
@@ -274,8 +273,8 @@ def stages_table(stages: list[Stage], peaks: dict[str, float], square: int) -> l
 class H200Feed:
     """What one H200 training the Qwen3.6-27B drafter would need fed, counted, not measured."""
 
-    peak: float = H200_BF16_FLOPS
-    """Dense bf16 FLOP/s of an H200 SXM (benchmarks.gpu's MFU denominator)."""
+    peak: float = 989e12
+    """Dense bf16 FLOP/s of an H200 SXM (the H100 SXM's tensor cores)."""
     hbm: float = 4.8e12
     host_link: float = 64e9
     """Bytes/s of the PCIe 5 x16 link the loader's batches cross to the card."""
