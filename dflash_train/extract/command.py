@@ -85,7 +85,9 @@ def _rank_and_world() -> tuple[int, int]:
               type=click.FloatRange(0), metavar="T",
               help="With --regenerate: sample the answers at temperature T (0: greedy), each "
                    "draw keyed by --seed, the row and the position, so any batching (and live "
-                   "sample-and-match decoding with that seed) draws the same tokens.")
+                   "sample-and-match decoding with that seed) draws the same tokens; with "
+                   "--server, the server draws with a seed per request instead (the store is "
+                   "then marked in-distribution only).")
 @click.option("--top-p", default=_DEFAULTS.sampling.top_p, show_default=True,
               type=click.FloatRange(0, 1, min_open=True), metavar="P",
               help="With --temperature: draw among the most probable tokens up to cumulative "
@@ -107,7 +109,8 @@ def _rank_and_world() -> tuple[int, int]:
 @click.option("--server", "servers", multiple=True, metavar="URL",
               help="With --regenerate: an OpenAI-compatible server (vLLM) serving --model, "
                    "e.g. http://127.0.0.1:8000, that generates instead of the loaded target "
-                   "(prompts and completions as token ids, greedy); repeat for several. "
+                   "(prompts and completions as token ids; greedy, or sampled as "
+                   "--temperature says); repeat for several. "
                    "One serving another model is refused before anything is written.")
 @click.option("--server-requests", default=_DEFAULTS.server_requests, show_default=True,
               type=click.IntRange(1),

@@ -3,11 +3,11 @@
 Owns the order of things before the first write: every part is a fixed slice of rows and
 rank r of W takes parts r, r + W, ...; input errors surface in a scan before the store is
 created or the model loaded; sampling settings that would do nothing (without --regenerate,
-or beside --temperature 0) or cannot be honoured (a server at temperature > 0) are refused
-before the scan; a store of something else at --out (another seed or temperature included),
-and a server of another model, are refused before the target loads. `plan_extract` gives the
-plan (all a dry run prints), `build_extract` the run that carries it out, `store_meta` the
-provenance the store is made with (run.py holds the types).
+or beside --temperature 0) are refused before the scan; a store of something else at --out
+(another seed, temperature or sampler included), and a server of another model, are refused
+before the target loads. `plan_extract` gives the plan (all a dry run prints),
+`build_extract` the run that carries it out, `store_meta` the provenance the store is made
+with (run.py holds the types).
 Never knows zarr paths: the store is reached only through dflash_train.store_schema.
 """
 
@@ -39,7 +39,7 @@ from dflash_train.store_schema import (
     target_differences,
 )
 from dflash_train.store_schema.layout import FP8_CONTEXT
-from dflash_train.store_schema.meta import SAMPLING_KEY
+from dflash_train.store_schema.meta import DRAWN_BY_KEY, SAMPLING_KEY, SERVER_DRAWN
 from dflash_train.store_schema.store import store_exists
 from dflash_train.target_model.kernels import missing_kernels_note
 from dflash_train.target_model.loading import (
@@ -139,15 +139,17 @@ def store_meta(plan: ExtractPlan, device: torch.device, kernels: str) -> StoreMe
 
 
 def _sampling_record(cfg: ExtractConfig) -> dict:
-    """The answers' sampling settings, recorded only when sampled: a greedy store's
-    provenance (and so its fingerprint) stays byte for byte what it was."""
+    """The answers' sampling settings, recorded only when sampled (a greedy store's
+    provenance, and so its fingerprint, stays byte for byte what it was), and whether a
+    server drew them (StoreMeta.server_drawn)."""
     if not cfg.regenerate or cfg.sampling.greedy:
         return {}
-    return {SAMPLING_KEY: asdict(cfg.sampling)}
+    return {SAMPLING_KEY: asdict(cfg.sampling)} | (
+        {DRAWN_BY_KEY: SERVER_DRAWN} if cfg.servers else {})
 
 
 def _check_sampling(cfg: ExtractConfig) -> None:
-    """Refuse sampling options that would change nothing, or that a server cannot honour."""
+    """Refuse sampling options that would change nothing."""
     s = cfg.sampling
     given = [f"--{flag} {value}" for flag, value, default in (
         ("temperature", s.temperature, GREEDY.temperature), ("top-p", s.top_p, GREEDY.top_p),
@@ -161,10 +163,6 @@ def _check_sampling(cfg: ExtractConfig) -> None:
         raise ExtractError(f"sampling options ({', '.join(given)}) change nothing at "
                            "--temperature 0 (greedy): drop them, or sample with --temperature "
                            "> 0")
-    if cfg.servers and not s.greedy:
-        raise ExtractError(f"sampled regeneration through a server is not supported yet "
-                           f"(--temperature {s.temperature} with --server): drop --server to "
-                           "sample with the loaded target, or regenerate greedily")
 
 
 def with_default_data(cfg: ExtractConfig, echo=print) -> ExtractConfig:

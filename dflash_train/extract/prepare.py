@@ -159,7 +159,8 @@ def _served_items(servers: list[Server], prompts: list[Item], cfg: ExtractConfig
     news = server_continuations(servers, [(p.row, p.input_ids) for p in todo],
                                 max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
                                 vocab_size=vocab_size, in_flight=cfg.server_requests,
-                                timeout=cfg.server_timeout, on_done=on_done)
+                                timeout=cfg.server_timeout, sampling=cfg.sampling,
+                                on_done=on_done)
     return [Item(p.row, p.input_ids + news[p.row],
                  [False] * len(p.input_ids) + [True] * len(news[p.row])) for p in todo]
 

@@ -1,11 +1,12 @@
-"""Greedy continuations from OpenAI-compatible servers (`extract --regenerate --server URL`).
+"""Continuations from OpenAI-compatible servers (`extract --regenerate --server URL`).
 
 Owns the HTTP side of regeneration: checking that each server serves the target, sending
-prompts as token ids to /v1/completions, reading the completion's token ids back verbatim
-(vLLM's `return_token_ids`; text is never re-tokenized: docs/reference.md §6), and keeping a
-bounded number of requests in flight across the servers, naming the slow ones. The transport
-(URLs, timeouts, every way an exchange fails) is server_http.py's. Never writes the store;
-the target's forward still runs in extract itself.
+prompts as token ids to /v1/completions (greedy, or sampled at the run's settings with a seed
+per request from the run's seed and the source row), reading the completion's token ids back
+verbatim (vLLM's `return_token_ids`; text is never re-tokenized: docs/reference.md §6), and
+keeping a bounded number of requests in flight across the servers, naming the slow ones. The
+transport (URLs, timeouts, every way an exchange fails) is server_http.py's. Never writes the
+store; the target's forward still runs in extract itself.
 """
 
 import queue
@@ -27,6 +28,7 @@ from dflash_train.extract.server_http import (
     server_url,
 )
 from dflash_train.json_fields import is_integer
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig, request_seed
 
 MODELS_TIMEOUT_S = 30.0
 """Most seconds /v1/models may take (less when --server-timeout is less)."""
@@ -96,19 +98,26 @@ def check_servers(urls: list[str], targets: list[str], need_len: int, timeout: f
     return servers
 
 
-def completion_request(model: str, prompt: list[int], max_tokens: int, eos_ids: list[int]
-                       ) -> dict:
-    """Greedy, stopping where the built-in path stops, token ids both ways."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "top_p": 1.0, "n": 1, "stop_token_ids": eos_ids, "return_token_ids": True,
-            "skip_special_tokens": False, "stream": False}
+def completion_request(model: str, prompt: list[int], max_tokens: int, eos_ids: list[int],
+                       sampling: SamplingConfig = GREEDY, row: int = 0) -> dict:
+    """Stopping where the built-in path stops, token ids both ways: greedy, or sampled at
+    `sampling`'s temperature, top-p and top-k (0: off, in vLLM too) with min-p off and
+    source row `row`'s own seed (`request_seed`), so a rerun asks for the same draws."""
+    request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+               "top_p": 1.0, "n": 1, "stop_token_ids": eos_ids, "return_token_ids": True,
+               "skip_special_tokens": False, "stream": False}
+    if not sampling.greedy:
+        request |= {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                    "top_k": sampling.top_k, "min_p": 0.0,
+                    "seed": request_seed(sampling.seed, row)}
+    return request
 
 
 def read_completion(reply: dict, prompt: list[int], max_tokens: int, eos_ids: list[int],
                     vocab_size: int) -> list[int]:
     """The completion's token ids, cut after the first eos; ReplyError when they are missing,
     not ids of the target's vocabulary, longer than asked, or stop short of both an eos and
-    the cap (the server stopped where greedy decoding would not have)."""
+    the cap (the server stopped where the built-in decoding would not have)."""
     choices = reply.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         raise ReplyError("the reply has no single choice")
@@ -181,9 +190,10 @@ class _InFlight:
 def server_continuations(servers: list[Server], prompts: list[tuple[int, list[int]]], *,
                          max_new_tokens: int, eos_ids: list[int], vocab_size: int,
                          in_flight: int, timeout: float = DEFAULT_TIMEOUT_S,
-                         on_done: OnDone | None = None,
+                         sampling: SamplingConfig = GREEDY, on_done: OnDone | None = None,
                          note: Callable[[str], None] = _stderr_note) -> dict[int, list[int]]:
-    """{row: greedy new tokens} for each (row, prompt ids), prompt i sent to server i mod n,
+    """{row: new tokens} for each (source row, prompt ids), drawn as `sampling` says
+    (completion_request), prompt i sent to server i mod n,
     at most `in_flight` requests at a time, each given up after `timeout` seconds of
     silence. The first failure stops the rest and is raised as an ExtractError naming the
     row and the server; SLOW_REQUEST_S without any answer names the oldest request through
@@ -198,7 +208,8 @@ def server_continuations(servers: list[Server], prompts: list[tuple[int, list[in
         waiting.start(row, server.url)
         try:
             reply = http_json(f"{server.url}/v1/completions",
-                              completion_request(server.model, prompt, cap, eos_ids), timeout)
+                              completion_request(server.model, prompt, cap, eos_ids,
+                                                 sampling, row), timeout)
             new = read_completion(reply, prompt, cap, eos_ids, vocab_size)
         except ReplyError as e:
             raise ExtractError(f"row {row}: --server {server.url}: {e}; nothing of this row "
@@ -262,34 +273,39 @@ def _on_daemon_threads(one: Callable[[int, int, list[int]], tuple[int, list[int]
 
 AGREEMENT_FLOOR = 0.5
 """Least share of served answer tokens equal to the target forward's own top-1 at the token
-before them that extract accepts. Greedy decoding by the same weights agrees on every token
-in fp32 (tests/extract/test_server_vllm.py) and on nearly all across dtypes and kernels
-(near-ties only); another model served under a name like --model's agreed on 0.27 %."""
+before them (of sampled answers: among its stored top-k) that extract accepts. Greedy decoding
+by the same weights agrees on every token in fp32 (tests/extract/test_server_vllm.py) and on
+nearly all across dtypes and kernels (near-ties only); another model served under a name like
+--model's agreed on 0.27 %."""
 AGREEMENT_NOTE = 0.9
-"""Below this share (and above the floor) extract ends with a note: the same weights in
-another dtype or quantization, whose drift makes offline replay a poorer estimate."""
+"""Below this share (and above the floor) a greedy extract ends with a note: the same weights
+in another dtype or quantization, whose drift makes offline replay a poorer estimate. Sampled
+answers get no note: a draw from the tail at temperature 1 is no drift."""
 MIN_AGREEMENT_TOKENS = 64
 """Fewer answer tokens than this say too little to refuse a store on."""
 
 
 def check_agreement(store, servers: list[Server], echo=None) -> None:
-    """Refuse a store whose served answers the target itself would not have given (the
-    share store info reports, store_schema.info.top1_agreement), naming the share and what
-    to do; a merely low share is noted through `echo`, when given."""
-    from dflash_train.store_schema.info import top1_agreement
+    """Refuse a store whose served answers the target itself would not have given (greedy:
+    the top-1 share store info reports, store_schema.info.top1_agreement; sampled: the share
+    among the forward's stored top-k, topk_agreement), naming the share and what to do; a
+    merely low greedy share is noted through `echo`, when given."""
+    from dflash_train.store_schema.info import top1_agreement, topk_agreement
 
-    agree, total = top1_agreement(store)
+    sampled = store.meta.sampling is not None
+    agree, total = (topk_agreement if sampled else top1_agreement)(store)
     if total < MIN_AGREEMENT_TOKENS:
         return
     share = agree / total
     named = ", ".join(s.url for s in servers)
-    said = (f"--server {named}: {agree:,} of {total:,} answer tokens ({share:.2%}) equal the "
-            f"target's own top-1 at the token before them")
+    said = (f"--server {named}: {agree:,} of {total:,} answer tokens ({share:.2%}) "
+            + (f"lie among the target's own top-{store.meta.top_k}" if sampled
+               else "equal the target's own top-1") + " at the token before them")
     if share < AGREEMENT_FLOOR:
         raise ExtractError(
             f"{said}, where the same weights agree on nearly all: the server generates with "
             f"another model than --model. {store.url} holds its answers (not the target's): "
             f"remove it, serve the target itself, and extract again")
-    if share < AGREEMENT_NOTE and echo is not None:
+    if share < AGREEMENT_NOTE and not sampled and echo is not None:
         echo(f"note: {said}: the server's weights, dtype or quantization differ from the "
              "target's; offline replay on this store is only an estimate of live decoding")

@@ -103,6 +103,8 @@ def _info_lines(path: str, meta, summary, agreement) -> list[str]:
         agree, answers = agreement
         # sampled answers differ from the top-1 by design: replay on them is exact anyway
         why = ("offline == live only where they do" if meta.sampling is None
+               else "sampled answers drawn by a server: figures are in-distribution only"
+               if meta.server_drawn
                else "sampled answers: offline == live sample-and-match at their settings")
         lines.append(f"top-1 agree    {agree:,} of {answers:,} regenerated tokens "
                      f"({agree / answers:.2%}) equal the forward's top-1 ({why})")

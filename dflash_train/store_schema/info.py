@@ -66,7 +66,8 @@ class StoreSummary:
 
 def answers_description(meta: StoreMeta) -> str:
     """Whose answers the store holds and how they were drawn, for `store info`: the
-    dataset's, the target's greedy ones, or the target's sampled at a temperature and seed."""
+    dataset's, the target's greedy ones, or the target's sampled at a temperature and seed
+    (by our keyed sampler, or by a server's own stream)."""
     if not meta.source.regenerated:
         return "the dataset's (not regenerated)"
     s = meta.sampling
@@ -74,8 +75,12 @@ def answers_description(meta: StoreMeta) -> str:
         return "the target's, greedy"
     top_k = s["top_k"] or "off"
     top_p = "off" if s["top_p"] == 1 else s["top_p"]
-    return (f"the target's, sampled at temperature {s['temperature']} (top-p {top_p}, "
-            f"top-k {top_k}) with seed {s['seed']}")
+    drawn = (f"sampled by a server at temperature {s['temperature']} (top-p {top_p}, top-k "
+             f"{top_k}), a seed per request from seed {s['seed']}: in-distribution only (no "
+             "live decode draws these tokens again)" if meta.server_drawn else
+             f"sampled at temperature {s['temperature']} (top-p {top_p}, top-k {top_k}) "
+             f"with seed {s['seed']}")
+    return f"the target's, {drawn}"
 
 
 def summarize(store: Store) -> StoreSummary:
@@ -147,8 +152,9 @@ def _prod(shape) -> int:
 
 
 def _label_windows(store: Store, window: int):
-    """(answer tokens, the forward's top-1 at the token before each) of the readable parts'
-    committed samples, `window` tokens at a time: every hard label a drafter trains on."""
+    """(answer tokens, the forward's stored top-k ids at the token before each, argmax first)
+    of the readable parts' committed samples, `window` tokens at a time: every hard label a
+    drafter trains on."""
     damaged = set(store.unreadable_parts())
     for p in store.parts():
         if p.index in damaged or not p.num_tokens:
@@ -159,7 +165,7 @@ def _label_windows(store: Store, window: int):
             t = p.read_tokens(a, hi, ("input_ids", "loss_mask", "verifier_topk_ids"))
             # label positions a+1 .. hi-1, each predicted by the token before it
             keep = t["loss_mask"][1:] & ~np.isin(np.arange(a + 1, hi), starts)
-            yield t["input_ids"][1:][keep], t["verifier_topk_ids"][:-1, 0][keep]
+            yield t["input_ids"][1:][keep], t["verifier_topk_ids"][:-1][keep]
 
 
 def top1_agreement(store: Store, window: int = 1 << 18) -> tuple[int, int]:
@@ -169,16 +175,27 @@ def top1_agreement(store: Store, window: int = 1 << 18) -> tuple[int, int]:
     this forward), and offline replay equals live decoding only where they agree. A sampled
     store (StoreMeta.sampling) falls short by design: its answers are draws, not the top-1."""
     agree = total = 0
-    for answer, top1 in _label_windows(store, window):
-        agree += int((answer == top1).sum())
+    for answer, topk in _label_windows(store, window):
+        agree += int((answer == topk[:, 0]).sum())
         total += int(answer.size)
     return agree, total
+
+
+def topk_agreement(store: Store, window: int = 1 << 18) -> tuple[int, int]:
+    """(answer tokens among the extract forward's stored top-k at the token before them,
+    answer tokens): top1_agreement's check for sampled answers, which are draws, not the
+    top-1, but of the same weights lie among its most probable tokens nearly always."""
+    within = total = 0
+    for answer, topk in _label_windows(store, window):
+        within += int((topk == answer[:, None]).any(axis=1).sum())
+        total += int(answer.size)
+    return within, total
 
 
 def label_counts(store: Store, window: int = 1 << 18) -> np.ndarray:
     """How often each vocabulary id is a hard label (the forward's top-1 before an answer
     token) in the store's readable parts: int64 [vocab_size], one streaming pass."""
     counts = np.zeros(store.meta.target.vocab_size, dtype=np.int64)
-    for _, top1 in _label_windows(store, window):
-        counts += np.bincount(top1.astype(np.int64), minlength=counts.size)[:counts.size]
+    for _, topk in _label_windows(store, window):
+        counts += np.bincount(topk[:, 0].astype(np.int64), minlength=counts.size)[:counts.size]
     return counts

@@ -21,6 +21,12 @@ SAMPLING_KEY = "sampling"
 """The key of `StoreMeta.extra` that records how sampled answers were drawn."""
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 """What it holds: target_model/sampling.py's SamplingConfig, field for field."""
+DRAWN_BY_KEY = "drawn_by"
+"""The key of `StoreMeta.extra` that names who drew sampled answers when it was not our keyed
+sampler: SERVER_DRAWN, or absent."""
+SERVER_DRAWN = "server"
+"""Sampled by a server with a seed per request (extract --server): its own random stream, so
+live decoding cannot draw those answers again."""
 
 
 @dataclass
@@ -142,6 +148,19 @@ class StoreMeta:
             raise StoreError(f"store provenance is damaged: extra.{SAMPLING_KEY} is "
                              f"{_short(s)}, not the {SAMPLING_FIELDS} of regenerated answers")
         return s
+
+    @property
+    def server_drawn(self) -> bool:
+        """Whether the sampled answers came from a server's own random stream (extract
+        --server): figures on them are in-distribution, but no live decode draws the same
+        tokens, so offline and live rounds cannot be compared one by one."""
+        by = self.extra.get(DRAWN_BY_KEY)
+        if by is None:
+            return False
+        if by != SERVER_DRAWN or self.sampling is None:
+            raise StoreError(f"store provenance is damaged: extra.{DRAWN_BY_KEY} is "
+                             f"{_short(by)}, not {SERVER_DRAWN!r} beside sampling settings")
+        return True
 
     @property
     def num_context_layers(self) -> int:

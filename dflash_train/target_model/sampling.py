@@ -26,6 +26,7 @@ or top-p mask only the kept tokens' noise is computed (the same ops on the same 
 same bits): top-k 20 of a 152K vocabulary hashes 20 tokens a row, not 152K.
 """
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,20 @@ def perturbed_logits(logits: torch.Tensor, cfg: SamplingConfig, sample_ids,
             scaled[rows, cols] += _gumbel_at(cfg.seed, sample_ids, positions, rows, cols)
             return scaled
     return scaled + gumbel_noise(cfg.seed, sample_ids, positions, vocab, logits.device)
+
+
+SEED_LIMIT = 2**31
+"""A server's request seeds lie below this: vLLM takes any int, llama.cpp a uint32 whose
+0xFFFFFFFF means "random"; 31 bits suit both."""
+
+
+def request_seed(seed: int, source_row: int) -> int:
+    """The seed of one sampled request to a server (extract --server, eval --served): the run's
+    seed and the prompt's source row hashed together (BLAKE2b), so each prompt draws its own
+    stream and a rerun draws the same one. The server's stream, not our keyed noise: its draws
+    are samples of the same law, never the same tokens."""
+    key = f"{seed}/{source_row}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % SEED_LIMIT
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, sample_ids=None,

@@ -145,8 +145,6 @@ def test_a_resume_with_other_sampling_settings_is_refused_naming_them(qwen3_dir,
                                "generated: add --regenerate"),
     (["--seed", "3"], "sampling options (--seed 3) choose how"),
     (["--regenerate", "--top-p", "0.9"], "(--top-p 0.9) change nothing at --temperature 0"),
-    (["--regenerate", "--temperature", "0.7", "--server", "http://127.0.0.1:9"],
-     "sampled regeneration through a server is not supported yet"),
 ])
 def test_sampling_options_that_cannot_apply_are_refused_in_one_line(qwen3_dir, tmp_path, flags,
                                                                     named):
