@@ -11,8 +11,9 @@ from dflash_train.store_schema import open_store, validate
 from dflash_train.store_schema.info import answers_description, topk_agreement
 from dflash_train.store_schema.meta import DRAWN_BY_KEY
 from dflash_train.target_model.sampling import SEED_LIMIT
+from tests.evaluate.conftest import save_eos_target
 from tests.extract.conftest import run_extract_cfg, store_samples
-from tests.extract.test_server_generate import FakeVllm, data, target  # noqa: F401 (fixtures)
+from tests.extract.test_server_generate import FakeVllm
 
 NEW = 8
 SAMPLED = dict(regenerate=True, max_new_tokens=NEW)
@@ -68,8 +69,18 @@ class SamplingVllm(FakeVllm):
                                   "finish_reason": "stop" if new[-1] in stop else "length"}]}
 
 
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return save_eos_target(tmp_path_factory.mktemp("eos_target"))
+
+
+@pytest.fixture(scope="module")
+def data(chats_jsonl):
+    return chats_jsonl  # the extract tests' shared 14 chats
+
+
 @pytest.fixture
-def sampler(target):  # noqa: F811
+def sampler(target):
     fake = SamplingVllm(target)
     yield fake
     fake.close()
@@ -80,7 +91,7 @@ def _answers(url: str) -> dict[int, list[int]]:
 
 
 def test_a_sampled_store_holds_the_servers_draws_and_says_it_is_in_distribution_only(
-        target, data, sampler, tmp_path):  # noqa: F811
+        target, data, sampler, tmp_path):
     s = _settings(top_k=20)
     out = str(tmp_path / "hs.zarr")
     run_extract_cfg(target, data, out, sampling=s, servers=[sampler.url], **SAMPLED)
@@ -103,7 +114,7 @@ def test_a_sampled_store_holds_the_servers_draws_and_says_it_is_in_distribution_
     assert total > 0 and within >= 0.9 * total
 
 
-def test_the_seed_decides_a_servers_draws(target, data, sampler, tmp_path):  # noqa: F811
+def test_the_seed_decides_a_servers_draws(target, data, sampler, tmp_path):
     runs = {}
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
         out = str(tmp_path / f"{name}.zarr")
@@ -115,7 +126,7 @@ def test_the_seed_decides_a_servers_draws(target, data, sampler, tmp_path):  # n
 
 
 def test_a_servers_sampled_store_is_not_resumed_by_the_builtin_sampler(target, data, sampler,
-                                                                      tmp_path):  # noqa: F811
+                                                                      tmp_path):
     out = str(tmp_path / "hs.zarr")
     run_extract_cfg(target, data, out, sampling=_settings(), servers=[sampler.url],
                     rows_per_part=5, **SAMPLED)
@@ -123,7 +134,7 @@ def test_a_servers_sampled_store_is_not_resumed_by_the_builtin_sampler(target, d
         run_extract_cfg(target, data, out, sampling=_settings(), rows_per_part=5, **SAMPLED)
 
 
-def test_another_models_draws_are_refused_by_the_forwards_top_k(target, data, tmp_path):  # noqa: F811
+def test_another_models_draws_are_refused_by_the_forwards_top_k(target, data, tmp_path):
     other = SamplingVllm(target, other_model=True)
     out = tmp_path / "hs.zarr"
     try:
