@@ -103,3 +103,28 @@ def test_a_store_regenerated_by_vllm_serve_replays_offline_equal_to_online(
                               progress=False, out=str(tmp_path / "eval")),
                    echo=lambda line: None)
     assert out.online["d20"].walks[None].rounds == out.offline["d20"].walks[None].rounds
+
+
+def test_vllm_serve_samples_reproducibly_by_the_request_seed_within_top_k(
+        target_dir, server_url, tmp_path):
+    """Sampled through vllm serve: the same --seed twice gives the same store (vLLM honours
+    the per-request seed), another seed other answers, and with top-k 5 every stored draw is
+    among the fp32 forward's top 5 (vLLM honours top-k)."""
+    from dflash_train.target_model.sampling import SamplingConfig
+
+    data = write_jsonl(tmp_path / "chats.jsonl", make_chats(8))
+    answers = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        out = str(tmp_path / f"{name}.zarr")
+        run_extract_cfg(target_dir, data, out, regenerate=True, max_new_tokens=NEW_TOKENS,
+                        layers=",".join(map(str, LAYERS)), servers=[server_url],
+                        sampling=SamplingConfig(temperature=1.0, top_k=5, seed=seed))
+        samples = store_samples(out)
+        answers[name] = [s.input_ids[s.loss_mask].tolist() for s in samples]
+        for s in samples:
+            drawn = s.input_ids[1:][s.loss_mask[1:]]
+            top5 = s.topk_ids[:-1][s.loss_mask[1:], :5]
+            assert (top5 == drawn[:, None]).any(dim=1).all(), s.source_row
+    assert answers["a"] == answers["b"]
+    assert answers["a"] != answers["c"]
+    assert open_store(str(tmp_path / "a.zarr")).meta.server_drawn
