@@ -33,9 +33,9 @@ from dflash_train.evaluate.summary import EvalSummary, RunLabel
 from dflash_train.store_schema import Store
 
 
-class RunResults(Protocol):
-    """One checkpoint's results of any run (replay.CheckpointResults,
-    engines.shared.ServedResults)."""
+class AnyCheckpointResults(Protocol):
+    """One checkpoint's results, whatever the run made them (replay.CheckpointResults for
+    offline replay and --online, engines.shared.ServedResults for --served)."""
 
     walks: dict[Budget, Walk]
     """Per walk (None: the chain, else a DDTree budget): its metrics and rounds."""
@@ -60,11 +60,11 @@ class EvalInputs:
 
 
 @dataclass
-class ModeRun:
-    """A run of every checkpoint: offline replay, or a decode mode."""
+class ModeResults:
+    """What one run (offline replay, or a decode mode) measured for every checkpoint."""
 
     label: RunLabel
-    results: dict[str, RunResults]
+    results: dict[str, AnyCheckpointResults]
     """Per checkpoint name."""
     decoded: dict[str, Decoded]
     """Per checkpoint name: text and rounds per prompt, for the agreement check."""
@@ -75,13 +75,13 @@ class ModeRun:
     """Its agreement check, as the report writes it (`<label>_check`)."""
 
 
-def earlier_runs(runs: list[ModeRun], name: str) -> dict[str, Decoded]:
+def earlier_runs(runs: list[ModeResults], name: str) -> dict[str, Decoded]:
     """Checkpoint `name`'s runs a new run is compared with, in the order they ran."""
     return {r.label: r.decoded[name] for r in runs if r.live_rounds}
 
 
 def check_runs(decoded: dict[str, Decoded], samples: list[EvalSample],
-               earlier: list[ModeRun]) -> dict[str, RunCheck]:
+               earlier: list[ModeResults]) -> dict[str, RunCheck]:
     """The agreement check of each checkpoint's run (by name): the stored text, and the
     rounds of its earlier runs."""
     stored = {s.key: s.input_ids.tolist() for s in samples}
@@ -116,7 +116,7 @@ class DecodeMode(ABC):
 
     @abstractmethod
     def run(self, inputs: EvalInputs, samples: list[EvalSample], stop: StopRule,
-            earlier: list[ModeRun]) -> ModeRun:
+            earlier: list[ModeResults]) -> ModeResults:
         """Decode every sample's prompt with every checkpoint; checked against `earlier`."""
 
 
@@ -154,7 +154,7 @@ class OnlineMode(DecodeMode):
         lengths = {s.key: len(p) for s in samples if (p := prompt_of(s)) is not None}
         decoded = {n: Decoded.of(generated, r.walks, lengths) for n, r in results.items()}
         checks = check_runs(decoded, samples, earlier)
-        return ModeRun(self.label, results, decoded, check=self.check_json(checks))
+        return ModeResults(self.label, results, decoded, check=self.check_json(checks))
 
     @staticmethod
     def check_json(checks: dict[str, RunCheck]) -> dict:
@@ -188,9 +188,9 @@ def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:
     return modes
 
 
-def offline_run(results: dict, samples: list[EvalSample], settings: EvalSettings) -> ModeRun:
+def offline_run(results: dict, samples: list[EvalSample], settings: EvalSettings) -> ModeResults:
     """Offline replay as a run the decode modes are checked against (its text: the store's)."""
     stored = {s.key: s.input_ids.tolist() for s in samples}
     decoded = {n: Decoded.of(stored, r.walks) for n, r in results.items()}
-    return ModeRun("offline", results, decoded, live_rounds=settings.mode == "replay")
+    return ModeResults("offline", results, decoded, live_rounds=settings.mode == "replay")
 

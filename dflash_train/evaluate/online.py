@@ -87,11 +87,11 @@ class Round:
     ids: torch.Tensor
     """[B, k] and their ids."""
     tree: DraftTree
-    """What was verified: the chain of drafts, or the DDTree of the run's budget."""
+    """What was verified: the chain of drafts, or the DDTree of the decode's budget."""
 
 
 @dataclass
-class OnlineRun:
+class LiveDecode:
     """A prompt decoded live."""
 
     prompt_length: int
@@ -318,7 +318,7 @@ def propose(drafted: Draft, budget: int | None) -> DraftTree:
 @torch.no_grad()
 def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop: StopRule,
                        top_k: int, tree_budget: int | None = None,
-                       choice: TargetChoice = TargetChoice()) -> OnlineRun:
+                       choice: TargetChoice = TargetChoice()) -> LiveDecode:
     """Speculative decoding of one prompt with chains, or DDTrees of `tree_budget` nodes,
     committing the target's `choice` (greedy, or sample-and-match); `verifier` is a
     CachedVerifier or a RecomputeVerifier."""
@@ -326,7 +326,7 @@ def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop:
     features, first = verifier.start(tokens, choice)
     cache = drafter.context_cache(features)  # positions 0 .. P-1
     tokens.append(first)
-    run = OnlineRun(len(prompt), tokens, tree_budget)
+    decode = LiveDecode(len(prompt), tokens, tree_budget)
     new = 1
     done = stop.done(tokens[-1], new, len(tokens))
     while not done:
@@ -342,20 +342,20 @@ def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop:
             if stop.done(token, new, len(tokens)):
                 done = True
                 break
-        run.rounds.append(Round(anchor, len(tokens) - 1 - anchor, drafted.logp[0, 0],
-                                drafted.ids[0, 0], tree))
+        decode.rounds.append(Round(anchor, len(tokens) - 1 - anchor, drafted.logp[0, 0],
+                                   drafted.ids[0, 0], tree))
         if not done:
             # The verified positions a .. a+accepted now have target states; the bonus
             # token (the next anchor) does not until the next round verifies it.
             drafter.extend(cache, walked.features)
-    return run
+    return decode
 
 
-def online_sample(s: EvalSample, run: OnlineRun) -> EvalSample:
+def online_sample(s: EvalSample, decode: LiveDecode) -> EvalSample:
     """The generated sequence as a sample whose labels are its own next tokens."""
-    ids = torch.tensor(run.tokens, dtype=torch.long)
+    ids = torch.tensor(decode.tokens, dtype=torch.long)
     mask = torch.zeros(len(ids), dtype=torch.bool)
-    mask[run.prompt_length:] = True
+    mask[decode.prompt_length:] = True
     # The token at t+1 IS the target's choice at t, its argmax or its draw (teacher-forced).
     top1 = torch.cat([ids[1:], ids[-1:]])
     return EvalSample(s.part, s.index, s.source_row, ids, mask, torch.empty(0), top1)
@@ -386,28 +386,30 @@ def evaluate_online(target: TargetStates, drafters: dict[str, BlockDrafter],
         for name, drafter in drafters.items():
             top_k = settings.top_k(drafter.config.vocab_size)
             for budget in results[name].walks:
-                run = speculative_decode(verifier, drafter, prompt, stop, top_k, budget, choice)
+                decode = speculative_decode(verifier, drafter, prompt, stop, top_k, budget,
+                                            choice)
                 # Every walk commits the target's own choices; in reduced precision a
                 # near-tie may still break another way under another verify shape, which the
                 # per-walk round check against offline replay then shows.
-                generated.setdefault(s.key, run.tokens)
-                _score(results[name], s, run, drafter.block_size)
+                generated.setdefault(s.key, decode.tokens)
+                _score(results[name], s, decode, drafter.block_size)
     return results, generated
 
 
-def _score(results: CheckpointResults, s: EvalSample, run: OnlineRun, block_size: int) -> None:
-    """Add a run's rounds to `results`, scored on the generated text's labels as offline
-    scores them; an internal error when that disagrees with what the target verified."""
-    if not run.rounds:
+def _score(results: CheckpointResults, s: EvalSample, decode: LiveDecode, block_size: int
+           ) -> None:
+    """Add a live decode's rounds to `results`, scored on the generated text's labels as
+    offline scores them; an internal error when that disagrees with what the target verified."""
+    if not decode.rounds:
         return
-    live = online_sample(s, run)
-    blocks = [(live, r.anchor) for r in run.rounds]
+    live = online_sample(s, decode)
+    blocks = [(live, r.anchor) for r in decode.rounds]
     labels, valid = labels_for(blocks, block_size)
-    drafts = (torch.stack([r.ids for r in run.rounds]) if run.tree_budget is None
-              else [r.tree for r in run.rounds])
-    taus = results.add(run.tree_budget, blocks, drafts, labels, valid)
-    verified = [r.tau for r in run.rounds]
+    drafts = (torch.stack([r.ids for r in decode.rounds]) if decode.tree_budget is None
+              else [r.tree for r in decode.rounds])
+    taus = results.add(decode.tree_budget, blocks, drafts, labels, valid)
+    verified = [r.tau for r in decode.rounds]
     if taus != verified:
-        what = "chain" if run.tree_budget is None else f"tree @{run.tree_budget}"
+        what = "chain" if decode.tree_budget is None else f"tree @{decode.tree_budget}"
         raise EvalError(f"online {results.name} ({what}), sample {s.key}: verified taus "
                         f"{verified} disagree with the generated labels {taus} (internal error)")
