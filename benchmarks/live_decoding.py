@@ -59,7 +59,7 @@ def load(model: str, store_url: str, checkpoint: str):
 
 def prompts_of(store, count: int) -> list[list[int]]:
     from dflash_train.evaluate.online import prompt_of
-    from dflash_train.evaluate.replay import EvalSample
+    from dflash_train.evaluate.samples import EvalSample
 
     out = []
     for part in store.parts():

@@ -2,25 +2,24 @@
 and `--served` (a serving engine: vLLM, or llama.cpp with `--engine llama.cpp`; engines/).
 One interface: check the options, prepare everything (load the target, find the engine,
 check it is the store's target) before the first drafter forward, then run on the held-out
-prompts. A run's results have one summary type (summary.py) and one table signature, and are
-checked by the one agreement check (agreement.py); a new mode is one subclass here and one
-line in `decode_modes`, a new engine one module in engines/ and one entry in
-engines.SERVING_ENGINES.
+prompts. A run's results (results.ModeResults) have one summary type (summary.py) and one
+table signature (results.AnyCheckpointResults), and are checked by the one agreement check
+(agreement.py); a new mode is one subclass here and one line in `decode_modes`, a new
+engine one module in engines/ and one entry in engines.SERVING_ENGINES.
 """
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
 from dflash_train.evaluate.agreement import Decoded, RunCheck, check_run
 from dflash_train.evaluate.checkpoints import EvalCheckpoint
-from dflash_train.evaluate.config import EvalConfig
+from dflash_train.evaluate.config import EvalConfig, EvalSettings
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.metrics import Budget, Walk
 from dflash_train.evaluate.online import (
     StopRule,
     evaluate_online,
@@ -28,23 +27,10 @@ from dflash_train.evaluate.online import (
     prompt_of,
     store_sampling,
 )
-from dflash_train.evaluate.replay import EvalSample, EvalSettings
-from dflash_train.evaluate.summary import EvalSummary, RunLabel
+from dflash_train.evaluate.results import ModeResults
+from dflash_train.evaluate.samples import EvalSample
+from dflash_train.evaluate.summary import RunLabel
 from dflash_train.store_schema import Store
-
-
-class AnyCheckpointResults(Protocol):
-    """One checkpoint's results, whatever the run made them (replay.CheckpointResults for
-    offline replay and --online, engines.shared.ServedResults for --served)."""
-
-    walks: dict[Budget, Walk]
-    """Per walk (None: the chain, else a DDTree budget): its metrics and rounds."""
-
-    def summary(self) -> EvalSummary:
-        """Its report column."""
-
-    def table(self) -> dict[str, list]:
-        """Its per-block rows (replay.ROW_NAMES), ordered by (walk, part, sample, anchor)."""
 
 
 @dataclass
@@ -57,22 +43,6 @@ class EvalInputs:
     checkpoints: list[EvalCheckpoint]
     drafters: dict[str, BlockDrafter]
     echo: Callable[[str], None]
-
-
-@dataclass
-class ModeResults:
-    """What one run (offline replay, or a decode mode) measured for every checkpoint."""
-
-    label: RunLabel
-    results: dict[str, AnyCheckpointResults]
-    """Per checkpoint name."""
-    decoded: dict[str, Decoded]
-    """Per checkpoint name: text and rounds per prompt, for the agreement check."""
-    live_rounds: bool = True
-    """Its rounds are the ones live decoding makes (offline: only in --mode replay), so later
-    runs are checked against them."""
-    check: dict | None = None
-    """Its agreement check, as the report writes it (`<label>_check`)."""
 
 
 def earlier_runs(runs: list[ModeResults], name: str) -> dict[str, Decoded]:

@@ -28,7 +28,7 @@ Generation ends as extract's regeneration ends it: at the first end-of-turn toke
 max_new_tokens new tokens, or when the sequence reaches the store's max_length. A round's tau
 is the tokens it commits: the accepted drafts and the target's bonus token, cut at that end,
 so drafts past the end do not count and no bonus is counted when the end falls inside the
-accepted drafts. That is exactly the offline tau of the same block (replay.tokens_left).
+accepted drafts. That is exactly the offline tau of the same block (samples.tokens_left).
 Every round drafts a full block, as serving engines do; z-lab's loop drafts as many slots as
 tokens are left near max_new_tokens (their last blocks can differ from ours there).
 
@@ -45,9 +45,11 @@ import torch
 
 from dflash_train.blocks import first_anchor
 from dflash_train.dtypes import torch_dtype
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.drafting import BlockDrafter, Draft
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.replay import CheckpointResults, EvalSample, EvalSettings, labels_for
+from dflash_train.evaluate.results import CheckpointResults
+from dflash_train.evaluate.samples import EvalSample, labels_for
 from dflash_train.evaluate.tree import (
     DraftTree,
     best_branch,

@@ -27,28 +27,13 @@ from dflash_train.evaluate.checkpoints import (
     load_checkpoint,
     unique_names,
 )
-from dflash_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig
+from dflash_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig, EvalSettings
 from dflash_train.evaluate.damage import DamagePolicy, check_store
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.modes import (
-    DecodeMode,
-    EvalInputs,
-    ModeResults,
-    decode_modes,
-    offline_run,
-)
+from dflash_train.evaluate.modes import DecodeMode, EvalInputs, decode_modes, offline_run
 from dflash_train.evaluate.online import StopRule
-from dflash_train.evaluate.replay import (
-    Agreement,
-    EvalSample,
-    EvalSettings,
-    draft_at,
-    evaluate_offline,
-    labels_for,
-    pick_samples,
-    read_samples,
-)
+from dflash_train.evaluate.replay import draft_at, evaluate_offline
 from dflash_train.evaluate.report import (
     BLOCKS_FILE,
     REPORT_FILE,
@@ -63,6 +48,8 @@ from dflash_train.evaluate.report import (
     write_json,
     write_parquet,
 )
+from dflash_train.evaluate.results import Agreement, ModeResults
+from dflash_train.evaluate.samples import EvalSample, labels_for, pick_samples, read_samples
 from dflash_train.evaluate.summary import RunLabel
 from dflash_train.evaluate.tokenizer import store_tokenizer
 from dflash_train.store_schema import Store, StoreError, open_store

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from dflash_train.evaluate.agreement import Decoded, first_difference
 from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.engines import vllm as vllm_mod
 from dflash_train.evaluate.engines.shared import (
     ServedPrompt,
@@ -29,8 +30,8 @@ from dflash_train.evaluate.engines.speed import TimedDecode, checked_time, speed
 from dflash_train.evaluate.engines.vllm import find_vllm, run_driver, served_results
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule, evaluate_online
-from dflash_train.evaluate.replay import EvalSample, EvalSettings
 from dflash_train.evaluate.report import block_rows, format_table
+from dflash_train.evaluate.samples import EvalSample
 from tests.evaluate.conftest import EOS_ID
 from tests.evaluate.test_online import PROMPT, ScriptedDrafter, ScriptedTarget
 from tests.processes import is_running

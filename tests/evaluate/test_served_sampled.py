@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from dflash_train.assets.tiny import make_chats, write_jsonl
 from dflash_train.drafter import save_drafter
 from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.engines import llama_cpp as llama_mod
 from dflash_train.evaluate.engines import vllm as vllm_mod
 from dflash_train.evaluate.engines.llama_cpp import SAMPLED_CHAIN, request_body
@@ -31,7 +32,6 @@ from dflash_train.evaluate.engines.shared import (
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.store_schema import open_store
 from dflash_train.target_model.sampling import GREEDY, SamplingConfig
 from tests.evaluate.conftest import EOS_ID, LAYERS, fit_drafter, random_drafter

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from dflash_train.drafter import save_drafter
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.engines.shared import served_prompts
 from dflash_train.evaluate.engines.vllm import build_request, find_vllm, run_driver
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings, pick_samples, read_samples
+from dflash_train.evaluate.samples import pick_samples, read_samples
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import (
     EOS_ID,

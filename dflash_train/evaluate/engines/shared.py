@@ -37,15 +37,10 @@ from dflash_train.evaluate.agreement import Decoded, RunCheck
 from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.metrics import Budget, TauHistogram, Walk
-from dflash_train.evaluate.modes import (
-    AnyCheckpointResults,
-    DecodeMode,
-    EvalInputs,
-    ModeResults,
-    check_runs,
-)
+from dflash_train.evaluate.modes import DecodeMode, EvalInputs, check_runs
 from dflash_train.evaluate.online import StopRule, prompt_of, store_sampling
-from dflash_train.evaluate.replay import ROW_NAMES, EvalSample
+from dflash_train.evaluate.results import ROW_NAMES, AnyCheckpointResults, ModeResults
+from dflash_train.evaluate.samples import EvalSample
 from dflash_train.evaluate.summary import EvalSummary
 from dflash_train.store_schema import Store
 from dflash_train.target_model.sampling import GREEDY, SamplingConfig
@@ -266,7 +261,7 @@ class ServedResults:
                           {d.prompt.sample.key: len(d.prompt.ids) for d in self.decodes})
 
     def table(self) -> dict[str, list]:
-        """Per-block rows in replay.ROW_NAMES' columns, ordered by (part, sample, anchor):
+        """Per-block rows in results.ROW_NAMES' columns, ordered by (part, sample, anchor):
         chains only (no trees from outside the engine)."""
         rows: dict[str, list] = {n: [] for n in ROW_NAMES}
         for d in sorted(self.decodes, key=lambda d: d.prompt.sample.key):
