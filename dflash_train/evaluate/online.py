@@ -20,9 +20,9 @@ Two verifiers run that loop:
   cache; hybrid layers' recurrent states snapshotted, stepped node by node on a tree and
   brought to the committed path).
 - `RecomputeVerifier` (`--no-cache`, and the reference the cached loop is tested against):
-  no cache at all; the target is recomputed over the committed sequence plus the proposal's
-  path it walks, every round (one forward for a chain, one per branch the walk leaves for a
-  tree): O(L^2) per prompt, exact on any target.
+  no cache at all; the target is recomputed over the committed sequence plus the branch of
+  the proposal it checks, every round (one forward for a chain, one per branch the accepted
+  path leaves for a tree): O(L^2) per prompt, exact on any target.
 
 Generation ends as extract's regeneration ends it: at the first end-of-turn token, after
 max_new_tokens new tokens, or when the sequence reaches the store's max_length. A round's tau
@@ -219,8 +219,8 @@ def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
 
 
 @dataclass
-class Walked:
-    """A verified proposal: what the target accepted of it."""
+class AcceptedPath:
+    """A verified proposal: the path the target accepted of it, and its bonus."""
 
     path: list[int]
     """Accepted nodes, root excluded, in depth order."""
@@ -230,10 +230,11 @@ class Walked:
     """[1, 1 + len(path), n, H]: the target's states at the root and the accepted nodes."""
 
 
-def accepted_walk(tree: DraftTree, next_token: Callable[[int, list[int]], int]
-                  ) -> tuple[list[int], int]:
+def live_accepted_path(tree: DraftTree, next_token: Callable[[int, list[int]], int]
+                       ) -> tuple[list[int], int]:
     """(accepted nodes, bonus): from the root, follow the child whose token the target chose
-    (`next_token(node, path)`: its greedy token after `node`, reached by `path`)."""
+    (`next_token(node, path)`: its greedy token after `node`, reached by `path`). The live
+    counterpart of tree.accepted_path, which follows stored labels instead of asking."""
     path: list[int] = []
     node = 0
     while True:
@@ -262,20 +263,20 @@ class CachedVerifier:
         return out.features.to(self.dtype), choice.pick(out, -1, len(prompt))
 
     def verify(self, tokens: list[int], tree: DraftTree,
-               choice: TargetChoice = TargetChoice()) -> Walked:
+               choice: TargetChoice = TargetChoice()) -> AcceptedPath:
         pending = self.target.verify([tokens[-1], *tree.tokens[1:]], tree.parents)
         root = len(tokens) - 1
         # a node reached by `path` sits at root + len(path): the token after it at one more
-        path, bonus = accepted_walk(
+        path, bonus = live_accepted_path(
             tree, lambda node, path: choice.pick(pending, node, root + len(path) + 1))
         kept = [0, *path]
         pending.keep(kept)
-        return Walked(path, bonus, pending.features[:, kept].to(self.dtype))
+        return AcceptedPath(path, bonus, pending.features[:, kept].to(self.dtype))
 
 
 class RecomputeVerifier:
-    """No cache: the committed sequence plus the path being walked is recomputed each time
-    the walk leaves what was last forwarded (a chain: once a round)."""
+    """No cache: the committed sequence plus the branch being checked is recomputed each time
+    the accepted path leaves what was last forwarded (a chain: once a round)."""
 
     def __init__(self, target: TargetStates):
         self.target = target
@@ -294,7 +295,7 @@ class RecomputeVerifier:
         return features, chosen[0]
 
     def verify(self, tokens: list[int], tree: DraftTree,
-               choice: TargetChoice = TargetChoice()) -> Walked:
+               choice: TargetChoice = TargetChoice()) -> AcceptedPath:
         root = len(tokens) - 1
         branch: list[int] | None = None
         states: tuple[torch.Tensor, list[int]] | None = None  # features, choices from root
@@ -306,8 +307,8 @@ class RecomputeVerifier:
                 states = self._chosen(tokens + path_tokens(tree, branch), root, choice)
             return states[1][len(path)]
 
-        path, bonus = accepted_walk(tree, next_token)
-        return Walked(path, bonus, states[0][:, root : root + len(path) + 1])
+        path, bonus = live_accepted_path(tree, next_token)
+        return AcceptedPath(path, bonus, states[0][:, root : root + len(path) + 1])
 
 
 def propose(drafted: Draft, budget: int | None) -> DraftTree:
@@ -337,8 +338,8 @@ def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop:
                                 torch.tensor([[tokens[anchor]]]), top_k,
                                 transitions=tree_budget is not None)
         tree = propose(drafted, tree_budget)
-        walked = verifier.verify(tokens, tree, choice)
-        for token in [*path_tokens(tree, walked.path), walked.bonus]:
+        accepted = verifier.verify(tokens, tree, choice)
+        for token in [*path_tokens(tree, accepted.path), accepted.bonus]:
             tokens.append(token)
             new += 1
             if stop.done(token, new, len(tokens)):
@@ -349,7 +350,7 @@ def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop:
         if not done:
             # The verified positions a .. a+accepted now have target states; the bonus
             # token (the next anchor) does not until the next round verifies it.
-            drafter.extend(cache, walked.features)
+            drafter.extend(cache, accepted.features)
     return decode
 
 
