@@ -39,9 +39,11 @@ def naive_blocks(target, drafter, samples, sequences, top_k: int, limit: int) ->
 def bench(store_url: str, checkpoint: str, naive_limit: int = 64) -> tuple[list[Row], dict]:
     """Rows of item 5 and the offline summary (item 6 compares it across codecs)."""
     from dflash_train.assets.embedded import target_dir
+    from dflash_train.evaluate.config import EvalSettings
     from dflash_train.evaluate.online import StopRule, evaluate_online, load_online_target
     from dflash_train.evaluate.pipeline import load_drafters
-    from dflash_train.evaluate.replay import EvalSettings, evaluate_offline, read_samples
+    from dflash_train.evaluate.replay import evaluate_offline
+    from dflash_train.evaluate.samples import read_samples
     from dflash_train.evaluate.tokenizer import store_tokenizer
     from dflash_train.store_schema import open_store
     from dflash_train.target_model.generation import eos_token_ids
@@ -90,8 +92,10 @@ def bench(store_url: str, checkpoint: str, naive_limit: int = 64) -> tuple[list[
 
 def offline_summary(store_url: str, checkpoint: str) -> dict:
     """The offline replay metrics of one checkpoint on a store (all samples, defaults)."""
+    from dflash_train.evaluate.config import EvalSettings
     from dflash_train.evaluate.pipeline import load_drafters
-    from dflash_train.evaluate.replay import EvalSettings, evaluate_offline, read_samples
+    from dflash_train.evaluate.replay import evaluate_offline
+    from dflash_train.evaluate.samples import read_samples
     from dflash_train.store_schema import open_store
 
     store = open_store(store_url)

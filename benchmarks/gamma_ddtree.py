@@ -40,8 +40,8 @@ def train_arm(stores: Path, out: Path, arm: str, seed: int, steps: int,
 
 
 def evaluate_arm(held: str, checkpoint: str) -> dict:
+    from dflash_train.evaluate.config import EvalSettings
     from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-    from dflash_train.evaluate.replay import EvalSettings
 
     start = time.perf_counter()
     outcome = run_eval(EvalConfig(store=held, checkpoints=[checkpoint], device="cpu",

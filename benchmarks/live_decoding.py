@@ -59,7 +59,7 @@ def load(model: str, store_url: str, checkpoint: str):
 
 def prompts_of(store, count: int) -> list[list[int]]:
     from dflash_train.evaluate.online import prompt_of
-    from dflash_train.evaluate.replay import EvalSample
+    from dflash_train.evaluate.samples import EvalSample
 
     out = []
     for part in store.parts():
@@ -104,24 +104,25 @@ def measure(target, drafter, prompts, stop, budgets, no_cache_trees: bool) -> di
         loops |= {f"no-cache tree@{b}": (recompute, b) for b in budgets}
     rows = {"greedy": {"tokens": 0, "seconds": 0.0, "rounds": 0}}
     rows |= {name: {"tokens": 0, "seconds": 0.0, "rounds": 0, "committed": 0} for name in loops}
-    runs = {}
+    decodes = {}
     for p, prompt in enumerate(prompts):
         text, seconds = timed(lambda prompt=prompt: greedy(target, prompt, stop.max_new_tokens,
                                                            stop.eos_ids))
         rows["greedy"]["tokens"] += len(text)
         rows["greedy"]["seconds"] += seconds
         for name, (verifier, budget) in loops.items():
-            run, seconds = timed(lambda v=verifier, b=budget, prompt=prompt: speculative_decode(
+            decode, seconds = timed(lambda v=verifier, b=budget, prompt=prompt: speculative_decode(
                 v, drafter, prompt, stop, TOP_K, b))
             row = rows[name]
-            row["tokens"] += len(run.tokens) - len(prompt)
+            row["tokens"] += len(decode.tokens) - len(prompt)
             row["seconds"] += seconds
-            row["rounds"] += len(run.rounds)
-            row["committed"] += sum(r.tau for r in run.rounds)
-            runs[(name, p)] = run
+            row["rounds"] += len(decode.rounds)
+            row["committed"] += sum(r.tau for r in decode.rounds)
+            decodes[(name, p)] = decode
         for name in loops:
             if name.startswith("no-cache"):
-                check_same(runs[(name, p)], runs[(name.replace("no-cache", "cached"), p)], p)
+                check_same(decodes[(name, p)], decodes[(name.replace("no-cache", "cached"), p)],
+                           p)
     for row in rows.values():
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
         if row.get("rounds"):

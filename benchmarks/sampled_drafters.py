@@ -217,8 +217,8 @@ def train_drafters(plan: Plan) -> dict[str, Path]:
 def evaluate_store(held: Path, checkpoints: dict[str, Path]) -> dict[str, dict]:
     """{drafter: {"prompts": n, walk: {"tau", "ci95", "blocks"}}}: one eval of every drafter
     on `held`, so they draft the same sequences."""
+    from dflash_train.evaluate.config import EvalSettings
     from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-    from dflash_train.evaluate.replay import EvalSettings
 
     config = EvalConfig(store=str(held), checkpoints=[str(c) for c in checkpoints.values()],
                         device="cpu", settings=EvalSettings(tree_budgets=BUDGETS))

@@ -68,8 +68,9 @@ def step_time(run, steps: int) -> Timed:
 
 def validation_time(run, url: str, limit: int, budgets: tuple[int, ...]) -> tuple[Timed, float]:
     """One validation of the run's drafter on `limit` samples of `url`, and its chain tau."""
+    from dflash_train.evaluate.config import EvalSettings
     from dflash_train.evaluate.damage import check_store
-    from dflash_train.evaluate.replay import EvalSettings, pick_samples, sample_keys
+    from dflash_train.evaluate.samples import pick_samples, sample_keys
     from dflash_train.store_schema import open_store
     from dflash_train.train.validation import Validation, ValidationStore
 

@@ -11,7 +11,7 @@ from dflash_train.blocks import MAX_SEED
 from dflash_train.devices import DEFAULT_DEVICE, DEVICE_HELP
 from dflash_train.dtypes import DTYPE_CHOICES
 from dflash_train.errors import reported_as_one_line
-from dflash_train.evaluate.replay import EvalSettings
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.report import dumps
 
 _DEFAULTS = EvalSettings()

@@ -1,9 +1,39 @@
-"""`dflash eval`'s options, one field each (the CLI maps its options one to one onto these)."""
+"""`dflash eval`'s options, one field each (the CLI maps its options one to one onto these):
+`EvalConfig`, and its `settings` (`EvalSettings`: how blocks are chosen, scored and batched),
+which offline replay, `--online`, the results and training's validation read as well.
+"""
 
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dflash_train.evaluate.replay import EvalSettings
+from dflash_train.evaluate.metrics import DEFAULT_POSITION_BIN
+
+Mode = Literal["replay", "all"]
+"""--mode: the anchors offline replay drafts at (EvalSettings.mode)."""
+
+
+@dataclass
+class EvalSettings:
+    """How blocks are chosen, scored and batched."""
+
+    mode: Mode = "replay"
+    """replay: the anchors live decoding visits; all: every eligible anchor."""
+    tree_budgets: tuple[int, ...] = (16, 32, 64)
+    """DDTree node budgets at which tree acceptance is reported (docs/reference.md §7)."""
+    recall_at: tuple[int, ...] = (1, 2, 4, 8)
+    """k of the per-slot top-k recall."""
+    batch_tokens: int = 16384
+    """Sequences per batch: count x longest <= this (at least one sequence)."""
+    blocks_per_forward: int = 16
+    """Blocks per sequence in one drafter forward (--mode all); bounds attention memory."""
+    position_bin: int = DEFAULT_POSITION_BIN
+    """Tokens per bin of tau by anchor position: bin = anchor // position_bin, the anchor's
+    position counted from the start of the sequence, prompt included."""
+
+    def top_k(self, vocab_size: int) -> int:
+        """Draft ids kept per slot: enough for the largest budget and recall (<= vocab)."""
+        return min(max((*self.tree_budgets, *self.recall_at, 1)), vocab_size)
+
 
 DEFAULT_MAX_NEW_TOKENS = 1024
 """--online generation length when neither the option nor the store's provenance sets it."""

@@ -2,25 +2,24 @@
 and `--served` (a serving engine: vLLM, or llama.cpp with `--engine llama.cpp`; engines/).
 One interface: check the options, prepare everything (load the target, find the engine,
 check it is the store's target) before the first drafter forward, then run on the held-out
-prompts. A run's results have one summary type (summary.py) and one table signature, and are
-checked by the one agreement check (agreement.py); a new mode is one subclass here and one
-line in `decode_modes`, a new engine one module in engines/ and one entry in
-engines.SERVING_ENGINES.
+prompts. A run's results (results.ModeResults) have one summary type (summary.py) and one
+table signature (results.AnyCheckpointResults), and are checked by the one agreement check
+(agreement.py); a new mode is one subclass here and one line in `decode_modes`, a new
+engine one module in engines/ and one entry in engines.SERVING_ENGINES.
 """
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
 from dflash_train.evaluate.agreement import Decoded, RunCheck, check_run
 from dflash_train.evaluate.checkpoints import EvalCheckpoint
-from dflash_train.evaluate.config import EvalConfig
+from dflash_train.evaluate.config import EvalConfig, EvalSettings
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.metrics import Budget, Walk
 from dflash_train.evaluate.online import (
     StopRule,
     evaluate_online,
@@ -28,23 +27,10 @@ from dflash_train.evaluate.online import (
     prompt_of,
     store_sampling,
 )
-from dflash_train.evaluate.replay import EvalSample, EvalSettings
-from dflash_train.evaluate.summary import EvalSummary, RunLabel
+from dflash_train.evaluate.results import ModeResults
+from dflash_train.evaluate.samples import EvalSample
+from dflash_train.evaluate.summary import RunLabel
 from dflash_train.store_schema import Store
-
-
-class RunResults(Protocol):
-    """One checkpoint's results of any run (replay.CheckpointResults,
-    engines.shared.ServedResults)."""
-
-    walks: dict[Budget, Walk]
-    """Per walk (None: the chain, else a DDTree budget): its metrics and rounds."""
-
-    def summary(self) -> EvalSummary:
-        """Its report column."""
-
-    def table(self) -> dict[str, list]:
-        """Its per-block rows (replay.ROW_NAMES), ordered by (walk, part, sample, anchor)."""
 
 
 @dataclass
@@ -59,29 +45,13 @@ class EvalInputs:
     echo: Callable[[str], None]
 
 
-@dataclass
-class ModeRun:
-    """A run of every checkpoint: offline replay, or a decode mode."""
-
-    label: RunLabel
-    results: dict[str, RunResults]
-    """Per checkpoint name."""
-    decoded: dict[str, Decoded]
-    """Per checkpoint name: text and rounds per prompt, for the agreement check."""
-    live_rounds: bool = True
-    """Its rounds are the ones live decoding makes (offline: only in --mode replay), so later
-    runs are checked against them."""
-    check: dict | None = None
-    """Its agreement check, as the report writes it (`<label>_check`)."""
-
-
-def earlier_runs(runs: list[ModeRun], name: str) -> dict[str, Decoded]:
+def earlier_runs(runs: list[ModeResults], name: str) -> dict[str, Decoded]:
     """Checkpoint `name`'s runs a new run is compared with, in the order they ran."""
     return {r.label: r.decoded[name] for r in runs if r.live_rounds}
 
 
 def check_runs(decoded: dict[str, Decoded], samples: list[EvalSample],
-               earlier: list[ModeRun]) -> dict[str, RunCheck]:
+               earlier: list[ModeResults]) -> dict[str, RunCheck]:
     """The agreement check of each checkpoint's run (by name): the stored text, and the
     rounds of its earlier runs."""
     stored = {s.key: s.input_ids.tolist() for s in samples}
@@ -116,7 +86,7 @@ class DecodeMode(ABC):
 
     @abstractmethod
     def run(self, inputs: EvalInputs, samples: list[EvalSample], stop: StopRule,
-            earlier: list[ModeRun]) -> ModeRun:
+            earlier: list[ModeResults]) -> ModeResults:
         """Decode every sample's prompt with every checkpoint; checked against `earlier`."""
 
 
@@ -154,7 +124,7 @@ class OnlineMode(DecodeMode):
         lengths = {s.key: len(p) for s in samples if (p := prompt_of(s)) is not None}
         decoded = {n: Decoded.of(generated, r.walks, lengths) for n, r in results.items()}
         checks = check_runs(decoded, samples, earlier)
-        return ModeRun(self.label, results, decoded, check=self.check_json(checks))
+        return ModeResults(self.label, results, decoded, check=self.check_json(checks))
 
     @staticmethod
     def check_json(checks: dict[str, RunCheck]) -> dict:
@@ -188,9 +158,9 @@ def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:
     return modes
 
 
-def offline_run(results: dict, samples: list[EvalSample], settings: EvalSettings) -> ModeRun:
+def offline_run(results: dict, samples: list[EvalSample], settings: EvalSettings) -> ModeResults:
     """Offline replay as a run the decode modes are checked against (its text: the store's)."""
     stored = {s.key: s.input_ids.tolist() for s in samples}
     decoded = {n: Decoded.of(stored, r.walks) for n, r in results.items()}
-    return ModeRun("offline", results, decoded, live_rounds=settings.mode == "replay")
+    return ModeResults("offline", results, decoded, live_rounds=settings.mode == "replay")
 

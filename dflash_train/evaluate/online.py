@@ -20,15 +20,15 @@ Two verifiers run that loop:
   cache; hybrid layers' recurrent states snapshotted, stepped node by node on a tree and
   brought to the committed path).
 - `RecomputeVerifier` (`--no-cache`, and the reference the cached loop is tested against):
-  no cache at all; the target is recomputed over the committed sequence plus the proposal's
-  path it walks, every round (one forward for a chain, one per branch the walk leaves for a
-  tree): O(L^2) per prompt, exact on any target.
+  no cache at all; the target is recomputed over the committed sequence plus the branch of
+  the proposal it checks, every round (one forward for a chain, one per branch the accepted
+  path leaves for a tree): O(L^2) per prompt, exact on any target.
 
 Generation ends as extract's regeneration ends it: at the first end-of-turn token, after
 max_new_tokens new tokens, or when the sequence reaches the store's max_length. A round's tau
 is the tokens it commits: the accepted drafts and the target's bonus token, cut at that end,
 so drafts past the end do not count and no bonus is counted when the end falls inside the
-accepted drafts. That is exactly the offline tau of the same block (replay.tokens_left).
+accepted drafts. That is exactly the offline tau of the same block (samples.tokens_left).
 Every round drafts a full block, as serving engines do; z-lab's loop drafts as many slots as
 tokens are left near max_new_tokens (their last blocks can differ from ours there).
 
@@ -45,9 +45,11 @@ import torch
 
 from dflash_train.blocks import first_anchor
 from dflash_train.dtypes import torch_dtype
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.drafting import BlockDrafter, Draft
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.replay import CheckpointResults, EvalSample, EvalSettings, labels_for
+from dflash_train.evaluate.results import CheckpointResults
+from dflash_train.evaluate.samples import EvalSample, labels_for
 from dflash_train.evaluate.tree import (
     DraftTree,
     best_branch,
@@ -87,11 +89,11 @@ class Round:
     ids: torch.Tensor
     """[B, k] and their ids."""
     tree: DraftTree
-    """What was verified: the chain of drafts, or the DDTree of the run's budget."""
+    """What was verified: the chain of drafts, or the DDTree of the decode's budget."""
 
 
 @dataclass
-class OnlineRun:
+class LiveDecode:
     """A prompt decoded live."""
 
     prompt_length: int
@@ -217,8 +219,8 @@ def check_target(model: str, got: TargetInfo, want: TargetInfo) -> None:
 
 
 @dataclass
-class Walked:
-    """A verified proposal: what the target accepted of it."""
+class AcceptedPath:
+    """A verified proposal: the path the target accepted of it, and its bonus."""
 
     path: list[int]
     """Accepted nodes, root excluded, in depth order."""
@@ -228,10 +230,11 @@ class Walked:
     """[1, 1 + len(path), n, H]: the target's states at the root and the accepted nodes."""
 
 
-def accepted_walk(tree: DraftTree, next_token: Callable[[int, list[int]], int]
-                  ) -> tuple[list[int], int]:
+def live_accepted_path(tree: DraftTree, next_token: Callable[[int, list[int]], int]
+                       ) -> tuple[list[int], int]:
     """(accepted nodes, bonus): from the root, follow the child whose token the target chose
-    (`next_token(node, path)`: its greedy token after `node`, reached by `path`)."""
+    (`next_token(node, path)`: its greedy token after `node`, reached by `path`). The live
+    counterpart of tree.accepted_path, which follows stored labels instead of asking."""
     path: list[int] = []
     node = 0
     while True:
@@ -260,20 +263,20 @@ class CachedVerifier:
         return out.features.to(self.dtype), choice.pick(out, -1, len(prompt))
 
     def verify(self, tokens: list[int], tree: DraftTree,
-               choice: TargetChoice = TargetChoice()) -> Walked:
+               choice: TargetChoice = TargetChoice()) -> AcceptedPath:
         pending = self.target.verify([tokens[-1], *tree.tokens[1:]], tree.parents)
         root = len(tokens) - 1
         # a node reached by `path` sits at root + len(path): the token after it at one more
-        path, bonus = accepted_walk(
+        path, bonus = live_accepted_path(
             tree, lambda node, path: choice.pick(pending, node, root + len(path) + 1))
         kept = [0, *path]
         pending.keep(kept)
-        return Walked(path, bonus, pending.features[:, kept].to(self.dtype))
+        return AcceptedPath(path, bonus, pending.features[:, kept].to(self.dtype))
 
 
 class RecomputeVerifier:
-    """No cache: the committed sequence plus the path being walked is recomputed each time
-    the walk leaves what was last forwarded (a chain: once a round)."""
+    """No cache: the committed sequence plus the branch being checked is recomputed each time
+    the accepted path leaves what was last forwarded (a chain: once a round)."""
 
     def __init__(self, target: TargetStates):
         self.target = target
@@ -292,7 +295,7 @@ class RecomputeVerifier:
         return features, chosen[0]
 
     def verify(self, tokens: list[int], tree: DraftTree,
-               choice: TargetChoice = TargetChoice()) -> Walked:
+               choice: TargetChoice = TargetChoice()) -> AcceptedPath:
         root = len(tokens) - 1
         branch: list[int] | None = None
         states: tuple[torch.Tensor, list[int]] | None = None  # features, choices from root
@@ -304,8 +307,8 @@ class RecomputeVerifier:
                 states = self._chosen(tokens + path_tokens(tree, branch), root, choice)
             return states[1][len(path)]
 
-        path, bonus = accepted_walk(tree, next_token)
-        return Walked(path, bonus, states[0][:, root : root + len(path) + 1])
+        path, bonus = live_accepted_path(tree, next_token)
+        return AcceptedPath(path, bonus, states[0][:, root : root + len(path) + 1])
 
 
 def propose(drafted: Draft, budget: int | None) -> DraftTree:
@@ -318,7 +321,7 @@ def propose(drafted: Draft, budget: int | None) -> DraftTree:
 @torch.no_grad()
 def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop: StopRule,
                        top_k: int, tree_budget: int | None = None,
-                       choice: TargetChoice = TargetChoice()) -> OnlineRun:
+                       choice: TargetChoice = TargetChoice()) -> LiveDecode:
     """Speculative decoding of one prompt with chains, or DDTrees of `tree_budget` nodes,
     committing the target's `choice` (greedy, or sample-and-match); `verifier` is a
     CachedVerifier or a RecomputeVerifier."""
@@ -326,7 +329,7 @@ def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop:
     features, first = verifier.start(tokens, choice)
     cache = drafter.context_cache(features)  # positions 0 .. P-1
     tokens.append(first)
-    run = OnlineRun(len(prompt), tokens, tree_budget)
+    decode = LiveDecode(len(prompt), tokens, tree_budget)
     new = 1
     done = stop.done(tokens[-1], new, len(tokens))
     while not done:
@@ -335,27 +338,27 @@ def speculative_decode(verifier, drafter: BlockDrafter, prompt: list[int], stop:
                                 torch.tensor([[tokens[anchor]]]), top_k,
                                 transitions=tree_budget is not None)
         tree = propose(drafted, tree_budget)
-        walked = verifier.verify(tokens, tree, choice)
-        for token in [*path_tokens(tree, walked.path), walked.bonus]:
+        accepted = verifier.verify(tokens, tree, choice)
+        for token in [*path_tokens(tree, accepted.path), accepted.bonus]:
             tokens.append(token)
             new += 1
             if stop.done(token, new, len(tokens)):
                 done = True
                 break
-        run.rounds.append(Round(anchor, len(tokens) - 1 - anchor, drafted.logp[0, 0],
-                                drafted.ids[0, 0], tree))
+        decode.rounds.append(Round(anchor, len(tokens) - 1 - anchor, drafted.logp[0, 0],
+                                   drafted.ids[0, 0], tree))
         if not done:
             # The verified positions a .. a+accepted now have target states; the bonus
             # token (the next anchor) does not until the next round verifies it.
-            drafter.extend(cache, walked.features)
-    return run
+            drafter.extend(cache, accepted.features)
+    return decode
 
 
-def online_sample(s: EvalSample, run: OnlineRun) -> EvalSample:
+def online_sample(s: EvalSample, decode: LiveDecode) -> EvalSample:
     """The generated sequence as a sample whose labels are its own next tokens."""
-    ids = torch.tensor(run.tokens, dtype=torch.long)
+    ids = torch.tensor(decode.tokens, dtype=torch.long)
     mask = torch.zeros(len(ids), dtype=torch.bool)
-    mask[run.prompt_length:] = True
+    mask[decode.prompt_length:] = True
     # The token at t+1 IS the target's choice at t, its argmax or its draw (teacher-forced).
     top1 = torch.cat([ids[1:], ids[-1:]])
     return EvalSample(s.part, s.index, s.source_row, ids, mask, torch.empty(0), top1)
@@ -386,28 +389,30 @@ def evaluate_online(target: TargetStates, drafters: dict[str, BlockDrafter],
         for name, drafter in drafters.items():
             top_k = settings.top_k(drafter.config.vocab_size)
             for budget in results[name].walks:
-                run = speculative_decode(verifier, drafter, prompt, stop, top_k, budget, choice)
+                decode = speculative_decode(verifier, drafter, prompt, stop, top_k, budget,
+                                            choice)
                 # Every walk commits the target's own choices; in reduced precision a
                 # near-tie may still break another way under another verify shape, which the
                 # per-walk round check against offline replay then shows.
-                generated.setdefault(s.key, run.tokens)
-                _score(results[name], s, run, drafter.block_size)
+                generated.setdefault(s.key, decode.tokens)
+                _score(results[name], s, decode, drafter.block_size)
     return results, generated
 
 
-def _score(results: CheckpointResults, s: EvalSample, run: OnlineRun, block_size: int) -> None:
-    """Add a run's rounds to `results`, scored on the generated text's labels as offline
-    scores them; an internal error when that disagrees with what the target verified."""
-    if not run.rounds:
+def _score(results: CheckpointResults, s: EvalSample, decode: LiveDecode, block_size: int
+           ) -> None:
+    """Add a live decode's rounds to `results`, scored on the generated text's labels as
+    offline scores them; an internal error when that disagrees with what the target verified."""
+    if not decode.rounds:
         return
-    live = online_sample(s, run)
-    blocks = [(live, r.anchor) for r in run.rounds]
+    live = online_sample(s, decode)
+    blocks = [(live, r.anchor) for r in decode.rounds]
     labels, valid = labels_for(blocks, block_size)
-    drafts = (torch.stack([r.ids for r in run.rounds]) if run.tree_budget is None
-              else [r.tree for r in run.rounds])
-    taus = results.add(run.tree_budget, blocks, drafts, labels, valid)
-    verified = [r.tau for r in run.rounds]
+    drafts = (torch.stack([r.ids for r in decode.rounds]) if decode.tree_budget is None
+              else [r.tree for r in decode.rounds])
+    taus = results.add(decode.tree_budget, blocks, drafts, labels, valid)
+    verified = [r.tau for r in decode.rounds]
     if taus != verified:
-        what = "chain" if run.tree_budget is None else f"tree @{run.tree_budget}"
+        what = "chain" if decode.tree_budget is None else f"tree @{decode.tree_budget}"
         raise EvalError(f"online {results.name} ({what}), sample {s.key}: verified taus "
                         f"{verified} disagree with the generated labels {taus} (internal error)")

@@ -27,28 +27,13 @@ from dflash_train.evaluate.checkpoints import (
     load_checkpoint,
     unique_names,
 )
-from dflash_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig
+from dflash_train.evaluate.config import DEFAULT_MAX_NEW_TOKENS, EvalConfig, EvalSettings
 from dflash_train.evaluate.damage import DamagePolicy, check_store
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.modes import (
-    DecodeMode,
-    EvalInputs,
-    ModeRun,
-    decode_modes,
-    offline_run,
-)
+from dflash_train.evaluate.modes import DecodeMode, EvalInputs, decode_modes, offline_run
 from dflash_train.evaluate.online import StopRule
-from dflash_train.evaluate.replay import (
-    Agreement,
-    EvalSample,
-    EvalSettings,
-    draft_at,
-    evaluate_offline,
-    labels_for,
-    pick_samples,
-    read_samples,
-)
+from dflash_train.evaluate.replay import draft_at, evaluate_offline
 from dflash_train.evaluate.report import (
     BLOCKS_FILE,
     REPORT_FILE,
@@ -63,6 +48,8 @@ from dflash_train.evaluate.report import (
     write_json,
     write_parquet,
 )
+from dflash_train.evaluate.results import Agreement, ModeResults
+from dflash_train.evaluate.samples import EvalSample, labels_for, pick_samples, read_samples
 from dflash_train.evaluate.summary import RunLabel
 from dflash_train.evaluate.tokenizer import store_tokenizer
 from dflash_train.store_schema import Store, StoreError, open_store
@@ -76,7 +63,7 @@ class EvalOutcome:
     """The report as written (EvalReport.to_json())."""
     text: str
     """The table (and shown blocks) as printed."""
-    runs: dict[RunLabel, ModeRun]
+    runs: dict[RunLabel, ModeResults]
     """Offline replay and each decode mode's run, by label."""
     written: list[str]
     """Files written."""
@@ -251,7 +238,7 @@ def _check_temperature(store: Store, temperature: float | None) -> None:
 
 def replay_offline(cfg: EvalConfig, inputs: EvalInputs, damage: DamagePolicy, keys,
                    total: int, *, keep_prompts: bool
-                   ) -> tuple[ModeRun, Agreement, list[EvalSample], list[EvalSample]]:
+                   ) -> tuple[ModeResults, Agreement, list[EvalSample], list[EvalSample]]:
     """Offline replay of every checkpoint; also keeps the samples --show prints and, for
     the decode modes, every sample's prompt and stored text (without its contexts)."""
     shown: list[EvalSample] = []
@@ -278,7 +265,7 @@ def replay_offline(cfg: EvalConfig, inputs: EvalInputs, damage: DamagePolicy, ke
     return offline_run(results, prompts, inputs.settings), agreement, shown, prompts
 
 
-def _evaluated(cfg: EvalConfig, damage: DamagePolicy, total: int, offline: ModeRun,
+def _evaluated(cfg: EvalConfig, damage: DamagePolicy, total: int, offline: ModeResults,
                echo: Callable[[str], None]) -> int:
     """Samples evaluated; EvalError when damage or empty loss masks left none."""
     skipped = damage.report()["samples"]
@@ -294,7 +281,7 @@ def _evaluated(cfg: EvalConfig, damage: DamagePolicy, total: int, offline: ModeR
     return total - skipped
 
 
-def _entry(c: EvalCheckpoint, runs: list[ModeRun]) -> CheckpointEntry:
+def _entry(c: EvalCheckpoint, runs: list[ModeResults]) -> CheckpointEntry:
     trained_on = None if c.provenance is None else c.provenance.source.paths
     return CheckpointEntry(c.name, c.path, trained_on,
                            {r.label: r.results[c.name].summary() for r in runs})
@@ -420,7 +407,7 @@ def _generation_source(model: str):
     return SimpleNamespace(generation_config=generation)
 
 
-def _write_outputs(cfg: EvalConfig, report: dict, runs: list[ModeRun]
+def _write_outputs(cfg: EvalConfig, report: dict, runs: list[ModeResults]
                    ) -> tuple[list[str], list[str]]:
     written, notes = [], []
     plot = cfg.plot

@@ -1,8 +1,9 @@
 """What `dflash eval` shows and writes: the side-by-side table, JSON, per-block parquet rows,
 the plot (per-slot acceptance; tau by anchor position), and decoded example blocks.
 
-Everything here is a pure function of results already computed (dflash_train.evaluate.replay and
-.online); this module never runs a model and never reads the store.
+Everything here is a pure function of results already computed (dflash_train.evaluate.results,
+filled by replay, --online and --served); this module never runs a model and never reads the
+store.
 """
 
 import json
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.drafter.files import write_file_atomically
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.replay import Agreement, EvalSettings
+from dflash_train.evaluate.results import Agreement
 from dflash_train.evaluate.summary import RUN_LABELS, EvalSummary, RunLabel
 from dflash_train.store_schema import StoreMeta
 

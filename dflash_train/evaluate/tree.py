@@ -15,12 +15,13 @@ first with their log-probs and the row of the next depth a child leads to.
   log-softmax of the selector's scores over the slot's candidates. The tree's first path is
   then the selector's greedy walk, the draft it proposes as a chain.
 
-Acceptance walks from the root following, at depth d, the child whose token is the target's
-token (offline: the label l_d). A label present at depth d under another parent does not
-count. A chain is the tree whose node d is slot d's draft (`chain_tree`), so chain and tree
-rounds are verified and walked by the same code, live and offline.
+The accepted path goes from the root following, at depth d, the child whose token is the
+target's token (offline: the label l_d). A label present at depth d under another parent does
+not count. A chain is the tree whose node d is slot d's draft (`chain_tree`), so chain and
+tree rounds are verified and accepted by the same code, live and offline.
 
-This module owns the tree and the walk; it never runs a model and never reads the store.
+This module owns the tree and its accepted path; it never runs a model and never reads the
+store.
 """
 
 import heapq
@@ -119,7 +120,7 @@ def grow_tree(candidates: Candidates, budget: int) -> DraftTree:
         tree.scores.append(-neg_score)
         tree.children.append({})
         # Two siblings can share a token only if the top-k ids repeat; keep the first (the
-        # better-scored) so the walk is unambiguous.
+        # better-scored) so the accepted path is unambiguous.
         tree.children[parent].setdefault(token, node)
         if rank + 1 < k:
             score = parent_score + logp[depth - 1][row][rank + 1]
@@ -212,7 +213,7 @@ def accepted_path(
 ) -> list[int]:
     """Node indices matched from the root: at depth d the child whose token is labels[d-1].
 
-    labels / valid are indexed by depth (slot d at index d-1); the walk stops at the first
+    labels / valid are indexed by depth (slot d at index d-1); the path stops at the first
     depth with no matching child or an invalid label.
     """
     path: list[int] = []

@@ -27,18 +27,14 @@ import torch
 from dflash_train.blocks import eligible_anchors
 from dflash_train.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.evaluate.checkpoints import layer_selection
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.damage import DamagePolicy, check_store
 from dflash_train.evaluate.drafting import BlockDrafter
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.metrics import Budget, Walk
-from dflash_train.evaluate.replay import (
-    CheckpointResults,
-    EvalSettings,
-    evaluate_offline,
-    pick_samples,
-    read_samples,
-    sample_keys,
-)
+from dflash_train.evaluate.replay import evaluate_offline
+from dflash_train.evaluate.results import CheckpointResults
+from dflash_train.evaluate.samples import pick_samples, read_samples, sample_keys
 from dflash_train.store_schema import Part, Store, StoreError, open_store
 from dflash_train.store_schema.integrity import read_by_span
 from dflash_train.store_schema.part import sample_spans

@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from dflash_train.drafter import save_drafter
 from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import random_drafter, synthetic_meta
 

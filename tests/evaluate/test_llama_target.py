@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_train.cli import main
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import fitted_drafter_dir, regenerated_store
 from tests.extract.tiny_gguf import LLAMA, write_tiny_gguf

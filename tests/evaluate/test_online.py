@@ -8,6 +8,7 @@ import torch
 from dflash_train.assets.tiny import VOCAB_SIZE
 from dflash_train.drafter import ContextCache, load_drafter, save_drafter
 from dflash_train.drafter.model import dflash2_from
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.drafting import Draft
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import (
@@ -18,12 +19,9 @@ from dflash_train.evaluate.online import (
     speculative_decode,
 )
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import (
-    CheckpointResults,
-    EvalSample,
-    EvalSettings,
-    evaluate_replay,
-)
+from dflash_train.evaluate.replay import evaluate_replay
+from dflash_train.evaluate.results import CheckpointResults
+from dflash_train.evaluate.samples import EvalSample
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import EOS_ID, MAX_NEW_TOKENS, fit_drafter, mapped_drafter
 

@@ -16,7 +16,7 @@ from dflash_train.evaluate.online import (
     speculative_decode,
 )
 from dflash_train.evaluate.pipeline import load_drafters
-from dflash_train.evaluate.replay import EvalSample
+from dflash_train.evaluate.samples import EvalSample
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import EOS_ID
 

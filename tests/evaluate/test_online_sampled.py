@@ -10,6 +10,7 @@ import torch
 
 from dflash_train.assets.tiny import make_chats, write_jsonl
 from dflash_train.drafter import save_drafter
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.online import (
     CachedVerifier,
     RecomputeVerifier,
@@ -20,7 +21,7 @@ from dflash_train.evaluate.online import (
     speculative_decode,
 )
 from dflash_train.evaluate.pipeline import EvalConfig, load_drafters, run_eval
-from dflash_train.evaluate.replay import EvalSettings, read_samples
+from dflash_train.evaluate.samples import read_samples
 from dflash_train.store_schema import open_store
 from dflash_train.target_model.generation import continuations
 from dflash_train.target_model.sampling import SamplingConfig

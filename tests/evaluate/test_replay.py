@@ -8,20 +8,13 @@ import torch
 
 from dflash_train.drafter import ContextCache, build_block_ids, save_drafter
 from dflash_train.evaluate.checkpoints import layer_selection
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.drafting import BlockDrafter, Draft, walk_first
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import (
-    Agreement,
-    CheckpointResults,
-    EvalSample,
-    EvalSettings,
-    evaluate_all,
-    evaluate_offline,
-    evaluate_replay,
-    pick_samples,
-    read_samples,
-)
+from dflash_train.evaluate.replay import evaluate_all, evaluate_offline, evaluate_replay
 from dflash_train.evaluate.report import estimate_warning
+from dflash_train.evaluate.results import Agreement, CheckpointResults
+from dflash_train.evaluate.samples import EvalSample, pick_samples, read_samples
 from dflash_train.store_schema import open_store
 from dflash_train.train.config import ModelConfig
 from dflash_train.train.drafter_shape import initial_drafter

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_train.drafter import save_drafter
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.train.config import ModelConfig
 from dflash_train.train.drafter_shape import initial_drafter
 

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 from dflash_train.cli import main
 from dflash_train.drafter import load_drafter
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.run_layout import BEST, checkpoint_dir
 from dflash_train.train.config import load_train_config
 from dflash_train.train.loop import train

@@ -16,21 +16,22 @@ from click.testing import CliRunner
 
 from dflash_train.evaluate.agreement import Decoded, first_difference
 from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.engines import vllm as vllm_mod
 from dflash_train.evaluate.engines.shared import (
     ServedPrompt,
     ServedResults,
     ServeJob,
     likely_causes,
+    served_decode,
     served_prompts,
-    served_run,
 )
 from dflash_train.evaluate.engines.speed import TimedDecode, checked_time, speed_summary
 from dflash_train.evaluate.engines.vllm import find_vllm, run_driver, served_results
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule, evaluate_online
-from dflash_train.evaluate.replay import EvalSample, EvalSettings
 from dflash_train.evaluate.report import block_rows, format_table
+from dflash_train.evaluate.samples import EvalSample
 from tests.evaluate.conftest import EOS_ID
 from tests.evaluate.test_online import PROMPT, ScriptedDrafter, ScriptedTarget
 from tests.processes import is_running
@@ -71,9 +72,9 @@ def test_a_cap_inside_the_accepted_drafts_reads_as_the_tokens_committed():
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
     settings = replace(SETTINGS, position_bin=4)
     online, tokens = _online(list(range(20, 40)), {6}, 8, stop, settings)
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
-    assert run.committed == [3, 3] and run.anchors == [3, 6] and run.tokens == tokens
-    served = ServedResults("s", 8, [run], {"num_drafts": 2, "num_accepted_tokens": 9,
+    decode = served_decode(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
+    assert decode.committed == [3, 3] and decode.anchors == [3, 6] and decode.tokens == tokens
+    served = ServedResults("s", 8, [decode], {"num_drafts": 2, "num_accepted_tokens": 9,
                                            "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]}, 4,
                            "vllm")
     assert served.walks[None].rounds == online.walks[None].rounds == {(0, 0): [(3, 3), (6, 3)]}
@@ -93,8 +94,8 @@ def test_an_eos_inside_the_accepted_drafts_reads_as_the_tokens_committed():
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=100, max_length=100)
     continuation = [20, 21, 22, 23, 24, 25, EOS_ID, 27, 28, 29, 30, 31]
     online, tokens = _online(continuation, {5}, 8, stop)
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 7], 8), 8, "vLLM")
-    served = ServedResults("s", 8, [run], {}, BIN, "vllm")
+    decode = served_decode(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 7], 8), 8, "vLLM")
+    served = ServedResults("s", 8, [decode], {}, BIN, "vllm")
     assert served.walks[None].rounds == online.walks[None].rounds == {(0, 0): [(3, 2), (5, 4)]}
     assert served.summary().to_json()["cond_accept"] == online.summary().to_json()["cond_accept"]
     assert not served.summary().to_json()["vllm"]["counters_agree"]  # no Prometheus totals given
@@ -103,18 +104,18 @@ def test_an_eos_inside_the_accepted_drafts_reads_as_the_tokens_committed():
 def test_counts_that_do_not_add_up_to_the_output_are_refused_naming_the_prompt():
     tokens = PROMPT + list(range(20, 27))
     with pytest.raises(EvalError, match="prompt 0/0: 7 tokens generated but the steps"):
-        served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [5, 0], 8), 8, "vLLM")
+        served_decode(_prompt(tokens), _raw(tokens[len(PROMPT):], [5, 0], 8), 8, "vLLM")
     short = dict(_raw(tokens[len(PROMPT):], [2, 2], 8), per_step_drafted=[7, 3])
     with pytest.raises(EvalError, match="step 1 drafted 3 tokens, not 7"):
-        served_run(_prompt(tokens), short, 8, "vLLM")
+        served_decode(_prompt(tokens), short, 8, "vLLM")
     with pytest.raises(EvalError, match="without a verify step"):
-        served_run(_prompt(tokens), _raw([20, 21], [], 8), 8, "vLLM")
+        served_decode(_prompt(tokens), _raw([20, 21], [], 8), 8, "vLLM")
 
 
 def test_a_first_token_eos_is_a_prompt_without_rounds():
-    run = served_run(_prompt(PROMPT + [EOS_ID]), _raw([EOS_ID], [], 8), 8, "vLLM")
-    served = ServedResults("s", 8, [run], {}, BIN, "vllm")
-    assert run.committed == [] and served.summary().to_json()["n_blocks"] == 0
+    decode = served_decode(_prompt(PROMPT + [EOS_ID]), _raw([EOS_ID], [], 8), 8, "vLLM")
+    served = ServedResults("s", 8, [decode], {}, BIN, "vllm")
+    assert decode.committed == [] and served.summary().to_json()["n_blocks"] == 0
 
 
 def test_prompts_are_capped_by_max_new_tokens_and_the_store_max_length():
@@ -127,9 +128,9 @@ def test_prompts_are_capped_by_max_new_tokens_and_the_store_max_length():
 
 
 def _served(tokens_per_prompt: list[list[int]], accepted: list[list[int]]) -> ServedResults:
-    runs = [served_run(_prompt(t, i), _raw(t[len(PROMPT):], a, 4), 4, "vLLM")
+    decodes = [served_decode(_prompt(t, i), _raw(t[len(PROMPT):], a, 4), 4, "vLLM")
             for i, (t, a) in enumerate(zip(tokens_per_prompt, accepted, strict=True))]
-    return ServedResults("s", 4, runs, {}, BIN, "vllm")
+    return ServedResults("s", 4, decodes, {}, BIN, "vllm")
 
 
 def test_the_first_difference_names_the_prompt_and_the_position():
@@ -201,8 +202,8 @@ def _report_with_served(served: ServedResults, online) -> dict:
 def test_the_table_shows_served_columns_and_vllm_counters_in_their_own_convention():
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
     online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
-    served = ServedResults("s", 8, [run], {"num_drafts": 2, "num_accepted_tokens": 9,
+    decode = served_decode(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
+    served = ServedResults("s", 8, [decode], {"num_drafts": 2, "num_accepted_tokens": 9,
                                            "accepted_per_pos": [2, 2, 1, 1, 1, 1, 1]}, BIN,
                            "vllm")
     text = format_table(_report_with_served(served, online))
@@ -223,7 +224,7 @@ def test_an_engine_bins_its_rounds_by_the_jobs_position_bin():
     tokens = PROMPT + list(range(20, 30))
     raw = dict(_raw(tokens[len(PROMPT):], [3, 1, 2], 4), key="0/0")
     served = served_results("s", _job([_prompt(tokens)], position_bin=5), {"prompts": [raw]}, 4)
-    assert served.runs[0].anchors == [3, 7, 9]
+    assert served.decodes[0].anchors == [3, 7, 9]
     by_position = served.summary().to_json()["tau_by_position"]
     assert by_position["bin_tokens"] == 5
     assert [(b["start"], b["n_blocks"]) for b in by_position["bins"]] == [(0, 1), (5, 2)]
@@ -385,7 +386,7 @@ def test_vllm_decodes_with_and_without_the_drafter_taking_turns_wave_by_wave(
     # turns flip each wave: neither engine always runs first
     assert log.read_text().splitlines() == ["drafter 16", "plain 16", "plain 16",
                                             "drafter 16", "drafter 1", "plain 1"]
-    assert all(r.accepted == [1] * len(r.committed) for r in served.runs)
+    assert all(r.accepted == [1] * len(r.committed) for r in served.decodes)
     assert served.summary().to_json()["vllm"]["counters_agree"]
     # each prompt of m tokens: m - 1 decoded; with the drafter in ceil((m - 1) / 2) rounds
     # of 30 ms, without it in m - 1 steps of 10 ms
@@ -483,8 +484,8 @@ def test_a_time_an_engine_reports_must_be_a_finite_number(value):
 def test_the_table_shows_the_speed_with_and_without_the_drafter():
     stop = StopRule(eos_ids=[EOS_ID], max_new_tokens=7, max_length=100)
     online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
-    served = ServedResults("s", 8, [run], {}, BIN, "vllm", speed=_speed_example())
+    decode = served_decode(_prompt(tokens), _raw(tokens[len(PROMPT):], [2, 7], 8), 8, "vLLM")
+    served = ServedResults("s", 8, [decode], {}, BIN, "vllm", speed=_speed_example())
     assert served.summary().to_json()["speed"] == _speed_example()
     lines = format_table(_report_with_served(served, online)).splitlines()
     speed = next(x for x in lines if x.startswith("    speed, decode only"))
@@ -494,7 +495,7 @@ def test_the_table_shows_the_speed_with_and_without_the_drafter():
     even = next(x for x in lines if x.startswith("    break-even"))
     assert "costs 6.00 decode steps without the drafter, so it pays where tau > 6.00; " \
            "here 2.50 tokens per round" in even
-    unmeasured = ServedResults("s", 8, [run], {}, BIN, "vllm")
+    unmeasured = ServedResults("s", 8, [decode], {}, BIN, "vllm")
     assert unmeasured.summary().to_json()["speed"] is None
     assert "speed" not in format_table(_report_with_served(unmeasured, online))
 

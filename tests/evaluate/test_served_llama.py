@@ -76,9 +76,9 @@ def test_served_rounds_equal_online_and_offline_prompt_by_prompt(llama_server, t
                               out=str(tmp_path / "eval")),
                    echo=lambda line: None)
     served, online, offline = out.served["d60"], out.online["d60"], out.offline["d60"]
-    assert len(served.runs) == 8
-    for run in served.runs:  # the store's text (and so --online's) ...
-        assert run.tokens == out.generated[run.prompt.sample.key]
+    assert len(served.decodes) == 8
+    for decode in served.decodes:  # the store's text (and so --online's) ...
+        assert decode.tokens == out.generated[decode.prompt.sample.key]
     # ... and the same rounds: anchors and committed tokens, prompt by prompt.
     assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
     mine, theirs = served.summary().to_json(), online.summary().to_json()

@@ -166,9 +166,9 @@ def test_a_cap_is_applied_where_online_applies_it_and_later_steps_are_left_out()
     assert server.bodies == [request_body(prompt, 8)]
     assert server.bodies[0]["n_predict"] == 15 and server.bodies[0]["prompt"] == PROMPT
     assert server.bodies[0]["temperature"] == 0 and server.bodies[0]["cache_prompt"] is False
-    assert served.run.tokens == tokens and served.run.accepted == [2, 7]
-    assert served.run.committed == [3, 3] and len(served.steps) == 3 and not served.early_eog
-    results = ServedResults("s", 8, [served.run], {}, BIN, "llama_cpp",
+    assert served.decode.tokens == tokens and served.decode.accepted == [2, 7]
+    assert served.decode.committed == [3, 3] and len(served.steps) == 3 and not served.early_eog
+    results = ServedResults("s", 8, [served.decode], {}, BIN, "llama_cpp",
                             counters_agree=True)
     assert results.walks[None].rounds == online.walks[None].rounds
     assert results.summary().to_json()["llama_cpp"]["num_accepted_tokens"] == 9  # its convention
@@ -180,7 +180,7 @@ def test_an_end_of_generation_online_does_not_stop_on_is_flagged():
     server = FakeServer(answer([20, 21, other_eog], stop="eos", draft_n=7, draft_n_accepted=1),
                         log_of([(1, 7)]))
     served = serve_prompt(server, _prompt(PROMPT + [20, 21, other_eog]), 8, stop, VOCAB, "s")
-    assert served.early_eog and served.run.committed == [2]
+    assert served.early_eog and served.decode.committed == [2]
     server = FakeServer(answer([20, EOS_ID], stop="eos", draft_n=7, draft_n_accepted=0),
                         log_of([(0, 7)]))
     assert not serve_prompt(server, _prompt(PROMPT + [20, EOS_ID]), 8, stop, VOCAB,
@@ -192,8 +192,8 @@ def test_the_table_names_llama_cpp_and_its_counters():
     online, tokens = _online(list(range(20, 40)), {6}, 8, stop)
     server = FakeServer(answer(list(range(20, 35)), draft_n=21, draft_n_accepted=11),
                         log_of([(2, 7), (7, 7), (2, 7)]))
-    run = serve_prompt(server, _prompt(tokens, max_tokens=7), 8, stop, VOCAB, "s").run
-    served = ServedResults("s", 8, [run], {}, BIN, "llama_cpp",
+    decode = serve_prompt(server, _prompt(tokens, max_tokens=7), 8, stop, VOCAB, "s").decode
+    served = ServedResults("s", 8, [decode], {}, BIN, "llama_cpp",
                            {"versions": {"llama.cpp": "version: 1"}}, counters_agree=False)
     text = format_table(_report_with_served(served, online))
     assert "served through llama.cpp, 1 prompts" in text
@@ -286,7 +286,7 @@ def test_llama_cpp_decodes_with_and_without_the_drafter_taking_turns_prompt_by_p
     assert (tmp_path / "order").read_text().split() == ["drafter", "plain", "plain", "drafter",
                                                         "drafter", "plain", "plain", "drafter"]
     # asked for 6 + 8 tokens, 1 accepted draft a step: 7 steps each, 3 kept for 6 tokens
-    assert all(r.committed == [2, 2, 1] and r.anchors == [3, 5, 7] for r in served.runs)
+    assert all(r.committed == [2, 2, 1] and r.anchors == [3, 5, 7] for r in served.decodes)
     assert served.summary().to_json()["llama_cpp"]["counters_agree"]  # all 28 steps in /metrics
     assert [b["start"] for b in served.summary().to_json()["tau_by_position"]["bins"]] == [0, 4]
     speed = served.summary().to_json()["speed"]

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from dflash_train.assets.tiny import make_chats, write_jsonl
 from dflash_train.drafter import save_drafter
 from dflash_train.evaluate.command import eval_command
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.engines import llama_cpp as llama_mod
 from dflash_train.evaluate.engines import vllm as vllm_mod
 from dflash_train.evaluate.engines.llama_cpp import SAMPLED_CHAIN, request_body
@@ -25,13 +26,12 @@ from dflash_train.evaluate.engines.shared import (
     ServedResults,
     ServeJob,
     request_seed,
-    served_run,
+    served_decode,
     tau_check,
 )
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.store_schema import open_store
 from dflash_train.target_model.sampling import GREEDY, SamplingConfig
 from tests.evaluate.conftest import EOS_ID, LAYERS, fit_drafter, random_drafter
@@ -113,9 +113,9 @@ def test_a_request_seed_is_fixed_by_the_stores_seed_and_the_source_row():
 
 def test_tau_check_walks_offline_as_the_engine_did_and_says_whether_intervals_meet():
     tokens = PROMPT + list(range(20, 30))
-    run = served_run(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 2, 0, 3], 4), 4, "vLLM")
-    served = ServedResults("s", 4, [run], {}, BIN, "vllm")
-    rounds = list(zip(run.anchors, run.committed, strict=True))  # (3, 2) (5, 3) (8, 1) (9, 3)
+    decode = served_decode(_prompt(tokens), _raw(tokens[len(PROMPT):], [1, 2, 0, 3], 4), 4, "vLLM")
+    served = ServedResults("s", 4, [decode], {}, BIN, "vllm")
+    rounds = list(zip(decode.anchors, decode.committed, strict=True))  # (3, 2) (5, 3) (8, 1) (9, 3)
     # offline under --mode all: a tau at every anchor, the walk visits 3, 5, 8, 9
     every = {a: 4 for a in range(3, 12)} | dict(rounds)
     offline = _offline({(0, 0): sorted(every.items())})
@@ -135,10 +135,10 @@ def test_vllm_samples_every_prompt_with_the_stores_settings_and_its_own_seed(
     store, drafter = sampled
     python, params = recording_vllm
     out = _served_eval(store, drafter, eos_target_dir, python)
-    runs = out.served[Path(drafter).name].runs
+    decodes = out.served[Path(drafter).name].decodes
     noted = _noted(params)
-    assert [p["max_tokens"] for p in noted] == [r.prompt.max_tokens for r in runs]
-    for p, r in zip(noted, runs, strict=True):
+    assert [p["max_tokens"] for p in noted] == [r.prompt.max_tokens for r in decodes]
+    for p, r in zip(noted, decodes, strict=True):
         assert (p["temperature"], p["top_p"], p["top_k"]) == (0.7, 0.9, 20)
         assert p["seed"] == request_seed(SAMPLING, r.prompt)
     assert len({p["seed"] for p in noted}) == len(noted)
@@ -316,7 +316,7 @@ def test_real_vllm_samples_reproducibly_and_its_tau_agrees_with_offline(tmp_path
     drafter = str(save_drafter(fit_drafter(random_drafter(seed=1, **HEADS), store, steps=20),
                                tmp / "d20"))
     first, again = (_served_eval(store, drafter, target, python.path) for _ in range(2))
-    texts = [{r.prompt.key: r.tokens for r in o.served["d20"].runs} for o in (first, again)]
+    texts = [{r.prompt.key: r.tokens for r in o.served["d20"].decodes} for o in (first, again)]
     assert texts[0] == texts[1]
     stored = {f"{k[0]}/{k[1]}": t for k, t in first.runs["offline"].decoded["d20"].text.items()}
     assert sum(t != stored[k] for k, t in texts[0].items()) >= 4

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from dflash_train.drafter import save_drafter
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.engines.shared import served_prompts
 from dflash_train.evaluate.engines.vllm import build_request, find_vllm, run_driver
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings, pick_samples, read_samples
+from dflash_train.evaluate.samples import pick_samples, read_samples
 from dflash_train.store_schema import open_store
 from tests.evaluate.conftest import (
     EOS_ID,
@@ -71,9 +72,9 @@ def test_served_acceptance_equals_online_and_offline_prompt_by_prompt(
                               out=str(tmp_path / "eval")),
                    echo=lambda line: None)
     served, online, offline = out.served["d20"], out.online["d20"], out.offline["d20"]
-    assert len(served.runs) == 8
-    for run in served.runs:  # same text as the store (and so as --online) ...
-        assert run.tokens == out.generated[run.prompt.sample.key]
+    assert len(served.decodes) == 8
+    for decode in served.decodes:  # same text as the store (and so as --online) ...
+        assert decode.tokens == out.generated[decode.prompt.sample.key]
     # ... and the same rounds: anchors and committed tokens, prompt by prompt.
     assert served.walks[None].rounds == online.walks[None].rounds == offline.walks[None].rounds
     mine, theirs = served.summary().to_json(), online.summary().to_json()

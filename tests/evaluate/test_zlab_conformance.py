@@ -39,8 +39,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.blocks import first_anchor
 from dflash_train.cli import main
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.store_schema import open_store
 from dflash_train.target_model.generation import eos_token_ids
 from tests.evaluate.conftest import LAYERS, MASK_ID, MAX_NEW_TOKENS, drafter_config

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from dflash_train.cli import main
 from dflash_train.drafter import load_drafter
+from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
-from dflash_train.evaluate.replay import EvalSettings
 from dflash_train.run_layout import BEST, LOG, checkpoint_dir
 from dflash_train.run_reader import read_best
 from dflash_train.store_schema import open_store

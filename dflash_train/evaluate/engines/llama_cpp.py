@@ -3,9 +3,9 @@ llama-server and turns its answers into rounds. llama-server (started and asked 
 llama_server.py) serves the target GGUF with each checkpoint exported as a DFlash GGUF
 (`dflash export --format gguf`), greedy (on a sampled store: its settings, in our sampler
 order, with a seed per request: `request_body`), one prompt at a time, and its counts
-become rounds through shared.served_run, beside offline replay and `--online`. Its answers
-are read and checked by llama_replies.py (what llama.cpp tells per request is listed there);
-this module never parses a reply itself.
+become rounds through shared.served_decode, beside offline replay and `--online`. Its
+answers are read and checked by llama_replies.py (what llama.cpp tells per request is listed
+there); this module never parses a reply itself.
 
 The stop rule is `--online`'s, applied here to llama-server's output: it may generate a block
 past the cap (n_predict = cap + block), because near its n_predict llama-server shortens the
@@ -43,15 +43,15 @@ from dflash_train.evaluate.engines.llama_server import (
     find_llama_server,
 )
 from dflash_train.evaluate.engines.shared import (
+    ServedDecode,
     ServedMode,
     ServedPrompt,
     ServedResults,
-    ServedRun,
     ServeJob,
     checked_target_config,
     in_scratch,
     request_seed,
-    served_run,
+    served_decode,
 )
 from dflash_train.evaluate.engines.speed import (
     TimedDecode,
@@ -130,12 +130,12 @@ def request_steps(server: LlamaServer, offset: int, where: str) -> list[Step]:
 class Served:
     """One prompt through llama-server."""
 
-    run: ServedRun
+    decode: ServedDecode
     steps: list[Step]
     """Every verify step of the request, past --online's stop too."""
     early_eog: bool
     """It stopped on an end-of-generation token --online does not stop on."""
-    decode: TimedDecode
+    timing: TimedDecode
     """Its whole generation (past --online's stop too) as llama-server timed it."""
 
 
@@ -149,13 +149,15 @@ def serve_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, sto
     check_steps(steps, done, block_size, where)
     text = cut_at_stop(prompt, done.tokens, stop)
     kept = steps_for(steps, len(text))
-    run = served_run(prompt, {"token_ids": text, "per_step_accepted": [a for a, _ in kept],
-                              "per_step_drafted": [d for _, d in kept]}, block_size,
-                     LlamaCppMode.title)
+    decode = served_decode(prompt, {"token_ids": text,
+                                    "per_step_accepted": [a for a, _ in kept],
+                                    "per_step_drafted": [d for _, d in kept]}, block_size,
+                           LlamaCppMode.title)
     ended = len(prompt.ids) + len(text)
     early = (done.stop_type == "eos" and text == done.tokens
              and not stop.done(text[-1], len(text), ended))
-    return Served(run, steps, early, TimedDecode(done.tokens, done.decode_seconds, len(steps)))
+    return Served(decode, steps, early,
+                  TimedDecode(done.tokens, done.decode_seconds, len(steps)))
 
 
 def time_prompt(server: LlamaServer, prompt: ServedPrompt, block_size: int, vocab: int,
@@ -275,13 +277,13 @@ def serve_checkpoint(plan: LlamaPlan, job: ServeJob, name: str, drafter: Path,
     steps = [s for x in served for s in x.steps]
     info = {"versions": {LlamaCppMode.engine: plan.version}, "server": plan.binary,
             "target_type": plan.target_type,
-            "stopped_on_other_eog": [x.run.prompt.key for x in served if x.early_eog],
+            "stopped_on_other_eog": [x.decode.prompt.key for x in served if x.early_eog],
             "seconds": {"load": loaded - start, "generate": generating}}
     speed = None if plain is None else speed_summary(
-        [x.decode for x in served], timed, timing=SPEED_TIMING,
+        [x.timing for x in served], timed, timing=SPEED_TIMING,
         concurrency="one prompt at a time")
-    return ServedResults(name, block_size, [x.run for x in served], metrics, job.position_bin,
-                         LlamaCppMode.report_key, info,
+    return ServedResults(name, block_size, [x.decode for x in served], metrics,
+                         job.position_bin, LlamaCppMode.report_key, info,
                          counters_agree=metrics_agree(metrics, steps, block_size), speed=speed)
 
 

@@ -1,6 +1,6 @@
 """What every serving engine of `eval --served` shares: the prompts it gets (`--online`'s,
 with its stop rule), the job a ServedMode hands its engine, an engine's per-step counts read
-as rounds (`served_run`), a checkpoint's results scored as offline scores them
+as rounds (`served_decode`), a checkpoint's results scored as offline scores them
 (`ServedResults`), the served check, and what is known of why a served run differs.
 
 Two counting conventions, both kept, never mixed:
@@ -37,9 +37,10 @@ from dflash_train.evaluate.agreement import Decoded, RunCheck
 from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.metrics import Budget, TauHistogram, Walk
-from dflash_train.evaluate.modes import DecodeMode, EvalInputs, ModeRun, RunResults, check_runs
+from dflash_train.evaluate.modes import DecodeMode, EvalInputs, check_runs
 from dflash_train.evaluate.online import StopRule, prompt_of, store_sampling
-from dflash_train.evaluate.replay import ROW_NAMES, EvalSample
+from dflash_train.evaluate.results import ROW_NAMES, AnyCheckpointResults, ModeResults
+from dflash_train.evaluate.samples import EvalSample
 from dflash_train.evaluate.summary import EvalSummary
 from dflash_train.store_schema import Store
 from dflash_train.target_model.sampling import GREEDY, SamplingConfig
@@ -145,7 +146,7 @@ def log_tail(log: Path) -> str:
 
 
 @dataclass
-class ServedRun:
+class ServedDecode:
     """One prompt as the engine decoded it."""
 
     prompt: ServedPrompt
@@ -159,7 +160,7 @@ class ServedRun:
     """Per verify step, the position of the last committed token it drafted at."""
 
 
-def served_run(prompt: ServedPrompt, raw: dict, block_size: int, engine: str) -> ServedRun:
+def served_decode(prompt: ServedPrompt, raw: dict, block_size: int, engine: str) -> ServedDecode:
     """An engine's per-step counts of one prompt as rounds; EvalError when they do not add up
     to its own output (every step drafts a full block; the generated tokens are the first one
     plus what the rounds commit)."""
@@ -186,17 +187,18 @@ def served_run(prompt: ServedPrompt, raw: dict, block_size: int, engine: str) ->
     for c in committed:
         anchors.append(at)
         at += c
-    return ServedRun(prompt, prompt.ids + generated, accepted, committed, anchors)
+    return ServedDecode(prompt, prompt.ids + generated, accepted, committed, anchors)
 
 
 @dataclass
 class ServedResults:
-    """A checkpoint's served runs, scored as offline results are (committed tokens), plus
+    """A checkpoint's served decodes, scored as offline results are (committed tokens), plus
     the engine's own counters (its convention)."""
 
     name: str
     block_size: int
-    runs: list[ServedRun]
+    decodes: list[ServedDecode]
+    """Per prompt, in the job's order."""
     counters: dict
     """The engine's Prometheus totals: num_drafts, num_draft_tokens, num_accepted_tokens,
     accepted_per_pos."""
@@ -218,18 +220,17 @@ class ServedResults:
 
     def __post_init__(self) -> None:
         chain = Walk(self.block_size, self.position_bin, recall_at=(1,))
-        for run in self.runs:
-            if run.committed:  # a prompt whose first token ends the turn has no rounds
-                chain.stats.update(*_as_blocks(run, self.block_size))
-                chain.record([run.prompt.sample.key] * len(run.anchors), run.anchors,
-                             run.committed)
+        for d in self.decodes:
+            if d.committed:  # a prompt whose first token ends the turn has no rounds
+                chain.stats.update(*_as_blocks(d, self.block_size))
+                chain.record([d.prompt.sample.key] * len(d.anchors), d.anchors, d.committed)
         self.walks = {None: chain}
 
     def engine_summary(self) -> dict:
         """The engine's convention, from its per-step counts (vLLM's and llama.cpp's are the
         same: accepted drafts per verify step, mean length 1 + accepted / steps);
         `counters_agree` checks them against its Prometheus totals."""
-        steps = [a for r in self.runs for a in r.accepted]
+        steps = [a for d in self.decodes for a in d.accepted]
         slots = self.block_size - 1
         per_pos = [sum(a > k for a in steps) for k in range(slots)]
         drafts, accepted = len(steps), sum(steps)
@@ -256,37 +257,37 @@ class ServedResults:
 
     def decoded(self) -> Decoded:
         """Its text and rounds per prompt, as the agreement check reads them."""
-        return Decoded.of({r.prompt.sample.key: r.tokens for r in self.runs}, self.walks,
-                          {r.prompt.sample.key: len(r.prompt.ids) for r in self.runs})
+        return Decoded.of({d.prompt.sample.key: d.tokens for d in self.decodes}, self.walks,
+                          {d.prompt.sample.key: len(d.prompt.ids) for d in self.decodes})
 
     def table(self) -> dict[str, list]:
-        """Per-block rows in replay.ROW_NAMES' columns, ordered by (part, sample, anchor):
+        """Per-block rows in results.ROW_NAMES' columns, ordered by (part, sample, anchor):
         chains only (no trees from outside the engine)."""
         rows: dict[str, list] = {n: [] for n in ROW_NAMES}
-        for r in sorted(self.runs, key=lambda r: r.prompt.sample.key):
-            s = r.prompt.sample
-            for anchor, tau in zip(r.anchors, r.committed, strict=True):
+        for d in sorted(self.decodes, key=lambda d: d.prompt.sample.key):
+            s = d.prompt.sample
+            for anchor, tau in zip(d.anchors, d.committed, strict=True):
                 for name, value in zip(ROW_NAMES, (s.part, s.index, s.source_row, anchor, None,
                                                    tau), strict=True):
                     rows[name].append(value)
         return rows
 
 
-def _as_blocks(run: ServedRun, block_size: int
+def _as_blocks(decode: ServedDecode, block_size: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A run's rounds in AcceptanceStats.update's terms: drafts [N, B] that match labels in
+    """A decode's rounds in AcceptanceStats.update's terms: drafts [N, B] that match labels in
     exactly the first `accepted` slots, slots valid up to the text's end, tokens left."""
-    n = len(run.committed)
+    n = len(decode.committed)
     slots = torch.arange(block_size)
-    accepted = torch.tensor(run.accepted)
-    left = torch.tensor([min(len(run.tokens) - 1 - a, block_size) for a in run.anchors])
+    accepted = torch.tensor(decode.accepted)
+    left = torch.tensor([min(len(decode.tokens) - 1 - a, block_size) for a in decode.anchors])
     labels = torch.zeros(n, block_size, dtype=torch.long)
     draft = (slots[None] > accepted[:, None]).long()  # 0 == label up to `accepted`, then 1
     valid = slots[None] <= left[:, None]
     tau = torch.minimum(torch.minimum(accepted, left) + 1, left)
-    if tau.tolist() != run.committed:  # the two readings of the engine's counts must agree
-        raise EvalError(f"the engine's counters for prompt {run.prompt.key}: committed "
-                        f"{run.committed} but accepted {run.accepted} with {left.tolist()} "
+    if tau.tolist() != decode.committed:  # the two readings of the engine's counts must agree
+        raise EvalError(f"the engine's counters for prompt {decode.prompt.key}: committed "
+                        f"{decode.committed} but accepted {decode.accepted} with {left.tolist()} "
                         "tokens left")
     return draft, labels, valid, left
 
@@ -350,7 +351,7 @@ class ServedMode(DecodeMode):
         else:
             offline = next(r for r in earlier if r.label == "offline")
             check = sampled_check_json(served, offline.results, s)
-        return ModeRun(self.label, served, decoded, check=check)
+        return ModeResults(self.label, served, decoded, check=check)
 
     def check_json(self, checks: dict[str, RunCheck], inputs: EvalInputs) -> dict:
         out = {"prompts": 0, "against": None, "checkpoints": {}}
@@ -373,10 +374,10 @@ TEXT_NOT_CHECKED = ("not compared: at temperature > 0 the engine draws from its 
 """Why a sampled store's served check compares no text and no rounds."""
 
 
-def sampled_check_json(served: dict[str, ServedResults], offline: dict[str, RunResults],
+def sampled_check_json(served: dict[str, ServedResults], offline: dict[str, AnyCheckpointResults],
                        sampling: SamplingConfig) -> dict:
     """The served check on a sampled store: per checkpoint, its tau_check."""
-    prompts = len(next(iter(served.values())).runs)
+    prompts = len(next(iter(served.values())).decodes)
     return {"prompts": prompts, "against": "offline",
             "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
                          "top_k": sampling.top_k, "seed": sampling.seed},
@@ -385,14 +386,14 @@ def sampled_check_json(served: dict[str, ServedResults], offline: dict[str, RunR
                             for n, r in served.items()}}
 
 
-def tau_check(served: ServedResults, offline: RunResults) -> dict:
+def tau_check(served: ServedResults, offline: AnyCheckpointResults) -> dict:
     """Served and offline mean tau of the chain on the same prompts, each with its 95 %
     interval, and whether the intervals overlap (`within`; None below 2 rounds a side).
     Both are draws of live sample-and-match's law at the store's settings (§8a), so a
     drafter or target that the engine runs as we do gives overlapping intervals."""
     block = served.block_size
-    mine = _tau_interval([t for r in served.runs for t in r.committed], block)
-    theirs = _tau_interval(offline_walk(offline, served.runs), block)
+    mine = _tau_interval([t for d in served.decodes for t in d.committed], block)
+    theirs = _tau_interval(offline_walk(offline, served.decodes), block)
     a, b = mine["tau_ci95"], theirs["tau_ci95"]
     within = None if a is None or b is None else a[0] <= b[1] and b[0] <= a[1]
     return {"served": mine, "offline": theirs, "within": within}
@@ -405,16 +406,16 @@ def _tau_interval(taus: list[int], block_size: int) -> dict:
     return {"rounds": s["n"], "mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"]}
 
 
-def offline_walk(offline: RunResults, runs: list[ServedRun]) -> list[int]:
+def offline_walk(offline: AnyCheckpointResults, decodes: list[ServedDecode]) -> list[int]:
     """Offline replay's taus of the served prompts' chain, walked as live decoding walks
     (blocks.replay_anchors over its per-anchor taus: its own rounds under --mode replay, the
     walk through every anchor's tau under --mode all), over the tokens the engine may
     generate (the prompt's cap)."""
     taus = []
-    for r in runs:
-        sample = r.prompt.sample
+    for d in decodes:
+        sample = d.prompt.sample
         at = dict(offline.walks[None].rounds.get(sample.key, []))
-        end = len(r.prompt.ids) + r.prompt.max_tokens - 1  # the last token drafts no block
+        end = len(d.prompt.ids) + d.prompt.max_tokens - 1  # the last token drafts no block
         for anchor in replay_anchors(sample.loss_mask, at.__getitem__):
             if anchor >= end or anchor not in at:
                 break

@@ -8,7 +8,7 @@ held-out prompts go in as the stored token ids (no chat template on either side)
 (on a sampled store: at its temperature, top-p and top-k, with a seed per request from
 shared.request_seed), with the stop rule of `--online` (its end-of-turn ids,
 --max-new-tokens, the store's max_length). vLLM's per-step accepted counts become rounds
-through shared.served_run; its Prometheus totals are checked against them.
+through shared.served_decode; its Prometheus totals are checked against them.
 
 This module never loads a model in this process; it only starts vLLM's and reads JSON.
 """
@@ -34,7 +34,7 @@ from dflash_train.evaluate.engines.shared import (
     in_scratch,
     log_tail,
     request_seed,
-    served_run,
+    served_decode,
 )
 from dflash_train.evaluate.engines.speed import (
     TimedDecode,
@@ -283,10 +283,10 @@ def run_driver(python: VllmPython, request: dict, workdir: Path, name: str) -> d
 def served_results(name: str, job: ServeJob, result: dict, block_size: int
                    ) -> ServedResults:
     """Parse the driver's result for one checkpoint."""
-    runs = [served_run(p, raw, block_size, VllmMode.title)
-            for p, raw in zip(job.prompts, _by_prompt(name, job, result), strict=True)]
+    decodes = [served_decode(p, raw, block_size, VllmMode.title)
+               for p, raw in zip(job.prompts, _by_prompt(name, job, result), strict=True)]
     info = {k: result.get(k) for k in ("versions", "resolved", "seconds")}
-    return ServedResults(name, block_size, runs, result.get("counters") or {},
+    return ServedResults(name, block_size, decodes, result.get("counters") or {},
                          job.position_bin, VllmMode.report_key, info)
 
 
