@@ -1,11 +1,16 @@
-"""The one agreement check of `dflash eval`: does a decode run (--online, --served) give the
+"""The agreement checks of `dflash eval`: does a decode run (--online, --served) give the
 stored text, and the same rounds as the runs before it, prompt by prompt; and where is the
-first difference. Every mode is checked by this one function; the report writes each mode's
-check in that mode's JSON shape (evaluate/modes.py)."""
+first difference (`check_run`). Where its draws cannot be the stored ones (a serving engine's
+own random stream at T > 0, or a store a server sampled), the law is checked instead: mean tau
+live against offline's on the same prompts, with 95 % intervals (`tau_check`). The report
+writes each mode's check in that mode's JSON shape (evaluate/modes.py)."""
 
 from dataclasses import dataclass, field
 
-from dflash_train.evaluate.metrics import Budget, Rounds, Walk
+import torch
+
+from dflash_train.blocks import replay_anchors
+from dflash_train.evaluate.metrics import Budget, Rounds, TauHistogram, Walk
 
 Key = tuple[int, int]
 """A sample: (part, index)."""
@@ -88,3 +93,57 @@ def first_difference(run: Decoded, ref: Decoded) -> dict | None:
                     "served": mine[r][1] if r < len(mine) else None,
                     "reference": theirs[r][1] if r < len(theirs) else None}
     return None
+
+
+TEXT_NOT_CHECKED = ("not compared: at temperature > 0 the live draws are not the stored ones "
+                    "(a serving engine draws from its own random stream, and a store a server "
+                    "sampled holds that server's draws), so the text is another sample of the "
+                    "target's law and its rounds follow that text; what must agree is the law "
+                    "of tau (tau_check)")
+"""Why a check at T > 0 against other draws compares no text and no rounds."""
+
+
+@dataclass(frozen=True)
+class ChainPrompt:
+    """One prompt as the law check reads offline replay's walk over it."""
+
+    key: Key
+    loss_mask: torch.Tensor
+    """The stored sample's assistant-token mask (where offline's anchors may lie)."""
+    end: int
+    """The first position past what live decoding may generate (prompt + cap - 1: the last
+    token drafts no block)."""
+
+
+def tau_check(label: str, live_taus: list[int], offline_rounds: Rounds,
+              prompts: list[ChainPrompt], block_size: int) -> dict:
+    """Live (`label`) and offline mean tau of the chain on the same prompts, each with its
+    95 % interval, and whether the intervals overlap (`within`; None below 2 rounds a side).
+    Both are draws of live sample-and-match's law at the store's settings (reference.md §8a),
+    so a drafter and target run live as offline replays them give overlapping intervals."""
+    mine = _tau_interval(live_taus, block_size)
+    theirs = _tau_interval(offline_chain_taus(offline_rounds, prompts), block_size)
+    a, b = mine["tau_ci95"], theirs["tau_ci95"]
+    within = None if a is None or b is None else a[0] <= b[1] and b[0] <= a[1]
+    return {label: mine, "offline": theirs, "within": within}
+
+
+def _tau_interval(taus: list[int], block_size: int) -> dict:
+    hist = TauHistogram(block_size)
+    hist.update(torch.tensor(taus, dtype=torch.long))
+    s = hist.summary()
+    return {"rounds": s["n"], "mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"]}
+
+
+def offline_chain_taus(rounds: Rounds, prompts: list[ChainPrompt]) -> list[int]:
+    """Offline replay's taus of the prompts' chain, walked as live decoding walks
+    (blocks.replay_anchors over its per-anchor taus: its own rounds under --mode replay, the
+    walk through every anchor's tau under --mode all), up to each prompt's end."""
+    taus = []
+    for p in prompts:
+        at = dict(rounds.get(p.key, []))
+        for anchor in replay_anchors(p.loss_mask, at.__getitem__):
+            if anchor >= p.end or anchor not in at:
+                break
+            taus.append(at[anchor])
+    return taus

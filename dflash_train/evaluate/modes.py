@@ -15,7 +15,14 @@ from typing import ClassVar
 
 import torch
 
-from dflash_train.evaluate.agreement import Decoded, RunCheck, check_run
+from dflash_train.evaluate.agreement import (
+    TEXT_NOT_CHECKED,
+    ChainPrompt,
+    Decoded,
+    RunCheck,
+    check_run,
+    tau_check,
+)
 from dflash_train.evaluate.checkpoints import EvalCheckpoint
 from dflash_train.evaluate.config import EvalConfig, EvalSettings
 from dflash_train.evaluate.drafting import BlockDrafter
@@ -99,6 +106,7 @@ class OnlineMode(DecodeMode):
 
     def prepare(self, cfg: EvalConfig, store: Store, device: torch.device) -> None:
         self.sampling = store_sampling(store.meta)
+        self.server_drawn = store.meta.server_drawn
         self.target = load_online_target(cfg.model, store.meta, device=str(device))
         self.cached = not cfg.no_cache
 
@@ -115,6 +123,10 @@ class OnlineMode(DecodeMode):
         drawn = "" if s.greedy else (f", the target sampling at temperature {s.temperature} "
                                      f"(top-p {s.top_p}, top-k {s.top_k or 'off'}) with the "
                                      f"store's seed {s.seed}")
+        if self.server_drawn:
+            drawn += ("; the store's answers were drawn by a server, so the live text is "
+                      "another sample and its tau is compared with offline's as a "
+                      "distribution, not round by round")
         inputs.echo(f"online: decoding {len(samples)} prompts live with "
                     f"{len(inputs.drafters)} checkpoint(s) as {walks}, max "
                     f"{stop.max_new_tokens} new tokens, {how}{drawn}")
@@ -123,8 +135,12 @@ class OnlineMode(DecodeMode):
                                              sampling=s)
         lengths = {s.key: len(p) for s in samples if (p := prompt_of(s)) is not None}
         decoded = {n: Decoded.of(generated, r.walks, lengths) for n, r in results.items()}
-        checks = check_runs(decoded, samples, earlier)
-        return ModeResults(self.label, results, decoded, check=self.check_json(checks))
+        if self.server_drawn:
+            offline = next(r for r in earlier if r.label == "offline").results
+            check = law_check_json(results, offline, samples, stop)
+        else:
+            check = self.check_json(check_runs(decoded, samples, earlier))
+        return ModeResults(self.label, results, decoded, check=check)
 
     @staticmethod
     def check_json(checks: dict[str, RunCheck]) -> dict:
@@ -144,6 +160,29 @@ class OnlineMode(DecodeMode):
                                    for n, by_budget in trees.items()},
                 "tree_taus_differ": {n: {str(b): _named(keys) for b, keys in by_budget.items()}
                                      for n, by_budget in trees.items()}}
+
+
+def law_check_json(live: dict, offline: dict, samples: list[EvalSample], stop: StopRule
+                   ) -> dict:
+    """--online on a store a server sampled: per checkpoint and walk (the chain, each DDTree
+    budget), agreement.tau_check of the live taus against offline's over the same prompts;
+    text and rounds are not compared (TEXT_NOT_CHECKED)."""
+    prompts = [ChainPrompt(s.key, s.loss_mask,
+                           min(len(p) + stop.max_new_tokens, stop.max_length) - 1)
+               for s in samples if (p := prompt_of(s)) is not None]
+
+    def check(r, budget) -> dict:
+        taus = [t for key in sorted(r.walks[budget].rounds)
+                for _, t in r.walks[budget].rounds[key]]
+        return tau_check("online", taus, offline[r.name].walks[budget].rounds, prompts,
+                         r.block_size)
+
+    return {"prompts": len(prompts), "against": "offline", "drawn_by": "server",
+            "text": TEXT_NOT_CHECKED,
+            "checkpoints": {n: {"tau_check": check(r, None),
+                                "tree_tau_checks": {str(b): check(r, b) for b in r.walks
+                                                    if b is not None}}
+                            for n, r in live.items()}}
 
 
 def decode_modes(cfg: EvalConfig) -> list[DecodeMode]:

@@ -89,7 +89,8 @@ class EvalReport:
         ag = self.agreement
         sampled = self.meta.sampling
         # a greedy store's report keeps exactly the keys it always had
-        how = {} if sampled is None else {"sampling": sampled}
+        how = {} if sampled is None else {"sampling": sampled} | (
+            {"drawn_by": "server"} if self.meta.server_drawn else {})
         agreement = None if sampled else {"matches": ag.matches, "total": ag.total,
                                           "rate": ag.rate}
         return {
@@ -201,7 +202,9 @@ def format_table(report: dict) -> str:
     out += _grid(["streak", *names], _streak_rows(metrics, slots))
     out += _position_section(names, metrics)
     check = report.get("online_check")
-    if check:
+    if check and "checkpoints" in check:
+        out += ["", *_online_law_lines(check)]
+    elif check:
         out += ["", f"online check over {check['prompts']} prompts: generated text equals the "
                 f"stored text for {check['same_text']}"]
         for name, same in check["same_taus"].items():
@@ -212,6 +215,20 @@ def format_table(report: dict) -> str:
     if report.get("served_check"):
         out += ["", *format_served(report)]
     return "\n".join(out)
+
+
+def _online_law_lines(check: dict) -> list[str]:
+    """--online on a store a server sampled: per checkpoint, live against offline tau of the
+    chain and of each DDTree budget, each with its 95 % interval."""
+    out = [f"online check over {check['prompts']} prompts (the store's answers were drawn by "
+           f"a server): text and rounds {check['text']}"]
+    for name, entry in check["checkpoints"].items():
+        out.append(f"  {name}, chain:")
+        out += _tau_check_lines(entry["tau_check"])
+        for budget, tau in entry["tree_tau_checks"].items():
+            out.append(f"  {name}, tree @{budget}:")
+            out += _tau_check_lines(tau)
+    return out
 
 
 def _header(report: dict) -> list[str]:
@@ -243,9 +260,13 @@ def _answers_line(report: dict) -> str:
     s = report.get("sampling")
     if s is not None:
         top_p = "off" if s["top_p"] == 1 else s["top_p"]
-        return (f"store answers: the target's, sampled at temperature {s['temperature']} "
-                f"(top-p {top_p}, top-k {s['top_k'] or 'off'}) with seed {s['seed']}; labels "
-                f"are these draws (live: sample-and-match with that seed)")
+        settings = f"temperature {s['temperature']} (top-p {top_p}, top-k {s['top_k'] or 'off'})"
+        if report.get("drawn_by") == "server":
+            return (f"store answers: the target's, sampled by a server at {settings}, a seed "
+                    f"per request from seed {s['seed']}; labels are these draws, "
+                    "in-distribution only (no live decode draws them again)")
+        return (f"store answers: the target's, sampled at {settings} with seed {s['seed']}; "
+                "labels are these draws (live: sample-and-match with that seed)")
     ag = report["agreement"]
     return (f"store agreement (stored next token == verifier argmax): "
             f"{_fmt(None if ag['rate'] is None else 100 * ag['rate'], 2)}% "
@@ -400,8 +421,8 @@ def _text_check_lines(entry: dict, check: dict) -> list[str]:
 
 
 def _tau_check_lines(tau: dict) -> list[str]:
-    """A sampled store's served check of one checkpoint: mean tau of the chain, served and
-    offline on the same prompts, each with its 95 % interval."""
+    """One agreement.tau_check: mean tau live (served or online) and offline on the same
+    prompts, each with its 95 % interval."""
     def side(x: dict) -> str:
         ci = x["tau_ci95"]
         spread = "no interval" if ci is None else f"{ci[0]:.3f}-{ci[1]:.3f}"
@@ -409,9 +430,10 @@ def _tau_check_lines(tau: dict) -> list[str]:
 
     verdict = {True: "within their intervals", False: "outside their intervals",
                None: "too few rounds for intervals"}[tau["within"]]
-    served, offline = tau["served"], tau["offline"]
-    return [f"    served tau {side(served)} vs offline {side(offline)}: {verdict} "
-            f"({served['rounds']} and {offline['rounds']} rounds of the chain)"]
+    label = next(k for k in tau if k not in ("offline", "within"))
+    live, offline = tau[label], tau["offline"]
+    return [f"    {label} tau {side(live)} vs offline {side(offline)}: {verdict} "
+            f"({live['rounds']} and {offline['rounds']} rounds)"]
 
 
 def _describe(diff: dict) -> str:

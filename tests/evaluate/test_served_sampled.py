@@ -15,25 +15,23 @@ from click.testing import CliRunner
 
 from dflash_train.assets.tiny import make_chats, write_jsonl
 from dflash_train.drafter import save_drafter
+from dflash_train.evaluate.agreement import TEXT_NOT_CHECKED
 from dflash_train.evaluate.command import eval_command
 from dflash_train.evaluate.config import EvalSettings
 from dflash_train.evaluate.engines import llama_cpp as llama_mod
 from dflash_train.evaluate.engines import vllm as vllm_mod
 from dflash_train.evaluate.engines.llama_cpp import SAMPLED_CHAIN, request_body
 from dflash_train.evaluate.engines.shared import (
-    SEED_LIMIT,
-    TEXT_NOT_CHECKED,
     ServedResults,
     ServeJob,
-    request_seed,
     served_decode,
-    tau_check,
+    served_tau_check,
 )
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.store_schema import open_store
-from dflash_train.target_model.sampling import GREEDY, SamplingConfig
+from dflash_train.target_model.sampling import GREEDY, SEED_LIMIT, SamplingConfig
 from tests.evaluate.conftest import EOS_ID, LAYERS, fit_drafter, random_drafter
 from tests.evaluate.test_online import PROMPT
 from tests.evaluate.test_served import BIN, FAKE_VLLM, _fake_python, _prompt, _raw
@@ -102,6 +100,12 @@ def _served_eval(store: str, drafter: str, target: str, python: str, **options):
     return run_eval(cfg, echo=lambda _: None)
 
 
+def request_seed(sampling: SamplingConfig, prompt) -> int:
+    from dflash_train.target_model.sampling import request_seed as seed
+
+    return seed(sampling.seed, prompt.sample.source_row)
+
+
 def test_a_request_seed_is_fixed_by_the_stores_seed_and_the_source_row():
     a, b = _prompt(PROMPT + [20], index=0), _prompt(PROMPT + [20], index=1)
     seeds = {request_seed(SAMPLING, p) for p in (a, b)}
@@ -119,15 +123,15 @@ def test_tau_check_walks_offline_as_the_engine_did_and_says_whether_intervals_me
     # offline under --mode all: a tau at every anchor, the walk visits 3, 5, 8, 9
     every = {a: 4 for a in range(3, 12)} | dict(rounds)
     offline = _offline({(0, 0): sorted(every.items())})
-    same = tau_check(served, offline)
+    same = served_tau_check(served, offline)
     assert same["served"] == same["offline"] and same["offline"]["rounds"] == 4
     assert same["within"] is True
     worse = _offline({(0, 0): [(3, 1), (4, 1), (5, 1), (6, 1), (7, 1),
                                (8, 1), (9, 1), (10, 1), (11, 1)]})
-    assert tau_check(served, worse)["within"] is False
+    assert served_tau_check(served, worse)["within"] is False
     one = _offline({(0, 0): [(3, 2)]})  # its walk ends at anchor 5
-    assert tau_check(served, one)["offline"]["rounds"] == 1
-    assert tau_check(served, one)["within"] is None
+    assert served_tau_check(served, one)["offline"]["rounds"] == 1
+    assert served_tau_check(served, one)["within"] is None
 
 
 def test_vllm_samples_every_prompt_with_the_stores_settings_and_its_own_seed(

@@ -50,7 +50,6 @@ from dflash_train.evaluate.engines.shared import (
     ServeJob,
     checked_target_config,
     in_scratch,
-    request_seed,
     served_decode,
 )
 from dflash_train.evaluate.engines.speed import (
@@ -61,7 +60,7 @@ from dflash_train.evaluate.engines.speed import (
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.store_schema import Store
-from dflash_train.target_model.sampling import GREEDY, SamplingConfig
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig, request_seed
 
 LOG_SECONDS = 30.0
 """How long the log may lag the response (llama.cpp logs from a worker thread)."""
@@ -101,14 +100,14 @@ def request_body(prompt: ServedPrompt, block_size: int, sampling: SamplingConfig
     """Greedy on our ids, nothing cached; a block of tokens past the cap so that no draft
     inside --online's text is shortened (see the module docstring). On a sampled store: the
     store's temperature, top-k (0: off, as in llama.cpp) and top-p (1: off) in SAMPLED_CHAIN,
-    min_p 0 besides, and the prompt's own seed (shared.request_seed)."""
+    min_p 0 besides, and the prompt's own seed (sampling.request_seed)."""
     body = {"prompt": prompt.ids, "n_predict": prompt.max_tokens + block_size,
             "temperature": 0.0, "samplers": ["temperature"], "cache_prompt": False,
             "return_tokens": True, "stream": False, "seed": 0}
     if not sampling.greedy:
         body |= {"temperature": sampling.temperature, "top_k": sampling.top_k,
                  "top_p": sampling.top_p, "min_p": 0.0, "samplers": SAMPLED_CHAIN,
-                 "seed": request_seed(sampling, prompt)}
+                 "seed": request_seed(sampling.seed, prompt.sample.source_row)}
     return body
 
 

@@ -13,15 +13,15 @@ Two counting conventions, both kept, never mixed:
   counts any drafts accepted past the stop; mean acceptance length = 1 + accepted / drafts.
 
 On a sampled store (StoreMeta.sampling) every request samples with the store's settings and a
-seed of its own (`request_seed`). The engine draws from its own random stream, not our keyed
-noise, so its text is another sample of the target's law, never the stored one: the served
-check is then one of distribution (`tau_check`: served and offline mean tau of the chain on
-the same prompts, with their 95 % intervals), not of text (docs/reference.md §8b).
+seed of its own (`sampling.request_seed`). The engine draws from its own random stream, not
+our keyed noise, so its text is another sample of the target's law, never the stored one:
+the served check is then one of distribution (`agreement.tau_check`: served and offline mean
+tau of the chain on the same prompts, with their 95 % intervals), not of text
+(docs/reference.md §8b).
 
 This module never starts an engine and never loads a model; it only counts.
 """
 
-import hashlib
 import shutil
 import tempfile
 from abc import abstractmethod
@@ -32,11 +32,16 @@ from typing import ClassVar
 
 import torch
 
-from dflash_train.blocks import replay_anchors
-from dflash_train.evaluate.agreement import Decoded, RunCheck
+from dflash_train.evaluate.agreement import (
+    TEXT_NOT_CHECKED,
+    ChainPrompt,
+    Decoded,
+    RunCheck,
+    tau_check,
+)
 from dflash_train.evaluate.config import EvalConfig
 from dflash_train.evaluate.errors import EvalError
-from dflash_train.evaluate.metrics import Budget, TauHistogram, Walk
+from dflash_train.evaluate.metrics import Budget, Walk
 from dflash_train.evaluate.modes import DecodeMode, EvalInputs, check_runs
 from dflash_train.evaluate.online import StopRule, prompt_of, store_sampling
 from dflash_train.evaluate.results import ROW_NAMES, AnyCheckpointResults, ModeResults
@@ -92,7 +97,7 @@ class ServeJob:
     echo: Callable[[str], None] = print
     sampling: SamplingConfig = GREEDY
     """How every request draws: the store's settings (greedy unless it records sampling);
-    each request's seed is `request_seed(sampling, prompt)`."""
+    each request's seed is `sampling.request_seed(seed, source row)`."""
 
 
 def serve_job(inputs: EvalInputs, samples: list[EvalSample], stop: StopRule, speed: bool,
@@ -103,19 +108,6 @@ def serve_job(inputs: EvalInputs, samples: list[EvalSample], stop: StopRule, spe
         raise EvalError("--served: no held-out sample has a prompt and a response to decode")
     return ServeJob({c.name: (c.path, c.config.block_size) for c in inputs.checkpoints},
                     prompts, stop, inputs.settings.position_bin, speed, inputs.echo, sampling)
-
-
-SEED_LIMIT = 2**31
-"""Request seeds lie below this: vLLM takes any int, llama.cpp a uint32 whose 0xFFFFFFFF means
-"random"; 31 bits suit both."""
-
-
-def request_seed(sampling: SamplingConfig, prompt: ServedPrompt) -> int:
-    """The seed of one sampled request: the store's seed and the prompt's source row hashed
-    together (BLAKE2b), so each prompt draws its own stream and a rerun draws the same one
-    (the engine's stream, not our keyed noise: see the module docstring)."""
-    key = f"{sampling.seed}/{prompt.sample.source_row}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % SEED_LIMIT
 
 
 def in_scratch(prefix: str, export: Callable[[Path], dict[str, Path]],
@@ -367,60 +359,24 @@ class ServedMode(DecodeMode):
         return out
 
 
-TEXT_NOT_CHECKED = ("not compared: at temperature > 0 the engine draws from its own random "
-                    "stream, not the store's keyed noise, so its text is another sample of the "
-                    "target's law and its rounds follow that text; what must agree is the law "
-                    "of tau (tau_check)")
-"""Why a sampled store's served check compares no text and no rounds."""
-
-
 def sampled_check_json(served: dict[str, ServedResults], offline: dict[str, AnyCheckpointResults],
                        sampling: SamplingConfig) -> dict:
-    """The served check on a sampled store: per checkpoint, its tau_check."""
-    prompts = len(next(iter(served.values())).decodes)
-    return {"prompts": prompts, "against": "offline",
+    """The served check on a sampled store: per checkpoint, its served_tau_check."""
+    return {"prompts": len(next(iter(served.values())).decodes), "against": "offline",
             "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
                          "top_k": sampling.top_k, "seed": sampling.seed},
             "text": TEXT_NOT_CHECKED,
-            "checkpoints": {n: {"tau_check": tau_check(r, offline[n])}
+            "checkpoints": {n: {"tau_check": served_tau_check(r, offline[n])}
                             for n, r in served.items()}}
 
 
-def tau_check(served: ServedResults, offline: AnyCheckpointResults) -> dict:
-    """Served and offline mean tau of the chain on the same prompts, each with its 95 %
-    interval, and whether the intervals overlap (`within`; None below 2 rounds a side).
-    Both are draws of live sample-and-match's law at the store's settings (§8a), so a
-    drafter or target that the engine runs as we do gives overlapping intervals."""
-    block = served.block_size
-    mine = _tau_interval([t for d in served.decodes for t in d.committed], block)
-    theirs = _tau_interval(offline_walk(offline, served.decodes), block)
-    a, b = mine["tau_ci95"], theirs["tau_ci95"]
-    within = None if a is None or b is None else a[0] <= b[1] and b[0] <= a[1]
-    return {"served": mine, "offline": theirs, "within": within}
-
-
-def _tau_interval(taus: list[int], block_size: int) -> dict:
-    hist = TauHistogram(block_size)
-    hist.update(torch.tensor(taus, dtype=torch.long))
-    s = hist.summary()
-    return {"rounds": s["n"], "mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"]}
-
-
-def offline_walk(offline: AnyCheckpointResults, decodes: list[ServedDecode]) -> list[int]:
-    """Offline replay's taus of the served prompts' chain, walked as live decoding walks
-    (blocks.replay_anchors over its per-anchor taus: its own rounds under --mode replay, the
-    walk through every anchor's tau under --mode all), over the tokens the engine may
-    generate (the prompt's cap)."""
-    taus = []
-    for d in decodes:
-        sample = d.prompt.sample
-        at = dict(offline.walks[None].rounds.get(sample.key, []))
-        end = len(d.prompt.ids) + d.prompt.max_tokens - 1  # the last token drafts no block
-        for anchor in replay_anchors(sample.loss_mask, at.__getitem__):
-            if anchor >= end or anchor not in at:
-                break
-            taus.append(at[anchor])
-    return taus
+def served_tau_check(served: ServedResults, offline: AnyCheckpointResults) -> dict:
+    """agreement.tau_check of the engine's committed taus against offline replay's walk over
+    the same prompts, each up to what the engine could generate (the prompt's cap)."""
+    prompts = [ChainPrompt(d.prompt.sample.key, d.prompt.sample.loss_mask,
+                           len(d.prompt.ids) + d.prompt.max_tokens - 1) for d in served.decodes]
+    return tau_check("served", [t for d in served.decodes for t in d.committed],
+                     offline.walks[None].rounds, prompts, served.block_size)
 
 
 def likely_causes(diff: dict, *, served_dtype: str, store_dtype: str, regenerated: bool,

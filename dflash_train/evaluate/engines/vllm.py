@@ -6,7 +6,7 @@ versions of its own), found, never assumed (`find_vllm`), as a subprocess runnin
 is exported in the dtype the target is served in (the store's, as `--online` loads it), the
 held-out prompts go in as the stored token ids (no chat template on either side), greedy
 (on a sampled store: at its temperature, top-p and top-k, with a seed per request from
-shared.request_seed), with the stop rule of `--online` (its end-of-turn ids,
+sampling.request_seed), with the stop rule of `--online` (its end-of-turn ids,
 --max-new-tokens, the store's max_length). vLLM's per-step accepted counts become rounds
 through shared.served_decode; its Prometheus totals are checked against them.
 
@@ -33,7 +33,6 @@ from dflash_train.evaluate.engines.shared import (
     checked_target_config,
     in_scratch,
     log_tail,
-    request_seed,
     served_decode,
 )
 from dflash_train.evaluate.engines.speed import (
@@ -45,7 +44,7 @@ from dflash_train.evaluate.engines.speed import (
 from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.online import StopRule
 from dflash_train.store_schema import Store
-from dflash_train.target_model.sampling import GREEDY, SamplingConfig
+from dflash_train.target_model.sampling import GREEDY, SamplingConfig, request_seed
 
 VENV_VARIABLE = "DFLASH_VLLM_VENV"
 """Where scripts/vllm_venv.sh builds the venv, and where --served looks for it."""
@@ -200,7 +199,7 @@ def build_request(target: str, drafter: str | None, block_size: int,
         request["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                "top_k": sampling.top_k}  # top_k 0: off, in vLLM too
         for p, entry in zip(prompts, request["prompts"], strict=True):
-            entry["seed"] = request_seed(sampling, p)
+            entry["seed"] = request_seed(sampling.seed, p.sample.source_row)
     return request
 
 
