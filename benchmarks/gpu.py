@@ -137,7 +137,7 @@ def timed(fn, device: torch.device, steps: int) -> float:
 def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str, str]]:
     from transformers import Qwen3_5ForCausalLM
 
-    from benchmarks.store_io import _meta
+    from benchmarks.store_io import synthetic_meta
     from dflash_train.extract.writer import FLUSH_SHARDS, BackgroundWriter
     from dflash_train.store_schema import Sample, create_store
     from dflash_train.target_model.capture import forward_states
@@ -162,7 +162,7 @@ def bench_extract(s: Shapes, device: torch.device, root: Path) -> list[tuple[str
         top = verifier_topk(final.flatten(0, 1), head, 16)
         return context, top
 
-    meta = replace(_meta(len(layer_ids), s.hidden, tokens), hidden_dtype=(
+    meta = replace(synthetic_meta(len(layer_ids), s.hidden, tokens), hidden_dtype=(
         "bfloat16" if s.dtype == torch.bfloat16 else "float32"))
     store = create_store(str(root / "gpu.zarr"), meta)
     writer = store.part_writer(0, 0, 10**9, FLUSH_SHARDS)

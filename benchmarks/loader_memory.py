@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.report import Row
-from benchmarks.store_io import SAMPLE_TOKENS, _meta, samples, synthetic_hidden
+from benchmarks.store_io import SAMPLE_TOKENS, samples, synthetic_hidden, synthetic_meta
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL = 1.1
@@ -22,7 +22,7 @@ def write_repeated_store(url: str, count: int, layers: int, hidden: int) -> int:
     from dflash_train.store_schema import create_store
 
     one = samples(synthetic_hidden(SAMPLE_TOKENS, layers, hidden))[0]
-    store = create_store(url, _meta(layers, hidden, count * SAMPLE_TOKENS))
+    store = create_store(url, synthetic_meta(layers, hidden, count * SAMPLE_TOKENS))
     writer = store.part_writer(0, 0, count)
     for row in range(count):
         one.source_row = row

@@ -16,10 +16,12 @@ on the CPU at SmolLM2's shape:
                   FLOPs = 6 x (fc + K/V parameters) x context tokens + 6 x layer parameters x
                   block slots + 4 x hidden x draft vocab x block slots (the frozen head: forward
                   and the gradient to its input); attention left out;
-  loader          the StoreLoader's bytes of batches per second over that store, vs copy.
+  loader          the StoreLoader's bytes of batches per second over that store, vs copy;
+  store writer    extract's PartWriter (its flush interval) writing SmolLM2-shape samples
+                  (5 context layers x 576 bf16, benchmarks/store_io.py's synthetic hidden
+                  states) to a new store, synced to disk: logical bytes per second, vs copy.
 A stage's bound is the roofline's: min(GEMM peak of its dtype, FLOP/byte x copy rate) over
 its least traffic (weights once, inputs and outputs); "bound by" says which side that is.
-The store writer is not measured (benchmarks/store_io.py times it against a raw write).
 Last, the same quantities counted (not measured) at Qwen3.6-27B's shape: what one H200 training
 its drafter needs per second from the other stages. `--quick` (< 30 s, for the test) shrinks
 every measurement and says so. Not a test.
@@ -58,10 +60,11 @@ class Size:
     batch_tokens: int = 4096
     samples: int = 96
     steps: int = 2
+    writer_tokens: int = 32768
 
 
 QUICK = Size(square=1024, copy_mib=32, seconds=0.2, target_layers=2, target_tokens=128,
-             batch_tokens=1024, samples=16, steps=1)
+             batch_tokens=1024, samples=16, steps=1, writer_tokens=4096)
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,30 @@ def loader_stage(store: str, size: Size) -> Stage:
                  time.perf_counter() - start)
 
 
+def writer_stage(root: Path, size: Size) -> Stage:
+    """Logical bytes of samples extract's PartWriter turns into a synced store per second."""
+    import os
+
+    from benchmarks.store_io import samples, synthetic_hidden, synthetic_meta
+    from dflash_train.extract.writer import FLUSH_SHARDS
+    from dflash_train.store_schema import create_store
+
+    layers, hidden = 5, SMOLLM2["hidden_size"]
+    items = samples(synthetic_hidden(size.writer_tokens, layers, hidden))
+    moved = sum(t.nbytes for s in items for t in (s.input_ids, s.loss_mask, s.context,
+                                                   s.topk_ids, s.topk_logits, s.lse))
+    start = time.perf_counter()
+    store = create_store(str(root / "written.zarr"), synthetic_meta(layers, hidden,
+                                                                    size.writer_tokens))
+    writer = store.part_writer(0, 0, len(items), FLUSH_SHARDS)
+    for s in items:
+        writer.append(s)
+    writer.finish()
+    os.sync()
+    return Stage("store writer", f"{layers} x {hidden} bf16 per token, "
+                 f"{size.writer_tokens} tokens", 0.0, moved, time.perf_counter() - start)
+
+
 def bound(stage: Stage, peaks: dict[str, float], square: int) -> tuple[float, str]:
     """(the roofline's ceiling on the stage's work per second, what sets it)."""
     if stage.dtype is None:
@@ -255,6 +282,11 @@ def peaks_table(peaks: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def _share(x: float) -> str:
+    """Two decimals; two significant digits below 0.1, so a small share never reads 0."""
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
 def stages_table(stages: list[Stage], peaks: dict[str, float], square: int) -> list[str]:
     lines = ["| stage | shape | work/s | FLOP/byte | bound | share | bound by |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -264,8 +296,7 @@ def stages_table(stages: list[Stage], peaks: dict[str, float], square: int) -> l
         unit = "FLOP/s" if st.dtype is not None else "B/s"
         intensity = f"{st.flops / st.bytes:.0f}" if st.dtype is not None else "-"
         lines.append(f"| {st.name} | {st.shape} | {_si(done, unit)} | {intensity} | "
-                     f"{_si(ceiling, unit)} | {done / ceiling:.2f} | {by} |")
-    lines.append("| store writer | - | not measured | - | - | - | - |")
+                     f"{_si(ceiling, unit)} | {_share(done / ceiling)} | {by} |")
     return lines
 
 
@@ -351,7 +382,8 @@ def report(size: Size, quick: bool) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "smollm2.zarr")
         build_store(store, "smollm2", 192, samples=size.samples)
-        stages = [target_forward(size), drafter_step(store, size), loader_stage(store, size)]
+        stages = [target_forward(size), drafter_step(store, size), loader_stage(store, size),
+                  writer_stage(Path(tmp), size)]
     h200 = H200Feed()
     return "\n".join([
         f"{time.strftime('%Y-%m-%d')}, {_cpu_name()}, torch {torch.__version__}, "

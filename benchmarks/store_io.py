@@ -58,7 +58,7 @@ def synthetic_hidden(tokens: int, layers: int, hidden: int, seed: int = 0) -> to
     return x.to(torch.bfloat16)
 
 
-def _meta(layers: int, hidden: int, tokens: int) -> StoreMeta:
+def synthetic_meta(layers: int, hidden: int, tokens: int) -> StoreMeta:
     return StoreMeta(
         target=TargetInfo("synthetic", None, "qwen3_5", 64, hidden, 248320, "0" * 64),
         tokenizer=TokenizerInfo("0" * 64, None, False),
@@ -139,7 +139,7 @@ def bench(context: torch.Tensor, root: Path) -> list[Row]:
     store_url = str(root / "hs.zarr")
 
     def write_store():
-        store = create_store(store_url, _meta(layers, hidden, tokens))
+        store = create_store(store_url, synthetic_meta(layers, hidden, tokens))
         writer = store.part_writer(0, 0, len(items), FLUSH_SHARDS)  # as extract writes
         for s in items:
             writer.append(s)
