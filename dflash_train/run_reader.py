@@ -10,9 +10,14 @@ The best checkpoint is re-derived from the run's saved validation (the `validati
 log.jsonl's checkpoint-step records, each holding `best_step`), whatever best.json says: a
 marker left stale or missing by a crash between a save and its marking, or edited by hand,
 never picks the drafter. best.json decides only for a run whose log holds no validation.
+
+How a line of log.jsonl is read lives here too (`log_lines`), the one rule for every reader
+of a run's log (this module's saved validation and train.log_summary): blank lines skipped,
+only the last line may be torn by a crash, any other line that is not JSON refused.
 """
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +45,18 @@ FIGURES = ("tau", "tree_tau")
 
 class RunDirError(DflashError):
     """A run directory (or its best.json / log.jsonl) that cannot be read as a run."""
+
+
+class LogLineError(DflashError):
+    """A log.jsonl that cannot be read (`line` None), or a line of it that is not JSON and is
+    not a torn last line: `why` says what the line is instead; `alone` that it is the log's
+    last line, with no whole line before it to read. Each reader of the log turns it into its
+    own error type and advice."""
+
+    def __init__(self, path: Path, line: int | None, why: str, alone: bool = False):
+        self.path, self.line, self.why, self.alone = path, line, why, alone
+        super().__init__(f"{path} cannot be read: {why}" if line is None
+                         else f"{path} line {line} is {why}")
 
 
 @dataclass
@@ -180,27 +197,68 @@ def _whole(run_dir: str | Path, mark: BestMark, named: str) -> Path:
     return path
 
 
+def log_lines(path: Path, torn: Callable[[int], None] | None = None
+              ) -> Iterator[tuple[int, object]]:
+    """(line number, JSON value) of each non-blank line of a log.jsonl, in order. Only the
+    last line may fail to read (a crash mid-write): it is passed over and `torn` is told its
+    number, unless no line came before it. Any other line that does not read, and a file
+    that cannot be read, is a LogLineError saying which line and why."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise LogLineError(path, None, str(e)) from e
+    while lines and not lines[-1].strip():
+        lines.pop()
+    read = False
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            value = _json_line(raw)
+        except ValueError as e:
+            last = number == len(lines)
+            if last and read:
+                if torn is not None:
+                    torn(number)
+                return
+            raise LogLineError(path, number, str(e), alone=last) from e
+        read = True
+        yield number, value
+
+
+def _json_line(raw: bytes):
+    """One line as JSON, or ValueError saying what it is instead."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError("not UTF-8 text") from e
+    try:
+        return json.loads(text)
+    except RecursionError as e:
+        raise ValueError("not a record: JSON nested too deeply") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from e
+    except ValueError as e:  # json parses digits with int(), which caps their number
+        raise ValueError("not a record: it holds a number too long to read") from e
+
+
 def _saved_validations(run_dir: str | Path) -> dict[int, dict]:
-    """step -> the `validation` object of the last record written for that step."""
+    """step -> the `validation` object of the last record written for that step; the lines
+    are read by log_lines' rule, a line that does not read is a RunDirError."""
     path = Path(run_dir) / LOG
     if not path.is_file():
         return {}
-    try:
-        lines = path.read_bytes().rstrip(b"\n").split(b"\n")
-    except OSError as e:
-        raise RunDirError(f"{path} cannot be read: {e}") from e
     found = {}
-    for number, raw in enumerate(lines, 1):
-        try:
-            record = json.loads(raw)
-        except ValueError:
-            if number == len(lines):  # the last line torn by a crash mid-write
-                break
-            raise RunDirError(f"{path} line {number} is not JSON; name a checkpoint "
-                              "instead") from None
-        if isinstance(record, dict) and "validation" in record:
-            step, validation = _validation_record(record, f"{path} line {number}")
-            found[step] = validation
+    try:
+        for number, record in log_lines(path):
+            if isinstance(record, dict) and "validation" in record:
+                step, validation = _validation_record(record, f"{path} line {number}")
+                found[step] = validation
+    except LogLineError as e:
+        if e.line is None:
+            raise RunDirError(str(e)) from e
+        raise RunDirError(f"{path} line {e.line} is not JSON; name a checkpoint "
+                          "instead") from None
     return found
 
 

@@ -2,11 +2,11 @@
 
 Pure functions over the step records the training loop writes (train.record.StepRecord);
 `read_log` refuses a line that is not such a record (naming the file and line), so the
-summaries below can read their fields; `summarize_log` returns a plain dict and
-`format_summary` the text `dflash log summary` prints.
+summaries below can read their fields (which lines are read at all, blank, torn or not JSON,
+is run_reader.log_lines' rule, shared with the run's other readers); `summarize_log` returns
+a plain dict and `format_summary` the text `dflash log summary` prints.
 """
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +15,7 @@ import numpy as np
 
 from dflash_train.json_fields import Fields, is_number, show_value
 from dflash_train.run_layout import LOG
+from dflash_train.run_reader import LogLineError, log_lines
 from dflash_train.train.errors import TrainError
 from dflash_train.train.record import StepRecord
 
@@ -39,33 +40,32 @@ _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", in
 def read_log(run_dir: str | Path, note: Callable[[str], None] | None = None
              ) -> list[StepRecord]:
     """The records of RUN_DIR/log.jsonl, the last one of each step; a line that is not a
-    record the loop writes is a TrainError naming the file and line. Only the last line may
-    be torn (a crash mid-write): it is passed over, and `note` is told so."""
+    record the loop writes is a TrainError naming the file and line. Lines are read by
+    run_reader.log_lines: a torn last line is passed over, and `note` is told so."""
     path = Path(run_dir) / LOG
     if not path.is_file():
         raise TrainError(f"{path} does not exist: is {run_dir} a training run directory?")
     try:
-        lines = path.read_bytes().split(b"\n")
-    except OSError as e:
-        raise TrainError(f"{path} cannot be read: {e}") from e
-    while lines and not lines[-1].strip():
-        lines.pop()
+        records = _checked_records(path, note)
+    except LogLineError as e:
+        raise TrainError(_refusal(e)) from e
+    if not records:
+        raise TrainError(f"{path} holds no records yet (the run has not finished a step)")
+    # A resumed run appends: keep the last record written for each step.
+    by_step = {r.step: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _checked_records(path: Path, note: Callable[[str], None] | None) -> list[StepRecord]:
+    """Each line log_lines reads, in order, checked (check_record) and made a StepRecord."""
+
+    def torn(number: int) -> None:
+        if note is not None:
+            note(f"note: {path} line {number} is torn (a crash mid-write?); read the "
+                 f"{number - 1} lines before it")
+
     records, slots = [], None
-    for number, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            record = _parse(raw)
-        except ValueError as e:
-            if number == len(lines) and records:  # the last line torn by a crash mid-write
-                if note is not None:
-                    note(f"note: {path} line {number} is torn (a crash mid-write?); read the "
-                         f"{number - 1} lines before it")
-                break
-            why = ("the log holds no complete record: a run killed in its first step, or not "
-                   "a dflash training log?" if number == len(lines)
-                   else "is this a dflash training log?")
-            raise TrainError(f"{path} line {number} is {e}; {why}") from e
+    for number, record in log_lines(path, torn):
         try:
             check_record(record, f"{path} line {number}", slots)
         except TrainError as e:
@@ -74,27 +74,16 @@ def read_log(run_dir: str | Path, note: Callable[[str], None] | None = None
         records.append(StepRecord.from_json(record))
         if record.get("slot_acc") is not None:
             slots = (len(record["slot_acc"]), number)
-    if not records:
-        raise TrainError(f"{path} holds no records yet (the run has not finished a step)")
-    # A resumed run appends: keep the last record written for each step.
-    by_step = {r.step: r for r in records}
-    return [by_step[s] for s in sorted(by_step)]
+    return records
 
 
-def _parse(raw: bytes):
-    """One line as JSON, or ValueError saying what it is instead."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError("not UTF-8 text") from e
-    try:
-        return json.loads(text)
-    except RecursionError as e:
-        raise ValueError("not a record: JSON nested too deeply") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON: {e}") from e
-    except ValueError as e:  # json parses digits with int(), which caps their number
-        raise ValueError("not a record: it holds a number too long to read") from e
+def _refusal(e: LogLineError) -> str:
+    """What read_log says of a log, or a line of it, that log_lines does not read."""
+    if e.line is None:
+        return str(e)
+    why = ("the log holds no complete record: a run killed in its first step, or not a dflash "
+           "training log?" if e.alone else "is this a dflash training log?")
+    return f"{e}; {why}"
 
 
 def check_record(record, where: str, slots: tuple[int, int] | None = None) -> None:

@@ -7,16 +7,19 @@ Validation figures are scripted by step (the replay is dflash eval's and tested 
 the best moves: step 4 beats step 2, step 6 does not, step 8 beats them all."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from dflash_train.cli import main
-from dflash_train.run_layout import BEST, checkpoint_dir
-from dflash_train.run_reader import run_checkpoint
+from dflash_train.run_layout import BEST, COMPLETE, LOG, checkpoint_dir
+from dflash_train.run_reader import BestMark, RunDirError, log_lines, run_checkpoint, saved_best
 from dflash_train.train import loop
 from dflash_train.train.config import load_train_config
+from dflash_train.train.errors import TrainError
+from dflash_train.train.log_summary import read_log
 from dflash_train.train.record import StoreFigures, ValidationFigures
 from dflash_train.train.validation import follow_best
 from tests.reliability.kill_points import run_child
@@ -167,3 +170,44 @@ def test_a_kill_between_a_checkpoint_and_its_marking_resumes_to_the_same_best(st
         trial = run_child(train_scripted, (*stores, str(killed), True), root=tmp_path)
         assert trial.exitcode == 0, trial.error
         assert (killed / BEST).read_text() == (finished / BEST).read_text()
+
+
+def _logged_run(root: Path, *lines: bytes) -> Path:
+    """A run with complete checkpoints at steps 2 and 4, validated there (step 4 best), whose
+    log holds the records of steps 1-4 and then `lines`."""
+    run = root / "run"
+    for step in (2, 4):
+        checkpoint_dir(run, step).mkdir(parents=True)
+        (checkpoint_dir(run, step) / COMPLETE).touch()
+    records = [{"step": step, "epoch": 0, "loss": 4.0, "lr": 1e-4, "tokens": 100}
+               for step in range(1, 5)]
+    records[1]["validation"] = {"tau": 1.5, "blocks": 10, "best_step": 2}
+    records[3]["validation"] = {"tau": 2.0, "blocks": 10, "best_step": 4}
+    (run / LOG).write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records)
+                            + b"".join(lines))
+    return run
+
+
+def test_both_log_readers_pass_over_a_torn_last_line_alone(tmp_path):
+    # run_reader (the saved validation) and train.log_summary read log.jsonl by one rule
+    whole = _logged_run(tmp_path / "whole")
+    torn = _logged_run(tmp_path / "torn", b'{"step": 5, "validation": {"tau": 9.0, "lo\xe2\x80')
+    told = []
+    assert list(log_lines(torn / LOG, told.append)) == list(log_lines(whole / LOG))
+    assert told == [5]
+    assert saved_best(torn) == saved_best(whole) == BestMark(4, "tau", 2.0)
+    assert read_log(torn) == read_log(whole)
+    assert [r.step for r in read_log(torn)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bad", [b"step 3 was here\n", b"\x80\xff\x00 bytes\n",
+                                 b"[" * 100_000 + b"]" * 100_000 + b"\n"],
+                         ids=["not JSON", "not UTF-8", "nested too deeply"])
+def test_both_log_readers_refuse_a_bad_line_before_the_last_naming_it(tmp_path, bad):
+    run = _logged_run(tmp_path, bad, b'{"step": 6, "epoch": 0, "loss": 4.0, "lr": 0.0001, '
+                                     b'"tokens": 100}\n')
+    where = re.escape(f"{run / LOG} line 5 is not")
+    with pytest.raises(RunDirError, match=where + " JSON; name a checkpoint instead"):
+        saved_best(run)
+    with pytest.raises(TrainError, match=where):
+        read_log(run)
