@@ -22,7 +22,7 @@ from dflash_train.extract.render import (
     render_chat,
     render_prompt,
 )
-from dflash_train.extract.server_generate import Server, server_continuations
+from dflash_train.extract.server_generate import Ask, Server, server_continuations
 from dflash_train.target_model.generation import continuations, eos_token_ids
 
 
@@ -157,9 +157,8 @@ def _served_items(servers: list[Server], prompts: list[Item], cfg: ExtractConfig
             bar.update(tokens)
 
     news = server_continuations(servers, [(p.row, p.input_ids) for p in todo],
-                                max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
-                                vocab_size=vocab_size, in_flight=cfg.server_requests,
-                                timeout=cfg.server_timeout, sampling=cfg.sampling,
+                                Ask(cfg.max_new_tokens, eos, vocab_size, cfg.sampling),
+                                in_flight=cfg.server_requests, timeout=cfg.server_timeout,
                                 on_done=on_done)
     return [Item(p.row, p.input_ids + news[p.row],
                  [False] * len(p.input_ids) + [True] * len(news[p.row])) for p in todo]

@@ -187,30 +187,40 @@ class _InFlight:
                   "(--server-timeout)")
 
 
-def server_continuations(servers: list[Server], prompts: list[tuple[int, list[int]]], *,
-                         max_new_tokens: int, eos_ids: list[int], vocab_size: int,
-                         in_flight: int, timeout: float = DEFAULT_TIMEOUT_S,
-                         sampling: SamplingConfig = GREEDY, on_done: OnDone | None = None,
+@dataclass(frozen=True)
+class Ask:
+    """What every completion asks a server for, and what its reply is checked against."""
+
+    max_new_tokens: int
+    eos_ids: list[int]
+    vocab_size: int
+    """The target's: every id of a reply must lie below it."""
+    sampling: SamplingConfig = GREEDY
+    """Greedy, or how each request samples (completion_request)."""
+
+
+def server_continuations(servers: list[Server], prompts: list[tuple[int, list[int]]],
+                         ask: Ask, *, in_flight: int, timeout: float = DEFAULT_TIMEOUT_S,
+                         on_done: OnDone | None = None,
                          note: Callable[[str], None] = _stderr_note) -> dict[int, list[int]]:
-    """{row: new tokens} for each (source row, prompt ids), drawn as `sampling` says
-    (completion_request), prompt i sent to server i mod n,
-    at most `in_flight` requests at a time, each given up after `timeout` seconds of
-    silence. The first failure stops the rest and is raised as an ExtractError naming the
-    row and the server; SLOW_REQUEST_S without any answer names the oldest request through
-    `note`."""
+    """{row: new tokens} for each (source row, prompt ids), asked as `ask` says, prompt i
+    sent to server i mod n, at most `in_flight` requests at a time, each given up after
+    `timeout` seconds of silence. The first failure stops the rest and is raised as an
+    ExtractError naming the row and the server; SLOW_REQUEST_S without any answer names the
+    oldest request through `note`."""
     waiting = _InFlight(min(SLOW_REQUEST_S, timeout / 4), timeout, note)
 
     def one(i: int, row: int, prompt: list[int]) -> tuple[int, list[int]]:
         server = servers[i % len(servers)]
-        cap = max_new_tokens
+        cap = ask.max_new_tokens
         if server.max_model_len is not None:  # the stored sample stops at max_length anyway
             cap = min(cap, server.max_model_len - len(prompt))
         waiting.start(row, server.url)
         try:
             reply = http_json(f"{server.url}/v1/completions",
-                              completion_request(server.model, prompt, cap, eos_ids,
-                                                 sampling, row), timeout)
-            new = read_completion(reply, prompt, cap, eos_ids, vocab_size)
+                              completion_request(server.model, prompt, cap, ask.eos_ids,
+                                                 ask.sampling, row), timeout)
+            new = read_completion(reply, prompt, cap, ask.eos_ids, ask.vocab_size)
         except ReplyError as e:
             raise ExtractError(f"row {row}: --server {server.url}: {e}; nothing of this row "
                                "was written (re-run to resume)") from e

@@ -274,7 +274,7 @@ SLOW_SERVER_RUN = r'''
 import json, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dflash_train.extract.errors import ExtractError
-from dflash_train.extract.server_generate import Server, server_continuations
+from dflash_train.extract.server_generate import Ask, Server, server_continuations
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
@@ -293,8 +293,8 @@ httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
 threading.Thread(target=httpd.serve_forever, daemon=True).start()
 server = Server(f"http://127.0.0.1:{httpd.server_address[1]}", "m", None)
 try:
-    server_continuations([server], [(5, [2]), (6, [3]), (7, [1])], max_new_tokens=4,
-                         eos_ids=[0], vocab_size=10, in_flight=3)
+    server_continuations([server], [(5, [2]), (6, [3]), (7, [1])], Ask(4, [0], 10),
+                         in_flight=3)
 except ExtractError as e:
     print(e)
     sys.exit(3)

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from dflash_train.extract import server_generate
 from dflash_train.extract.command import extract
 from dflash_train.extract.errors import ExtractError
-from dflash_train.extract.server_generate import Server, server_continuations
+from dflash_train.extract.server_generate import Ask, Server, server_continuations
 from dflash_train.store_schema import open_store
 from dflash_train.store_schema.info import top1_agreement
 from tests.reliability.cli_errors import one_line_error
@@ -51,7 +51,7 @@ def test_every_transport_failure_names_the_row_and_the_server(fault, why):
     with FaultyServer("m", fault) as fake:
         with pytest.raises(ExtractError) as e:
             server_continuations([Server(fake.url, "m", None)], [(5, [2, 3])],
-                                 max_new_tokens=4, eos_ids=[3], vocab_size=300, in_flight=1)
+                                 Ask(4, [3], 300), in_flight=1)
     assert str(e.value).startswith(f"row 5: --server {fake.url}: ")
     assert why in str(e.value) and "re-run to resume" in str(e.value)
 
@@ -71,8 +71,8 @@ def test_a_silent_server_is_named_while_waiting_and_given_up_on_after_the_timeou
         with pytest.raises(ExtractError, match=rf"row 5: --server {fake.url}: no answer from "
                                                r".* within 1 s \(--server-timeout\)"):
             server_continuations([Server(fake.url, "m", None)], [(5, [2, 3])],
-                                 max_new_tokens=4, eos_ids=[3], vocab_size=300, in_flight=1,
-                                 timeout=1.0, note=notes.append)
+                                 Ask(4, [3], 300), in_flight=1, timeout=1.0,
+                                 note=notes.append)
     assert len(notes) == 1, notes  # named once, not once per tick
     assert notes[0].startswith(f"waiting on --server {fake.url} for row 5")
     assert "gives up after 1 s" in notes[0]
