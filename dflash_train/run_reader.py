@@ -257,7 +257,7 @@ def _saved_validations(run_dir: str | Path) -> dict[int, dict]:
     except LogLineError as e:
         if e.line is None:
             raise RunDirError(str(e)) from e
-        raise RunDirError(f"{path} line {e.line} is not JSON; name a checkpoint "
+        raise RunDirError(f"{path} line {e.line} is {e.why}; name a checkpoint "
                           "instead") from None
     return found
 
