@@ -19,6 +19,7 @@ from dflash_train.assets.stdlib_corpus import (
     split_of,
 )
 from dflash_train.cli import main
+from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.extract.config import ExtractConfig
 from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.pipeline import with_default_data
@@ -32,6 +33,7 @@ from dflash_train.quickstart import (
     usable_cores,
 )
 from dflash_train.store_schema import open_store
+from dflash_train.store_schema.subset import copy_store
 
 
 def _rows(split: str) -> list[dict]:
@@ -141,6 +143,22 @@ def test_shortened_quickstart_trains_a_drafter_that_beats_the_untrained_one(tmp_
             shares.append(repeated / max(1, total))
     assert free["of"] == len(shares) == 16
     assert free["samples"] == sum(share <= LOOP_FREE_SHARE for share in shares)
+    # read from the eval's own rounds, it is what an eval of a store of only those reports
+    def loop_free(s) -> bool:
+        repeated, total = repeated_ngram_share(s.input_ids[s.loss_mask].tolist())
+        return repeated / max(1, total) <= LOOP_FREE_SHARE
+
+    subset = str(tmp_path / "loop_free.zarr")
+    copy_store(str(tmp_path / "qs" / "held_out.zarr"), subset, keep=loop_free)
+    checkpoints = [str(tmp_path / "qs" / "untrained"),
+                   *map(str, (tmp_path / "qs" / "run" / "checkpoints").glob("step_*"))]
+    alone = run_eval(EvalConfig(store=subset, checkpoints=checkpoints, device="cpu",
+                                progress=False, out=str(tmp_path / "alone")),
+                     echo=lambda _: None)
+    untrained_alone, trained_alone = (c["offline"]["mean_tau"]
+                                      for c in alone.report["checkpoints"])
+    assert free["untrained_tau"] == pytest.approx(untrained_alone, abs=1e-12)
+    assert free["trained_tau"] == pytest.approx(trained_alone, abs=1e-12)
 
 
 def _where_am_i(rank: int, world: int, tag: str, echo):
