@@ -13,13 +13,14 @@ on the CPU at SmolLM2's shape:
   drafter step    `dflash train`'s step (train.loop.train_step) at the quick preset's recipe
                   (benchmarks/optimizer_step.py: 1 layer, 4,096 draft ids, D-PACE, Muon, 16
                   anchors, 4,096-token batches) on a synthetic store, in train's auto precision;
-                  FLOPs = 6 x (fc + K/V parameters) x context tokens + 6 x layer parameters x
-                  block slots + 4 x hidden x draft vocab x block slots (the frozen head: forward
-                  and the gradient to its input); attention left out;
+                  FLOPs counted as it runs (`CountedFlops`: every matmul, attention's and
+                  Muon's Newton-Schulz included, by torch's flop_counter registry, per output
+                  dtype), so its bound mixes the dtypes' GEMM peaks by their FLOPs;
   loader          the StoreLoader's bytes of batches per second over that store, vs copy;
   store writer    extract's PartWriter (its flush interval) writing SmolLM2-shape samples
                   (5 context layers x 576 bf16, benchmarks/store_io.py's synthetic hidden
-                  states) to a new store, synced to disk: logical bytes per second, vs copy.
+                  states) to a new store, synced to disk: logical bytes per second, vs the
+                  lesser of copy and the disk's own synced write rate (the same bytes raw).
 A stage's bound is the roofline's: min(GEMM peak of its dtype, FLOP/byte x copy rate) over
 its least traffic (weights once, inputs and outputs); "bound by" says which side that is.
 Last, the same quantities counted (not measured) at Qwen3.6-27B's shape: what one H200 training
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from benchmarks.train_memory import WIDTHS, build_store
 
@@ -59,7 +62,7 @@ class Size:
     target_tokens: int = 512
     batch_tokens: int = 4096
     samples: int = 96
-    steps: int = 2
+    steps: int = 4
     writer_tokens: int = 32768
 
 
@@ -78,6 +81,31 @@ class Stage:
     seconds: float
     dtype: torch.dtype | None = None
     """The dtype its matmuls run in (its GEMM peak); None: bound by copying alone."""
+    mix: dict[str, float] | None = None
+    """FLOPs per matmul output dtype, where they were counted as run (then `flops` is their
+    sum and the bound mixes the peaks)."""
+    limit: tuple[str, float] | None = None
+    """(what, bytes/s): a ceiling besides copying for a stage that moves bytes (a disk)."""
+
+
+class CountedFlops(TorchDispatchMode):
+    """The FLOPs of every matmul run under it (torch.utils.flop_counter's registry: mm,
+    addmm, bmm, attention, ...), per output dtype. A dispatch mode, not FlopCounterMode,
+    whose module tracker refuses the drafter's chunked autograd.grad backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_dtype: dict[str, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            dtype = _name((out[0] if isinstance(out, tuple) else out).dtype)
+            flops = count(*args, **kwargs, out_val=out)
+            self.by_dtype[dtype] = self.by_dtype.get(dtype, 0.0) + flops
+        return out
 
 
 def _sync(device: torch.device) -> None:
@@ -174,45 +202,33 @@ def step_flops(fc_kv: float, layers: float, head: float, context: float, slots: 
     return 6 * fc_kv * context + 6 * layers * slots + 4 * head * slots
 
 
-def drafter_flops(model: torch.nn.Module, context_tokens: int, slots: int) -> float:
-    fc_kv = layers = 0
-    for name, p in model.named_parameters():
-        if not p.requires_grad or p.ndim < 2:
-            continue
-        if name.startswith("fc"):
-            fc_kv += p.numel()
-        elif name.startswith("layers."):
-            layers += p.numel()
-            fc_kv += p.numel() if ("k_proj" in name or "v_proj" in name) else 0
-    cfg = model.config
-    head = cfg.hidden_size * (cfg.draft_vocab_size or cfg.vocab_size)
-    return step_flops(fc_kv, layers, head, context_tokens, slots)
-
-
 def drafter_step(store: str, size: Size) -> Stage:
-    """`dflash train`'s step at the quick preset's recipe, in train's auto precision."""
+    """`dflash train`'s step at the quick preset's recipe, in train's auto precision; its
+    FLOPs counted on an extra, untimed step over each timed step's batch (the count depends
+    on shapes only)."""
     from benchmarks.optimizer_step import RECIPE, build_run
     from dflash_train.train.loop import train_step
 
     run = build_run(store, "muon", {"loader.batch_tokens": str(size.batch_tokens),
                                     "run.precision": "auto"})
     batches = [b for b in run.loader.epoch(0) if b is not None][: size.steps + 1]
-    seconds, flops = [], []
+    seconds, counts = [], []
     for i, batch in enumerate(batches):
         start = time.perf_counter()
         train_step(run, batch)
         if i:  # the first step warms caches and kernels up
             seconds.append(time.perf_counter() - start)
-            slots = batch.input_ids.shape[0] * run.cfg.run.anchors_per_seq * \
-                run.model.config.block_size
-            flops.append(drafter_flops(run.model, int(batch.lengths.sum()), slots))
+            with CountedFlops() as counted:
+                train_step(run, batch)
+            counts.append(counted.by_dtype)
+    mix = {d: statistics.median(c.get(d, 0.0) for c in counts) for d in counts[0]}
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     # least traffic: weights, gradient and two optimiser moments, read and written once
     least = 16 * trainable + sum(t.nbytes for t in (batches[1].context, batches[1].topk_ids))
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     return Stage("drafter step", f"1 layer, {RECIPE['model.draft_vocab_size']} draft ids, "
-                 f"{size.batch_tokens}-token batches", statistics.median(flops), least,
-                 statistics.median(seconds), dtype)
+                 f"{size.batch_tokens}-token batches", sum(mix.values()), least,
+                 statistics.median(seconds), dtype, mix=mix)
 
 
 def loader_stage(store: str, size: Size) -> Stage:
@@ -241,6 +257,7 @@ def writer_stage(root: Path, size: Size) -> Stage:
     items = samples(synthetic_hidden(size.writer_tokens, layers, hidden))
     moved = sum(t.nbytes for s in items for t in (s.input_ids, s.loss_mask, s.context,
                                                    s.topk_ids, s.topk_logits, s.lse))
+    disk = _synced_write_rate(root / "raw.bin", moved)
     start = time.perf_counter()
     store = create_store(str(root / "written.zarr"), synthetic_meta(layers, hidden,
                                                                     size.writer_tokens))
@@ -250,13 +267,37 @@ def writer_stage(root: Path, size: Size) -> Stage:
     writer.finish()
     os.sync()
     return Stage("store writer", f"{layers} x {hidden} bf16 per token, "
-                 f"{size.writer_tokens} tokens", 0.0, moved, time.perf_counter() - start)
+                 f"{size.writer_tokens} tokens", 0.0, moved, time.perf_counter() - start,
+                 limit=("disk (synced write)", disk))
+
+
+def _synced_write_rate(path: Path, size: int) -> float:
+    """Bytes/s of writing `size` random bytes to `path` and syncing them to disk."""
+    import os
+
+    data = os.urandom(size)
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    rate = size / (time.perf_counter() - start)
+    path.unlink()
+    return rate
 
 
 def bound(stage: Stage, peaks: dict[str, float], square: int) -> tuple[float, str]:
     """(the roofline's ceiling on the stage's work per second, what sets it)."""
     if stage.dtype is None:
+        if stage.limit is not None and stage.limit[1] < peaks["copy"]:
+            return stage.limit[1], stage.limit[0]
         return peaks["copy"], "memory (copy)"
+    if stage.mix:
+        fp32 = peaks[f"float32 {square}x{square}x{square}"]
+        at_peak = sum(f / peaks.get(f"{d} {square}x{square}x{square}", fp32)
+                      for d, f in stage.mix.items())
+        shares = ", ".join(f"{d} {f / stage.flops:.0%}" for d, f in stage.mix.items() if f)
+        return stage.flops / at_peak, f"compute (GEMM; FLOPs {shares})"
     peak = peaks[f"{_name(stage.dtype)} {square}x{square}x{square}"]
     by_memory = stage.flops / stage.bytes * peaks["copy"]
     if by_memory < peak:
