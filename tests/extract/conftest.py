@@ -41,6 +41,20 @@ def chats_jsonl(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", make_chats(14))
 
 
+@pytest.fixture(scope="session")
+def target(tmp_path_factory):
+    """The tiny Qwen3 whose answers end on an eos (tests/evaluate/conftest.py), for the
+    regeneration tests that stop on one."""
+    from tests.evaluate.conftest import save_eos_target
+
+    return save_eos_target(tmp_path_factory.mktemp("eos_target"))
+
+
+@pytest.fixture(scope="session")
+def data(chats_jsonl):
+    return chats_jsonl  # the extract tests' shared 14 chats
+
+
 def run_extract_cfg(model: str, data: str, out: str, **overrides):
     """run_extract on CPU in fp32 with small parts and shards, no progress bar."""
     from dflash_train.extract.config import ExtractConfig

@@ -19,7 +19,7 @@ from dflash_train.extract.server_generate import ReplyError, match_model, read_c
 from dflash_train.extract.writer import KILL_AFTER_ENV
 from dflash_train.store_schema import open_store, validate
 from dflash_train.store_schema.info import top1_agreement
-from tests.evaluate.conftest import EOS_ID, save_eos_target
+from tests.evaluate.conftest import EOS_ID
 from tests.extract.conftest import (
     assert_same_samples,
     cli_args,
@@ -98,16 +98,6 @@ class FakeVllm:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return save_eos_target(tmp_path_factory.mktemp("eos_target"))
-
-
-@pytest.fixture(scope="module")
-def data(chats_jsonl):
-    return chats_jsonl  # the extract tests' shared 14 chats
 
 
 @pytest.fixture(scope="module")

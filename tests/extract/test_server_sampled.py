@@ -11,7 +11,6 @@ from dflash_train.store_schema import open_store, validate
 from dflash_train.store_schema.info import answers_description, topk_agreement
 from dflash_train.store_schema.meta import DRAWN_BY_KEY
 from dflash_train.target_model.sampling import SEED_LIMIT
-from tests.evaluate.conftest import save_eos_target
 from tests.extract.conftest import run_extract_cfg, store_samples
 from tests.extract.test_server_generate import FakeVllm
 
@@ -67,16 +66,6 @@ class SamplingVllm(FakeVllm):
         return 200, {"choices": [{"index": 0, "text": "", "token_ids": new,
                                   "prompt_token_ids": prompt,
                                   "finish_reason": "stop" if new[-1] in stop else "length"}]}
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return save_eos_target(tmp_path_factory.mktemp("eos_target"))
-
-
-@pytest.fixture(scope="module")
-def data(chats_jsonl):
-    return chats_jsonl  # the extract tests' shared 14 chats
 
 
 @pytest.fixture
