@@ -270,26 +270,24 @@ def writer_stage(root: Path, size: Size) -> Stage:
     seconds = time.perf_counter() - start
     # this VM's synced write rate moved 0.4-1.8 GB/s between single runs: the median of three
     disk = statistics.median(_synced_write_rate(root / "raw.bin", moved) for _ in range(3))
-    context = torch.cat([s.context for s in items]).view(torch.int16).numpy().tobytes()
-    codec = _context_encode_rate(context) * moved / len(context)
+    context = torch.cat([s.context for s in items]).view(torch.int16).numpy()
+    codec = _context_encode_rate(context) * moved / context.nbytes
     limit = min(("disk (synced write)", disk), ("compression (the context codec)", codec),
                 key=lambda named: named[1])
     return Stage("store writer", f"{layers} x {hidden} bf16 per token, "
                  f"{size.writer_tokens} tokens", 0.0, moved, seconds, limit=limit)
 
 
-def _context_encode_rate(data: bytes) -> float:
-    """Bytes/s of encoding `data` with the store's context codec (store_schema.layout: blosc
-    byte-shuffle + zstd at its level, its block size), in this process."""
-    import numcodecs
+def _context_encode_rate(context) -> float:
+    """Bytes/s of encoding bf16 context (an int16 array, so its type size is the store's)
+    with the store's own context codec (layout.context_compressors), in this process."""
+    from dflash_train.store_schema.layout import context_compressors
+    from dflash_train.store_schema.shards import blosc_of
 
-    from dflash_train.store_schema.layout import BLOSC_BLOCK_BYTES, ZSTD_LEVEL
-
-    codec = numcodecs.Blosc(cname="zstd", clevel=ZSTD_LEVEL, shuffle=numcodecs.Blosc.SHUFFLE,
-                            blocksize=BLOSC_BLOCK_BYTES)
+    codec = blosc_of(context_compressors("bfloat16")[0])
     start = time.perf_counter()
-    codec.encode(data)
-    return len(data) / (time.perf_counter() - start)
+    codec.encode(context)
+    return context.nbytes / (time.perf_counter() - start)
 
 
 def _synced_write_rate(path: Path, size: int) -> float:

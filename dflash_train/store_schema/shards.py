@@ -40,6 +40,13 @@ _pool: ThreadPoolExecutor | None = None
 _scratch = threading.local()  # each decoding thread's reusable chunk buffer
 
 
+def blosc_of(b: BloscCodec) -> Blosc:
+    """numcodecs' Blosc with the settings of a Zarr BloscCodec: the same bytes, decoded
+    without Zarr's per-chunk machinery."""
+    return Blosc(cname=b.cname.value, clevel=b.clevel, shuffle=_SHUFFLE[b.shuffle.value],
+                 blocksize=b.blocksize, typesize=b.typesize)
+
+
 class ShardDamage(ValueError):
     """A shard whose index or an inner chunk fails its checksum or does not decode."""
 
@@ -123,10 +130,7 @@ class ShardCodec:
                 and isinstance(index[1], Crc32cCodec)
                 and sharding.index_location.value == "end"):
             return None
-        b = inner[1]
-        blosc = Blosc(cname=b.cname.value, clevel=b.clevel, shuffle=_SHUFFLE[b.shuffle.value],
-                      blocksize=b.blocksize, typesize=b.typesize)
-        return cls(array, tuple(array.shards), tuple(sharding.chunk_shape), blosc,
+        return cls(array, tuple(array.shards), tuple(sharding.chunk_shape), blosc_of(inner[1]),
                    OrderedDict() if immutable else None)
 
     @property
