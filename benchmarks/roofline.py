@@ -23,8 +23,10 @@ on the CPU at SmolLM2's shape:
                   least of copy, the disk's own synced write rate (the same bytes raw, the
                   median of three writes) and the rate its context codec encodes at (blosc
                   byte-shuffle + zstd-1, measured on the context bytes, scaled to all bytes).
-A stage's bound is the roofline's: min(GEMM peak of its dtype, FLOP/byte x copy rate) over
-its least traffic (weights once, inputs and outputs); "bound by" says which side that is.
+A stage's bound is the roofline's: the target forward's min(GEMM peak of its dtype, FLOP/byte
+x copy rate) over its least traffic (weights once, inputs and outputs); the drafter step's the
+GEMM peaks mixed by its counted FLOPs per dtype; a byte mover's the least of its ceilings (copy,
+and for the writer the disk and the codec). "bound by" says which one.
 Last, the same quantities counted (not measured) at Qwen3.6-27B's shape: what one H200 training
 its drafter needs per second from the other stages. `--quick` (< 30 s, for the test) shrinks
 every measurement and says so. Not a test.
@@ -199,8 +201,10 @@ def target_forward(size: Size) -> Stage:
 
 def step_flops(fc_kv: float, layers: float, head: float, context: float, slots: float
                ) -> float:
-    """A drafter step's FLOPs by the module docstring's count (attention left out), from its
-    trained fc and K/V weights, all trained layer weights, the head's weights and the tokens."""
+    """A drafter step's model FLOPs, counted for the Qwen3.6-27B table (attention and the
+    optimizer left out): 6 x (fc + K/V weights) x context tokens + 6 x layer weights x block
+    slots + 4 x hidden x draft vocab x block slots (the frozen head: forward and the gradient
+    to its input)."""
     return 6 * fc_kv * context + 6 * layers * slots + 4 * head * slots
 
 
