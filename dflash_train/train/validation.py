@@ -109,7 +109,10 @@ class Validation:
                                           self.settings)
         except (StoreError, EvalError) as e:
             raise TrainError(f"--val-store {store.url}: {e}") from e
-        return results[store.url].walks
+        walks = results[store.url].walks
+        for walk in walks.values():  # counts cross ranks; merging never reads the rounds
+            walk.rounds = {}
+        return walks
 
     def _merged(self, shares: Sequence[dict[Budget, Walk]]) -> CheckpointResults:
         """One result whose counts are the sum of every share's (a rank's, or a store's)."""
