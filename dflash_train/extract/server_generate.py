@@ -99,7 +99,7 @@ def check_servers(urls: list[str], targets: list[str], need_len: int, timeout: f
 
 
 def completion_request(model: str, prompt: list[int], max_tokens: int, eos_ids: list[int],
-                       sampling: SamplingConfig = GREEDY, row: int = 0) -> dict:
+                       sampling: SamplingConfig, row: int) -> dict:
     """Stopping where the built-in path stops, token ids both ways: greedy, or sampled at
     `sampling`'s temperature, top-p and top-k (0: off, in vLLM too) with min-p off and
     source row `row`'s own seed (`request_seed`), so a rerun asks for the same draws."""

@@ -9,6 +9,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from dflash_train.json_fields import show_value
 from dflash_train.store_schema.errors import StoreError
 from dflash_train.store_schema.layout import (
     CONTEXT_DTYPES,
@@ -146,7 +147,7 @@ class StoreMeta:
         if s is not None and not (isinstance(s, dict) and sorted(s) == sorted(SAMPLING_FIELDS)
                                   and self.source.regenerated):
             raise StoreError(f"store provenance is damaged: extra.{SAMPLING_KEY} is "
-                             f"{_short(s)}, not the {SAMPLING_FIELDS} of regenerated answers")
+                             f"{show_value(s)}, not the {SAMPLING_FIELDS} of regenerated answers")
         return s
 
     @property
@@ -159,7 +160,7 @@ class StoreMeta:
             return False
         if by != SERVER_DRAWN or self.sampling is None:
             raise StoreError(f"store provenance is damaged: extra.{DRAWN_BY_KEY} is "
-                             f"{_short(by)}, not {SERVER_DRAWN!r} beside sampling settings")
+                             f"{show_value(by)}, not {SERVER_DRAWN!r} beside sampling settings")
         return True
 
     @property
@@ -231,7 +232,7 @@ def _wrong_types(cls, d: Any, prefix: str = "") -> str | None:
     declares for it, as 'field is value, not type'; None when all are. A missing field is
     left to the constructor, which names it."""
     if not isinstance(d, dict):
-        return f"{prefix.rstrip('.') or 'the provenance'} is {_short(d)}, not an object"
+        return f"{prefix.rstrip('.') or 'the provenance'} is {show_value(d)}, not an object"
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         if f.name not in d:
@@ -242,7 +243,7 @@ def _wrong_types(cls, d: Any, prefix: str = "") -> str | None:
             if wrong:
                 return wrong
         elif not _fits(value, hint):
-            return f"{key} is {_short(value)}, not {_type_name(hint)}"
+            return f"{key} is {show_value(value)}, not {_type_name(hint)}"
     return None
 
 
@@ -279,11 +280,6 @@ def _type_name(hint: Any) -> str:
     if origin is dict:
         return "an object"
     return _NAMES.get(hint, str(hint))
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _diff(a: Any, b: Any, prefix: str = ""):
