@@ -216,26 +216,27 @@ def _train_rank(rank: int, world: int, train_cfg, echo):
 
 def response_loop_share(url: str) -> float:
     """Repeated-4-gram share over the assistant tokens of every sample in a store."""
-    from dflash_train.store_schema import open_store
-
     repeated = total = 0
-    for part in open_store(url).parts():
-        arrays = part.read_tokens(0, part.num_tokens, ("input_ids", "loss_mask"))
-        offsets = part.offsets()
-        for lo, hi in zip(offsets[:-1], offsets[1:], strict=True):
-            r, t = repeated_ngram_share(_answer(arrays["input_ids"][lo:hi],
-                                                arrays["loss_mask"][lo:hi]))
-            repeated, total = repeated + r, total + t
+    for _, answer in _answers(url):
+        r, t = repeated_ngram_share(answer)
+        repeated, total = repeated + r, total + t
     return repeated / max(1, total)
 
 
-def _answer(input_ids, loss_mask) -> list[int]:
-    return input_ids[loss_mask].tolist()
+def _answers(url: str):
+    """((part, index), assistant token ids) of every sample of a store, reading only the
+    token ids and the loss mask."""
+    from dflash_train.store_schema import open_store
+
+    for part in open_store(url).parts():
+        arrays = part.read_tokens(0, part.num_tokens, ("input_ids", "loss_mask"))
+        offsets = part.offsets()
+        for i, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+            yield (part.index, i), arrays["input_ids"][lo:hi][arrays["loss_mask"][lo:hi]].tolist()
 
 
-def _does_not_loop(sample) -> bool:
-    repeated, total = repeated_ngram_share(_answer(sample.input_ids.numpy(),
-                                                   sample.loss_mask.numpy()))
+def _does_not_loop(answer: list[int]) -> bool:
+    repeated, total = repeated_ngram_share(answer)
     return repeated <= LOOP_FREE_SHARE * total
 
 
@@ -356,11 +357,8 @@ def _loop_free_taus(held_store: str, outcome, echo) -> dict | None:
     """Both drafters' mean tau on the held-out samples whose answers do not loop, from the
     eval's own rounds (replay's blocks of those samples: the figure an eval of a store of
     only them reports, without a second replay)."""
-    from dflash_train.store_schema import open_store
-
-    store = open_store(held_store)
-    kept = {(p.index, i) for p in store.parts()
-            for i, s in enumerate(p.iter_samples()) if _does_not_loop(s)}
+    answers = dict(_answers(held_store))
+    kept = {key for key, answer in answers.items() if _does_not_loop(answer)}
     if not kept:
         echo("no held-out answer is free of loops: nothing to compare there")
         return None
@@ -370,7 +368,7 @@ def _loop_free_taus(held_store: str, outcome, echo) -> dict | None:
                 for _, t in rounds]
         means.append(sum(taus) / len(taus) if taus else float("nan"))
     untrained, trained = means
-    return {"samples": len(kept), "of": store.num_samples, "untrained_tau": untrained,
+    return {"samples": len(kept), "of": len(answers), "untrained_tau": untrained,
             "trained_tau": trained}
 
 
