@@ -104,8 +104,8 @@ TEXT_NOT_CHECKED = ("not compared: at temperature > 0 the live draws are not the
 
 
 @dataclass(frozen=True)
-class ChainPrompt:
-    """One prompt as the law check reads offline replay's walk over it."""
+class LawPrompt:
+    """One prompt as the law check reads offline replay's walk over it (any walk)."""
 
     key: Key
     loss_mask: torch.Tensor
@@ -115,28 +115,28 @@ class ChainPrompt:
     token drafts no block)."""
 
 
-def tau_check(label: str, live_taus: list[int], offline_rounds: Rounds,
-              prompts: list[ChainPrompt], block_size: int) -> dict:
-    """Live (`label`) and offline mean tau of the chain on the same prompts, each with its
-    95 % interval, and whether the intervals overlap (`within`; None below 2 rounds a side).
-    Both are draws of live sample-and-match's law at the store's settings (reference.md §8a),
-    so a drafter and target run live as offline replays them give overlapping intervals."""
-    mine = _tau_interval(live_taus, block_size)
-    theirs = _tau_interval(offline_chain_taus(offline_rounds, prompts), block_size)
+def tau_check(label: str, live: TauHistogram, offline_rounds: Rounds,
+              prompts: list[LawPrompt]) -> dict:
+    """Live (`label`: its walk's tau histogram) and offline mean tau of one walk (the chain or
+    a DDTree budget) on the same prompts, each with its 95 % interval, and whether the
+    intervals overlap (`within`; None below 2 rounds a side). Both are draws of live
+    sample-and-match's law at the store's settings (reference.md §8a), so a drafter and target
+    run live as offline replays them give overlapping intervals."""
+    offline = TauHistogram(live.max_tau)
+    offline.update(torch.tensor(offline_walk_taus(offline_rounds, prompts), dtype=torch.long))
+    mine, theirs = _tau_interval(live), _tau_interval(offline)
     a, b = mine["tau_ci95"], theirs["tau_ci95"]
     within = None if a is None or b is None else a[0] <= b[1] and b[0] <= a[1]
     return {label: mine, "offline": theirs, "within": within}
 
 
-def _tau_interval(taus: list[int], block_size: int) -> dict:
-    hist = TauHistogram(block_size)
-    hist.update(torch.tensor(taus, dtype=torch.long))
+def _tau_interval(hist: TauHistogram) -> dict:
     s = hist.summary()
     return {"rounds": s["n"], "mean_tau": s["mean_tau"], "tau_ci95": s["tau_ci95"]}
 
 
-def offline_chain_taus(rounds: Rounds, prompts: list[ChainPrompt]) -> list[int]:
-    """Offline replay's taus of the prompts' chain, walked as live decoding walks
+def offline_walk_taus(rounds: Rounds, prompts: list[LawPrompt]) -> list[int]:
+    """Offline replay's taus of one walk over the prompts, walked as live decoding walks
     (blocks.replay_anchors over its per-anchor taus: its own rounds under --mode replay, the
     walk through every anchor's tau under --mode all), up to each prompt's end."""
     taus = []

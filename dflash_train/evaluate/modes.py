@@ -3,9 +3,10 @@ and `--served` (a serving engine: vLLM, or llama.cpp with `--engine llama.cpp`; 
 One interface: check the options, prepare everything (load the target, find the engine,
 check it is the store's target) before the first drafter forward, then run on the held-out
 prompts. A run's results (results.ModeResults) have one summary type (summary.py) and one
-table signature (results.AnyCheckpointResults), and are checked by the one agreement check
-(agreement.py); a new mode is one subclass here and one line in `decode_modes`, a new
-engine one module in engines/ and one entry in engines.SERVING_ENGINES.
+table signature (results.AnyCheckpointResults), and are checked by agreement.py (the same
+text and rounds, or at T > 0 against other draws the same law of tau); a new mode is one
+subclass here and one line in `decode_modes`, a new engine one module in engines/ and one
+entry in engines.SERVING_ENGINES.
 """
 
 from abc import ABC, abstractmethod
@@ -17,8 +18,8 @@ import torch
 
 from dflash_train.evaluate.agreement import (
     TEXT_NOT_CHECKED,
-    ChainPrompt,
     Decoded,
+    LawPrompt,
     RunCheck,
     check_run,
     tau_check,
@@ -167,15 +168,12 @@ def law_check_json(live: dict, offline: dict, samples: list[EvalSample], stop: S
     """--online on a store a server sampled: per checkpoint and walk (the chain, each DDTree
     budget), agreement.tau_check of the live taus against offline's over the same prompts;
     text and rounds are not compared (TEXT_NOT_CHECKED)."""
-    prompts = [ChainPrompt(s.key, s.loss_mask,
-                           min(len(p) + stop.max_new_tokens, stop.max_length) - 1)
+    prompts = [LawPrompt(s.key, s.loss_mask, len(p) + stop.new_tokens_cap(len(p)) - 1)
                for s in samples if (p := prompt_of(s)) is not None]
 
     def check(r, budget) -> dict:
-        taus = [t for key in sorted(r.walks[budget].rounds)
-                for _, t in r.walks[budget].rounds[key]]
-        return tau_check("online", taus, offline[r.name].walks[budget].rounds, prompts,
-                         r.block_size)
+        return tau_check("online", r.walks[budget].taus, offline[r.name].walks[budget].rounds,
+                         prompts)
 
     return {"prompts": len(prompts), "against": "offline", "drawn_by": "server",
             "text": TEXT_NOT_CHECKED,

@@ -72,6 +72,11 @@ class StopRule:
     max_length: int
     """Total tokens (extract truncates stored samples here)."""
 
+    def new_tokens_cap(self, prompt_length: int) -> int:
+        """New tokens a prompt of this length may generate: the cap, never past max_length
+        (at least 1)."""
+        return max(min(self.max_new_tokens, self.max_length - prompt_length), 1)
+
     def done(self, token: int, new_tokens: int, length: int) -> bool:
         return (token in self.eos_ids or new_tokens >= self.max_new_tokens
                 or length >= self.max_length)

@@ -34,8 +34,8 @@ import torch
 
 from dflash_train.evaluate.agreement import (
     TEXT_NOT_CHECKED,
-    ChainPrompt,
     Decoded,
+    LawPrompt,
     RunCheck,
     tau_check,
 )
@@ -77,8 +77,7 @@ def served_prompts(samples: list[EvalSample], stop: StopRule) -> list[ServedProm
     for s in samples:
         ids = prompt_of(s)
         if ids is not None:
-            cap = min(stop.max_new_tokens, stop.max_length - len(ids))
-            out.append(ServedPrompt(s, ids, max(cap, 1)))
+            out.append(ServedPrompt(s, ids, stop.new_tokens_cap(len(ids))))
     return out
 
 
@@ -373,10 +372,9 @@ def sampled_check_json(served: dict[str, ServedResults], offline: dict[str, AnyC
 def served_tau_check(served: ServedResults, offline: AnyCheckpointResults) -> dict:
     """agreement.tau_check of the engine's committed taus against offline replay's walk over
     the same prompts, each up to what the engine could generate (the prompt's cap)."""
-    prompts = [ChainPrompt(d.prompt.sample.key, d.prompt.sample.loss_mask,
-                           len(d.prompt.ids) + d.prompt.max_tokens - 1) for d in served.decodes]
-    return tau_check("served", [t for d in served.decodes for t in d.committed],
-                     offline.walks[None].rounds, prompts, served.block_size)
+    prompts = [LawPrompt(d.prompt.sample.key, d.prompt.sample.loss_mask,
+                         len(d.prompt.ids) + d.prompt.max_tokens - 1) for d in served.decodes]
+    return tau_check("served", served.walks[None].taus, offline.walks[None].rounds, prompts)
 
 
 def likely_causes(diff: dict, *, served_dtype: str, store_dtype: str, regenerated: bool,
