@@ -48,13 +48,12 @@ class RunDirError(DflashError):
 
 
 class LogLineError(DflashError):
-    """A log.jsonl that cannot be read (`line` None), or a line of it that is not JSON and is
-    not a torn last line: `why` says what the line is instead; `alone` that it is the log's
-    last line, with no whole line before it to read. Each reader of the log turns it into its
-    own error type and advice."""
+    """A log.jsonl that cannot be read (`line` None), or a line of it before the last that
+    is not JSON; the message says which line and what it is instead. Each reader of the log
+    turns it into its own error type and advice."""
 
-    def __init__(self, path: Path, line: int | None, why: str, alone: bool = False):
-        self.path, self.line, self.why, self.alone = path, line, why, alone
+    def __init__(self, path: Path, line: int | None, why: str):
+        self.line = line
         super().__init__(f"{path} cannot be read: {why}" if line is None
                          else f"{path} line {line} is {why}")
 
@@ -197,32 +196,29 @@ def _whole(run_dir: str | Path, mark: BestMark, named: str) -> Path:
     return path
 
 
-def log_lines(path: Path, torn: Callable[[int], None] | None = None
+def log_lines(path: Path, torn: Callable[[int, str], None] | None = None
               ) -> Iterator[tuple[int, object]]:
     """(line number, JSON value) of each non-blank line of a log.jsonl, in order. Only the
     last line may fail to read (a crash mid-write): it is passed over and `torn` is told its
-    number, unless no line came before it. Any other line that does not read, and a file
-    that cannot be read, is a LogLineError saying which line and why."""
+    number and what it is. Any other line that does not read, and a file that cannot be
+    read, is a LogLineError saying which line and why."""
     try:
         lines = path.read_bytes().split(b"\n")
     except OSError as e:
         raise LogLineError(path, None, str(e)) from e
     while lines and not lines[-1].strip():
         lines.pop()
-    read = False
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
             value = _json_line(raw)
         except ValueError as e:
-            last = number == len(lines)
-            if last and read:
-                if torn is not None:
-                    torn(number)
-                return
-            raise LogLineError(path, number, str(e), alone=last) from e
-        read = True
+            if number < len(lines):
+                raise LogLineError(path, number, str(e)) from e
+            if torn is not None:
+                torn(number, str(e))
+            return
         yield number, value
 
 
@@ -257,8 +253,7 @@ def _saved_validations(run_dir: str | Path) -> dict[int, dict]:
     except LogLineError as e:
         if e.line is None:
             raise RunDirError(str(e)) from e
-        raise RunDirError(f"{path} line {e.line} is {e.why}; name a checkpoint "
-                          "instead") from None
+        raise RunDirError(f"{e}; name a checkpoint instead") from None
     return found
 
 

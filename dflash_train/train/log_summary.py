@@ -45,10 +45,20 @@ def read_log(run_dir: str | Path, note: Callable[[str], None] | None = None
     path = Path(run_dir) / LOG
     if not path.is_file():
         raise TrainError(f"{path} does not exist: is {run_dir} a training run directory?")
+    torn: list[tuple[int, str]] = []
     try:
-        records = _checked_records(path, note)
+        records = _checked_records(path, torn.append)
     except LogLineError as e:
-        raise TrainError(_refusal(e)) from e
+        why = "" if e.line is None else "; is this a dflash training log?"
+        raise TrainError(f"{e}{why}") from e
+    if torn and not records:
+        number, why = torn[0]
+        raise TrainError(f"{path} line {number} is {why}; the log holds no complete record: a "
+                         "run killed in its first step, or not a dflash training log?")
+    if torn and note is not None:
+        number = torn[0][0]
+        note(f"note: {path} line {number} is torn (a crash mid-write?); read the "
+             f"{number - 1} lines before it")
     if not records:
         raise TrainError(f"{path} holds no records yet (the run has not finished a step)")
     # A resumed run appends: keep the last record written for each step.
@@ -56,16 +66,12 @@ def read_log(run_dir: str | Path, note: Callable[[str], None] | None = None
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _checked_records(path: Path, note: Callable[[str], None] | None) -> list[StepRecord]:
-    """Each line log_lines reads, in order, checked (check_record) and made a StepRecord."""
-
-    def torn(number: int) -> None:
-        if note is not None:
-            note(f"note: {path} line {number} is torn (a crash mid-write?); read the "
-                 f"{number - 1} lines before it")
-
+def _checked_records(path: Path, torn: Callable[[tuple[int, str]], None]
+                     ) -> list[StepRecord]:
+    """Each line log_lines reads, in order, checked (check_record) and made a StepRecord;
+    a torn last line goes to `torn` as (number, what it is)."""
     records, slots = [], None
-    for number, record in log_lines(path, torn):
+    for number, record in log_lines(path, lambda n, why: torn((n, why))):
         try:
             check_record(record, f"{path} line {number}", slots)
         except TrainError as e:
@@ -75,15 +81,6 @@ def _checked_records(path: Path, note: Callable[[str], None] | None) -> list[Ste
         if record.get("slot_acc") is not None:
             slots = (len(record["slot_acc"]), number)
     return records
-
-
-def _refusal(e: LogLineError) -> str:
-    """What read_log says of a log, or a line of it, that log_lines does not read."""
-    if e.line is None:
-        return str(e)
-    why = ("the log holds no complete record: a run killed in its first step, or not a dflash "
-           "training log?" if e.alone else "is this a dflash training log?")
-    return f"{e}; {why}"
 
 
 def check_record(record, where: str, slots: tuple[int, int] | None = None) -> None:
