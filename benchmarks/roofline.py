@@ -253,24 +253,14 @@ def loader_stage(store: str, size: Size) -> Stage:
 
 def writer_stage(root: Path, size: Size) -> Stage:
     """Logical bytes of samples extract's PartWriter turns into a synced store per second."""
-    import os
-
-    from benchmarks.store_io import samples, synthetic_hidden, synthetic_meta
-    from dflash_train.extract.writer import FLUSH_SHARDS
-    from dflash_train.store_schema import create_store
+    from benchmarks.store_io import samples, synthetic_hidden, write_synced_store
 
     layers, hidden = 5, SMOLLM2["hidden_size"]
     items = samples(synthetic_hidden(size.writer_tokens, layers, hidden))
     moved = sum(t.nbytes for s in items for t in (s.input_ids, s.loss_mask, s.context,
                                                    s.topk_ids, s.topk_logits, s.lse))
     start = time.perf_counter()
-    store = create_store(str(root / "written.zarr"), synthetic_meta(layers, hidden,
-                                                                    size.writer_tokens))
-    writer = store.part_writer(0, 0, len(items), FLUSH_SHARDS)
-    for s in items:
-        writer.append(s)
-    writer.finish()
-    os.sync()
+    write_synced_store(str(root / "written.zarr"), items, layers, hidden, size.writer_tokens)
     seconds = time.perf_counter() - start
     # this VM's synced write rate moved 0.4-1.8 GB/s between single runs: the median of three
     disk = statistics.median(_synced_write_rate(root / "raw.bin", moved) for _ in range(3))
@@ -298,12 +288,11 @@ def _synced_write_rate(path: Path, size: int) -> float:
     """Bytes/s of writing `size` random bytes to `path` and syncing them to disk."""
     import os
 
+    from benchmarks.store_io import write_synced
+
     data = os.urandom(size)
     start = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, data)
     rate = size / (time.perf_counter() - start)
     path.unlink()
     return rate

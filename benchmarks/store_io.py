@@ -120,6 +120,26 @@ def rounds(runs: dict, n: int = 3, before=lambda: None) -> dict[str, tuple[float
 WRITE_GOAL, READ_GOAL, PEER_READ_GOAL, PEER_DISK_GOAL = 0.7, 0.7, 1.0, 0.8
 
 
+def write_synced(path: Path, data: bytes) -> None:
+    """`data` written to `path` and synced to disk."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_synced_store(url: str, items: list[Sample], layers: int, hidden: int,
+                       tokens: int) -> None:
+    """`items` written to a new store at `url` as extract writes (its flush interval), then
+    synced to disk."""
+    store = create_store(url, synthetic_meta(layers, hidden, tokens))
+    writer = store.part_writer(0, 0, len(items), FLUSH_SHARDS)
+    for s in items:
+        writer.append(s)
+    writer.finish()
+    os.sync()
+
+
 def bench(context: torch.Tensor, root: Path) -> list[Row]:
     """Rows of items 1, 2 and 6 (synthetic); leaves the store at root / "hs.zarr"."""
     tokens, layers, hidden = context.shape
@@ -131,20 +151,12 @@ def bench(context: torch.Tensor, root: Path) -> list[Row]:
     raw = root / "raw.bin"
 
     def write_raw():
-        with open(raw, "wb") as f:
-            f.write(context.view(torch.int16).numpy().tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(raw, context.view(torch.int16).numpy().tobytes())
 
     store_url = str(root / "hs.zarr")
 
     def write_store():
-        store = create_store(store_url, synthetic_meta(layers, hidden, tokens))
-        writer = store.part_writer(0, 0, len(items), FLUSH_SHARDS)  # as extract writes
-        for s in items:
-            writer.append(s)
-        writer.finish()
-        os.sync()
+        write_synced_store(store_url, items, layers, hidden, tokens)
 
     per_sample = root / "per_sample"
 
