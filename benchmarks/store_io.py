@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.driver import package_errors_as_one_line
+from benchmarks.driver import package_errors_as_one_line, writable_dir
 from benchmarks.report import Row, format_table
 from dflash_train.extract.writer import FLUSH_SHARDS
 from dflash_train.store_schema import (
@@ -246,7 +246,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir=args.dir))
+    root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir=writable_dir("--dir",
+                                                                          Path(args.dir))))
     try:
         rows = bench(synthetic_hidden(args.tokens, args.layers, args.hidden), root)
     finally:
