@@ -17,6 +17,8 @@ from dflash_train.evaluate.errors import EvalError
 from dflash_train.evaluate.results import Agreement
 from dflash_train.evaluate.summary import RUN_LABELS, EvalSummary, RunLabel
 from dflash_train.store_schema import StoreMeta
+from dflash_train.store_schema.info import sampling_settings
+from dflash_train.store_schema.meta import DRAWN_BY_KEY, SERVER_DRAWN
 
 REPORT_FILE = "report.json"
 """The report `dflash eval --out DIR` writes in DIR (EvalReport.to_json)."""
@@ -90,7 +92,7 @@ class EvalReport:
         sampled = self.meta.sampling
         # a greedy store's report keeps exactly the keys it always had
         how = {} if sampled is None else {"sampling": sampled} | (
-            {"drawn_by": "server"} if self.meta.server_drawn else {})
+            {DRAWN_BY_KEY: SERVER_DRAWN} if self.meta.server_drawn else {})
         agreement = None if sampled else {"matches": ag.matches, "total": ag.total,
                                           "rate": ag.rate}
         return {
@@ -259,9 +261,8 @@ def _answers_line(report: dict) -> str:
     (the labels then are those draws, and --online draws the same way)."""
     s = report.get("sampling")
     if s is not None:
-        top_p = "off" if s["top_p"] == 1 else s["top_p"]
-        settings = f"temperature {s['temperature']} (top-p {top_p}, top-k {s['top_k'] or 'off'})"
-        if report.get("drawn_by") == "server":
+        settings = sampling_settings(s)
+        if report.get(DRAWN_BY_KEY) == SERVER_DRAWN:
             return (f"store answers: the target's, sampled by a server at {settings}, a seed "
                     f"per request from seed {s['seed']}; labels are these draws, "
                     "in-distribution only (no live decode draws them again)")

@@ -73,14 +73,17 @@ def answers_description(meta: StoreMeta) -> str:
     s = meta.sampling
     if s is None:
         return "the target's, greedy"
-    top_k = s["top_k"] or "off"
-    top_p = "off" if s["top_p"] == 1 else s["top_p"]
-    drawn = (f"sampled by a server at temperature {s['temperature']} (top-p {top_p}, top-k "
-             f"{top_k}), a seed per request from seed {s['seed']}: in-distribution only (no "
-             "live decode draws these tokens again)" if meta.server_drawn else
-             f"sampled at temperature {s['temperature']} (top-p {top_p}, top-k {top_k}) "
-             f"with seed {s['seed']}")
+    drawn = (f"sampled by a server at {sampling_settings(s)}, a seed per request from seed "
+             f"{s['seed']}: in-distribution only (no live decode draws these tokens again)"
+             if meta.server_drawn else
+             f"sampled at {sampling_settings(s)} with seed {s['seed']}")
     return f"the target's, {drawn}"
+
+
+def sampling_settings(s: dict) -> str:
+    """A store's sampling settings (StoreMeta.sampling) as its reports write them."""
+    top_p = "off" if s["top_p"] == 1 else s["top_p"]
+    return f"temperature {s['temperature']} (top-p {top_p}, top-k {s['top_k'] or 'off'})"
 
 
 def summarize(store: Store) -> StoreSummary:
