@@ -75,10 +75,9 @@ def main() -> None:
                          revision=None, progress=False)
 
     timed = {}
-    for name, kwargs in (("built-in", {}), ("server", {"servers": servers,
-                                                        "vocab_size": info.vocab_size})):
+    for name, kwargs in (("built-in", {}), ("server", {"servers": servers})):
         start = time.perf_counter()
-        items = regenerate_items(target.model, tokenizer, prompts, cfg, 0, **kwargs)
+        items = regenerate_items(target, tokenizer, prompts, cfg, 0, **kwargs)
         seconds = time.perf_counter() - start
         tokens = sum(sum(i.loss_mask) for i in items)
         timed[name] = (items, tokens, seconds)

@@ -81,6 +81,13 @@ def _rank_and_world() -> tuple[int, int]:
                    "(greedy unless --temperature > 0).")
 @click.option("--max-new-tokens", default=_DEFAULTS.max_new_tokens, show_default=True,
               type=click.IntRange(1), help="Tokens generated per prompt with --regenerate.")
+@click.option("--capture", default=_DEFAULTS.capture, show_default=True,
+              type=click.Choice(["auto", "generation", "forward"]),
+              help="With --regenerate on the loaded target: store the states the target "
+                   "computed while generating (generation: one pass; a part's states wait in "
+                   "memory until it is written), or run a second forward over prompt + answer "
+                   "(forward: memory bounded by --batch-tokens). They differ by float "
+                   "rounding only. auto: generation when a part's states fit in 4 GiB.")
 @click.option("--temperature", default=_DEFAULTS.sampling.temperature, show_default=True,
               type=click.FloatRange(0), metavar="T",
               help="With --regenerate: sample the answers at temperature T (0: greedy), each "

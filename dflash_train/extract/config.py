@@ -6,6 +6,9 @@ from typing import Literal
 from dflash_train.extract.server_http import DEFAULT_TIMEOUT_S
 from dflash_train.target_model.sampling import GREEDY, SamplingConfig
 
+CAPTURE_HOST_BYTES = 4 << 30
+"""The most host memory capture="auto" lets one part's states take while it is generated."""
+
 
 @dataclass
 class ExtractConfig:
@@ -58,6 +61,14 @@ class ExtractConfig:
     as `sampling` says)."""
     max_new_tokens: int = 1024
     """Tokens to generate per prompt with `regenerate`."""
+    capture: Literal["auto", "generation", "forward"] = "auto"
+    """With `regenerate` on the loaded target, where the stored states come from. generation:
+    what the target computed while generating (one pass over the tokens; a part's states wait
+    in host memory until the part is written in row order); forward: a second forward over
+    prompt + answer after generation (memory bounded by batch_tokens). The two differ only by
+    float rounding (the same answers). auto: generation where a part's states fit in
+    CAPTURE_HOST_BYTES (rows_per_part rows of the longest prompt + max_new_tokens, at most
+    max_length), else forward. Servers' answers always take the forward."""
     sampling: SamplingConfig = GREEDY
     """How `regenerate` draws each token: greedy, or at a temperature with a seed, each
     prompt's draws keyed by its source row (target_model/sampling.py). Recorded in the

@@ -48,6 +48,7 @@ from dflash_train.store_schema import (
 )
 from dflash_train.store_schema.frozen import frozen_written, write_frozen
 from dflash_train.target_model.capture import forward_states
+from dflash_train.target_model.generate_capture import TokenStates
 from dflash_train.target_model.loading import Target
 from dflash_train.target_model.verifier import verifier_topk
 
@@ -234,9 +235,10 @@ def _fitting(prompts: list[Item], cfg: ExtractConfig) -> list[Item]:
 def _generate(run: ExtractRun, fill: _Filling, prompts: list[Item], first: int) -> list[Item]:
     """Prompt + answer of each of `prompts` from row `first` on: by the servers, or the
     target itself."""
-    return regenerate_items(run.target.model, run.plan.tokenizer, prompts, run.plan.cfg,
-                            first, fill.bars.generate, run.servers,
-                            run.target.info.vocab_size)
+    plan = run.plan
+    return regenerate_items(run.target, plan.tokenizer, prompts, plan.cfg, first,
+                            fill.bars.generate, run.servers,
+                            plan.layer_ids if plan.captures_in_generation else None)
 
 
 def _generate_ahead(run: ExtractRun, fill: _Filling, part: PartPlan | None) -> None:
@@ -265,7 +267,10 @@ def _write_now(run: ExtractRun, fill: _Filling, part_writer: PartWriter,
         if batch[-1] < len(done):
             continue
         items = [todo[i - len(done)] if i >= len(done) else None for i in batch]
-        samples = _forward_batch(run, items, [lengths[i] for i in batch])
+        if all(i is None or i.states is not None for i in items):  # states kept in generation
+            samples = [_sample(run, i, i.states) for i in items if i is not None]
+        else:
+            samples = _forward_batch(run, items, [lengths[i] for i in batch])
         fill.writer.append(part_writer, samples)
         tokens = sum(len(s) for s in samples)
         fill.summary.samples += len(samples)
@@ -288,24 +293,26 @@ def _forward_batch(run: ExtractRun, items: list[Item | None], lengths: list[int]
     valid = attention.bool().to(target.device)
     ids, logits, lse = verifier_topk(final[valid], target.lm_head, run.plan.cfg.top_k)
     offsets = [0, *accumulate(lengths)]
-    samples = []
-    for b, item in enumerate(items):
-        if item is None:
-            continue
-        n, lo, hi = lengths[b], offsets[b], offsets[b + 1]
-        # checked where the states are (on the GPU: microseconds; on the host a float copy of a
-        # 4096-token sample at 27B width took longer than its share of the forward)
-        _check_finite(context[b, :n], logits[lo:hi], lse[lo:hi], layer_ids,
-                      run.plan.source.where(item.row))
-        samples.append(Sample(
-            input_ids=torch.tensor(item.input_ids, dtype=torch.int32),
-            loss_mask=torch.tensor(item.loss_mask, dtype=torch.bool),
-            # a copy even on a CPU target: a view would keep the whole padded batch alive
-            # in the writer's buffer until its next flush
-            context=context[b, :n].to("cpu", copy=True), topk_ids=ids[lo:hi].cpu(),
-            topk_logits=logits[lo:hi].cpu(), lse=lse[lo:hi].cpu(), source_row=item.row,
-        ))
-    return samples
+    return [_sample(run, item, TokenStates(context[b, :lengths[b]], ids[lo:hi], logits[lo:hi],
+                                           lse[lo:hi]))
+            for b, (item, lo, hi) in enumerate(zip(items, offsets, offsets[1:], strict=False))
+            if item is not None]
+
+
+def _sample(run: ExtractRun, item: Item, states: TokenStates) -> Sample:
+    """The stored sample of `item`, its states checked finite where they are (on the GPU:
+    microseconds; on the host a float copy of a 4096-token sample at 27B width took longer
+    than its share of the forward)."""
+    _check_finite(states.context, states.topk_logits, states.lse, run.plan.layer_ids,
+                  run.plan.source.where(item.row))
+    return Sample(
+        input_ids=torch.tensor(item.input_ids, dtype=torch.int32),
+        loss_mask=torch.tensor(item.loss_mask, dtype=torch.bool),
+        # a copy even on a CPU target: a view would keep the whole padded batch alive in the
+        # writer's buffer until its next flush
+        context=states.context.to("cpu", copy=True), topk_ids=states.topk_ids.cpu(),
+        topk_logits=states.topk_logits.cpu(), lse=states.lse.cpu(), source_row=item.row,
+    )
 
 
 def _padded(items: list[Item | None], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from functools import cached_property
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from dflash_train.extract.config import ExtractConfig
+from dflash_train.extract.config import CAPTURE_HOST_BYTES, ExtractConfig
 from dflash_train.extract.data import ChatSource
 from dflash_train.extract.plan import PartPlan, bytes_per_token
 from dflash_train.extract.prepare import Counts, Item
@@ -104,6 +104,20 @@ class ExtractPlan:
         hidden = 1 if self.fp8 else self.dtype.itemsize
         return (bytes_per_token(layers, self.info.hidden_size, hidden, self.cfg.top_k)
                 + (4 * layers if self.fp8 else 0))
+
+    @cached_property
+    def captures_in_generation(self) -> bool:
+        """Whether the built-in generation's own states are stored (ExtractConfig.capture)."""
+        cfg = self.cfg
+        if not cfg.regenerate or cfg.servers or cfg.capture == "forward":
+            return False
+        if cfg.capture == "generation":
+            return True
+        longest = max((len(i.input_ids) for i in self.scanned), default=0)
+        tokens = min(cfg.max_length, longest + cfg.max_new_tokens)
+        held = bytes_per_token(len(self.layer_ids), self.info.hidden_size,
+                               self.dtype.itemsize, cfg.top_k)
+        return cfg.rows_per_part * tokens * held <= CAPTURE_HOST_BYTES
 
     @cached_property
     def budgets(self) -> dict[int, int]:

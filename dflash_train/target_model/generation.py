@@ -47,6 +47,8 @@ class _StepCounter(BaseStreamer):
         if value.dim() > 1:
             return
         self.steps += 1
+        if self.steps > self.max_new_tokens:  # a draw past the budget, made only to be dropped
+            return
         live = int(self.running.sum())
         ended = self.running & torch.isin(value.long(), self.eos)
         self.running &= ~ended
@@ -78,20 +80,13 @@ def continuations(model: nn.Module, prompts: list[list[int]], *, max_new_tokens:
     `sampling` says with prompt b keyed by sample_ids[b] (its data row: stable whatever the
     batching)."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    # left padding: every prompt ends at the same column, so generation appends in step
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        input_ids[b, width - len(p):] = torch.tensor(p)
-        attention_mask[b, width - len(p):] = 1
+    input_ids, attention_mask, width = left_padded(prompts, pad_id)
     out = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
         pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
-        logits_processor=_keyed_draw(sampling, sample_ids, prompts, width, device),
-        streamer=None if on_step is None else _StepCounter(len(prompts), max_new_tokens,
-                                                           eos_ids, on_step),
+        logits_processor=keyed_draw(sampling, sample_ids, prompts, width, device),
+        streamer=step_counter(len(prompts), max_new_tokens, eos_ids, on_step),
     )
     answers = []
     for row in out[:, width:].tolist():
@@ -100,8 +95,26 @@ def continuations(model: nn.Module, prompts: list[list[int]], *, max_new_tokens:
     return answers
 
 
-def _keyed_draw(cfg: SamplingConfig, sample_ids: list[int] | None, prompts: list[list[int]],
-                width: int, device: torch.device) -> LogitsProcessorList | None:
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Input ids and attention mask [B, width], left-padded: every prompt ends at the same
+    column, so generation appends in step; and that width."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        input_ids[b, width - len(p):] = torch.tensor(p)
+        attention_mask[b, width - len(p):] = 1
+    return input_ids, attention_mask, width
+
+
+def step_counter(rows: int, max_new_tokens: int, eos_ids: list[int],
+                 on_step: OnStep | None) -> BaseStreamer | None:
+    """generate's streamer that calls on_step after every step (None: no streamer)."""
+    return None if on_step is None else _StepCounter(rows, max_new_tokens, eos_ids, on_step)
+
+
+def keyed_draw(cfg: SamplingConfig, sample_ids: list[int] | None, prompts: list[list[int]],
+               width: int, device: torch.device) -> LogitsProcessorList | None:
     """None when greedy (generate's own argmax, bit for bit), else the keyed draw."""
     if cfg.greedy:
         return None

@@ -36,24 +36,43 @@ def head_logits(hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
     return nn.functional.linear(hidden, lm_head.weight, lm_head.bias).float()
 
 
+def topk_of_logits(logits: torch.Tensor, k: int, *, vocab_chunk: int = VOCAB_CHUNK
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verifier_topk's three for logits already computed [N, V] (generate's, for example),
+    ties ordered the same way."""
+    best = _empty_topk(logits.shape[0], logits.device)
+    for v0 in range(0, logits.shape[-1], vocab_chunk):
+        best = _merged(best, logits[:, v0:v0 + vocab_chunk].float(), v0, k)
+    ids, values, lse = best
+    return ids.to(torch.int32), values, lse
+
+
 def _topk_one(h: torch.Tensor, lm_head: nn.Linear, k: int, vocab_chunk: int):
     weight, bias = lm_head.weight, lm_head.bias
-    vocab = weight.shape[0]
-    best_v = torch.full((h.shape[0], 0), float("-inf"), device=h.device)
-    best_i = torch.zeros((h.shape[0], 0), dtype=torch.long, device=h.device)
-    lse = torch.full((h.shape[0],), float("-inf"), device=h.device)
-    for v0 in range(0, vocab, vocab_chunk):
+    best = _empty_topk(h.shape[0], h.device)
+    for v0 in range(0, weight.shape[0], vocab_chunk):
         w = weight[v0:v0 + vocab_chunk]
         b = None if bias is None else bias[v0:v0 + vocab_chunk]
-        chunk = nn.functional.linear(h, w, b).float()
-        lse = torch.logaddexp(lse, torch.logsumexp(chunk, dim=-1))
-        cv, ci = chunk.topk(min(k, chunk.shape[-1]), dim=-1)
-        # topk orders ties arbitrarily; argmax takes the lowest id. Order each chunk's picks by
-        # id, put earlier chunks (lower ids) first, then a stable sort by value keeps ties in
-        # id order
-        by_id = ci.argsort(dim=-1)
-        merged_v = torch.cat([best_v, cv.gather(-1, by_id)], dim=-1)
-        merged_i = torch.cat([best_i, ci.gather(-1, by_id) + v0], dim=-1)
-        top_v, pos = merged_v.sort(dim=-1, descending=True, stable=True)
-        best_v, best_i = top_v[:, :k], merged_i.gather(-1, pos[:, :k])
-    return best_i, best_v, lse
+        best = _merged(best, nn.functional.linear(h, w, b).float(), v0, k)
+    return best
+
+
+def _empty_topk(rows: int, device: torch.device):
+    return (torch.zeros((rows, 0), dtype=torch.long, device=device),
+            torch.full((rows, 0), float("-inf"), device=device),
+            torch.full((rows,), float("-inf"), device=device))
+
+
+def _merged(best, chunk: torch.Tensor, v0: int, k: int):
+    """The running (top-k ids, values, lse) with the logits of vocab rows v0.. merged in."""
+    best_i, best_v, lse = best
+    lse = torch.logaddexp(lse, torch.logsumexp(chunk, dim=-1))
+    cv, ci = chunk.topk(min(k, chunk.shape[-1]), dim=-1)
+    # topk orders ties arbitrarily; argmax takes the lowest id. Order each chunk's picks by
+    # id, put earlier chunks (lower ids) first, then a stable sort by value keeps ties in
+    # id order
+    by_id = ci.argsort(dim=-1)
+    merged_v = torch.cat([best_v, cv.gather(-1, by_id)], dim=-1)
+    merged_i = torch.cat([best_i, ci.gather(-1, by_id) + v0], dim=-1)
+    top_v, pos = merged_v.sort(dim=-1, descending=True, stable=True)
+    return merged_i.gather(-1, pos[:, :k]), top_v[:, :k], lse

@@ -103,7 +103,9 @@ class FakeVllm:
 @pytest.fixture(scope="module")
 def builtin(target, data, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("builtin") / "hs.zarr")
-    run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=NEW)
+    # the forward's states, as a server's answers get them (the built-in generation's own
+    # differ by float rounding: tests/extract/test_capture_in_generation.py)
+    run_extract_cfg(target, data, out, regenerate=True, max_new_tokens=NEW, capture="forward")
     return store_samples(out)
 
 
@@ -304,7 +306,8 @@ def test_answers_running_past_max_length_meet_overlong_as_the_builtin_ones_do(ta
                                                                                tmp_path):
     """A server must hold max_length + 1 tokens: one capped at exactly max_length would hand
     back answers cut to fit, which --overlong skip then keeps where the built-in path skips."""
-    settings = dict(regenerate=True, max_new_tokens=NEW, max_length=34, overlong="skip")
+    settings = dict(regenerate=True, max_new_tokens=NEW, max_length=34, overlong="skip",
+                    capture="forward")
     run_extract_cfg(target, data, str(tmp_path / "builtin.zarr"), **settings)
     builtin = store_samples(str(tmp_path / "builtin.zarr"))
     assert 0 < len(builtin) < 14  # some answers ran past 34 tokens and were skipped

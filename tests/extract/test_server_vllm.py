@@ -92,7 +92,7 @@ def test_a_store_regenerated_by_vllm_serve_replays_offline_equal_to_online(
     layers = ",".join(map(str, LAYERS))
     for out, servers in ((served, [server_url]), (builtin, [])):
         run_extract_cfg(target_dir, data, out, regenerate=True, max_new_tokens=NEW_TOKENS,
-                        layers=layers, servers=servers)
+                        layers=layers, servers=servers, capture="forward")
     assert_same_samples(store_samples(served), store_samples(builtin))
     agree, answers = top1_agreement(open_store(served))
     assert answers > 8 and agree == answers  # fp32 on both sides

@@ -1,0 +1,107 @@
+"""--capture generation: the states kept while generating are the states of the forward over
+the same tokens (float rounding apart), the answers are the same, a killed run resumes to the
+uninterrupted store, and auto falls back to the forward where a part's states would not fit."""
+
+import pytest
+import torch
+from conftest import (
+    assert_same_samples,
+    cli_args,
+    make_chats,
+    run_cli,
+    run_extract_cfg,
+    store_samples,
+    write_jsonl,
+)
+from transformers import AutoModelForCausalLM
+
+from dflash_train.extract import fill
+from dflash_train.extract.writer import KILL_AFTER_ENV
+from dflash_train.store_schema import open_store, validate
+from dflash_train.target_model.sampling import SamplingConfig
+
+NEW = 6
+LAYERS = [0, 1, 2]
+
+
+def _hidden_states(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The independent expectation: transformers' own unpadded forward of one sample,
+    ([n, layers, H] context, [n, V] logits)."""
+    with torch.no_grad():
+        out = model(ids[None].long(), output_hidden_states=True)
+    context = torch.stack([out.hidden_states[k + 1][0] for k in LAYERS], dim=1)
+    return context, out.logits[0]
+
+
+@pytest.mark.parametrize("model_fixture", ["qwen3_dir", "qwen3_5_dir"])
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0, seed=3)],
+                         ids=["greedy", "t1"])
+def test_states_kept_in_generation_are_the_forwards(model_fixture, sampling, chats_jsonl,
+                                                    tmp_path, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    stores = {}
+    for capture in ("generation", "forward"):
+        out = str(tmp_path / f"{capture}.zarr")
+        run_extract_cfg(model_dir, chats_jsonl, out, regenerate=True, max_new_tokens=NEW,
+                        sampling=sampling, capture=capture)
+        assert validate(out) == []
+        stores[capture] = store_samples(out)
+    kept, forward = stores["generation"], stores["forward"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # the hybrid's linear attention runs recurrently in generation and chunked in a forward:
+    # float32 rounding of up to ~1e-4 here
+    close = dict(rtol=1e-3, atol=5e-4)
+    assert [s.source_row for s in kept] == [s.source_row for s in forward]
+    for a, b in zip(kept, forward, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        context, logits = _hidden_states(model, a.input_ids)
+        for s in (a, b):
+            torch.testing.assert_close(s.context, context, **close)
+            torch.testing.assert_close(s.lse, torch.logsumexp(logits, -1), **close)
+            torch.testing.assert_close(s.topk_logits[:, 0], logits.max(-1).values, **close)
+        assert torch.equal(a.topk_ids[:, 0], b.topk_ids[:, 0])
+        if sampling.greedy:  # every answer token is its predecessor's stored argmax
+            tail = a.loss_mask.nonzero()[:, 0]
+            assert torch.equal(a.topk_ids[tail - 1, 0], a.input_ids[tail])
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_store(qwen3_5_dir, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", make_chats(14))
+    flags = ["--regenerate", "--max-new-tokens", str(NEW), "--capture", "generation"]
+    reference = str(tmp_path / "ref.zarr")
+    run_extract_cfg(qwen3_5_dir, data, reference, regenerate=True, max_new_tokens=NEW,
+                    capture="generation")
+    out = str(tmp_path / "hs.zarr")
+    killed = run_cli(cli_args(qwen3_5_dir, data, out) + flags, **{KILL_AFTER_ENV: "3"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not open_store(out).complete
+    run_extract_cfg(qwen3_5_dir, data, out, regenerate=True, max_new_tokens=NEW,
+                    capture="generation")
+    assert_same_samples(store_samples(out), store_samples(reference))
+
+
+def test_truncated_answers_keep_their_first_states(qwen3_dir, chats_jsonl, tmp_path):
+    stores = {}
+    for capture in ("generation", "forward"):
+        out = str(tmp_path / f"{capture}.zarr")
+        run_extract_cfg(qwen3_dir, chats_jsonl, out, regenerate=True, max_new_tokens=NEW,
+                        max_length=28, capture=capture)
+        stores[capture] = store_samples(out)
+    assert any(len(s) == 28 for s in stores["forward"])
+    for a, b in zip(stores["generation"], stores["forward"], strict=True):
+        assert torch.equal(a.input_ids, b.input_ids)
+        torch.testing.assert_close(a.context, b.context, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("limit, forwards", [(1 << 30, False), (1000, True)])
+def test_auto_runs_the_forward_only_where_a_parts_states_would_not_fit(
+        limit, forwards, qwen3_dir, chats_jsonl, tmp_path, monkeypatch):
+    from dflash_train.extract import run
+
+    monkeypatch.setattr(run, "CAPTURE_HOST_BYTES", limit)
+    called = []
+    real = fill._forward_batch
+    monkeypatch.setattr(fill, "_forward_batch", lambda *a: called.append(1) or real(*a))
+    run_extract_cfg(qwen3_dir, chats_jsonl, str(tmp_path / "hs.zarr"), regenerate=True,
+                    max_new_tokens=NEW)
+    assert bool(called) == forwards
