@@ -10,6 +10,10 @@ on the CPU at SmolLM2's shape:
                   the lm_head) on a random-weight LlamaConfig model, in extract's auto dtype;
                   FLOPs = tokens x (2 x matmul parameters + 4 x layers x mean context x heads
                   x head_dim), the causal attention's QK^T and AV;
+  regeneration    extract --regenerate's built-in generation with its states kept
+                  (target_model.generate_capture) on the same model: 32 prompts of 64 tokens,
+                  32 new tokens each; FLOPs counted as it runs, least traffic the weights
+                  once a decoding step;
   drafter step    `dflash train`'s step (train.loop.train_step) at the quick preset's recipe
                   (benchmarks/optimizer_step.py: 1 layer, 4,096 draft ids, D-PACE, Muon, 16
                   anchors, 4,096-token batches) on a synthetic store, in train's auto precision;
@@ -68,10 +72,14 @@ class Size:
     samples: int = 96
     steps: int = 4
     writer_tokens: int = 32768
+    generate_rows: int = 32
+    generate_prompt: int = 64
+    generate_tokens: int = 32
 
 
 QUICK = Size(square=1024, copy_mib=32, seconds=0.2, target_layers=2, target_tokens=128,
-             batch_tokens=1024, samples=16, steps=1, writer_tokens=4096)
+             batch_tokens=1024, samples=16, steps=1, writer_tokens=4096, generate_rows=4,
+             generate_prompt=16, generate_tokens=4)
 
 
 @dataclass(frozen=True)
@@ -164,22 +172,30 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def target_forward(size: Size) -> Stage:
-    """extract's capture on a random-weight model of SmolLM2's config, in extract's dtype."""
+def _random_target(size: Size):
+    """(a random-weight model of SmolLM2's config in extract's auto dtype, its config, five
+    context layer ids spread over it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from dflash_train.dtypes import resolve_dtype
+
+    shape = {**SMOLLM2, "num_hidden_layers": size.target_layers}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True))
+    layer_ids = list(range(0, size.target_layers, max(1, size.target_layers // 5)))[:5]
+    return model.to(resolve_dtype("auto", CPU)).eval(), shape, layer_ids
+
+
+def target_forward(size: Size) -> Stage:
+    """extract's capture on a random-weight model of SmolLM2's config, in extract's dtype."""
     from dflash_train.target_model.capture import forward_states
     from dflash_train.target_model.verifier import verifier_topk
 
-    shape = {**SMOLLM2, "num_hidden_layers": size.target_layers}
-    dtype = resolve_dtype("auto", CPU)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True)).to(dtype).eval()
+    model, shape, layer_ids = _random_target(size)
+    dtype = model.dtype
     tokens = size.target_tokens
     ids = torch.randint(0, shape["vocab_size"], (1, tokens))
     mask = torch.ones_like(ids)
-    layer_ids = list(range(0, size.target_layers, max(1, size.target_layers // 5)))[:5]
 
     @torch.inference_mode()
     def capture():
@@ -197,6 +213,42 @@ def target_forward(size: Size) -> Stage:
     capture()
     return Stage("target forward", f"{shape['num_hidden_layers']} layers, {tokens} tokens",
                  flops, weights + out, time.perf_counter() - start, dtype)
+
+
+def regeneration(size: Size) -> Stage:
+    """extract --regenerate's built-in generation keeping the states (generate_with_states)
+    on the same random-weight model: prompts of equal length, no eos, FLOPs counted as run.
+    Least traffic: the weights once per decoding step (prefill included)."""
+    from dflash_train.target_model.generate_capture import generate_with_states
+    from dflash_train.target_model.loading import Target
+
+    model, shape, layer_ids = _random_target(size)
+    dtype = model.dtype
+    target = Target(model=model, decoder=model.model, lm_head=model.lm_head, info=None,
+                    kernels="")
+    rows, new = size.generate_rows, size.generate_tokens
+    prompts = torch.randint(0, shape["vocab_size"], (rows, size.generate_prompt)).tolist()
+
+    def generate():
+        generate_with_states(target, prompts, layer_ids=layer_ids, top_k=8,
+                             max_new_tokens=new, eos_ids=[shape["vocab_size"]], pad_id=0)
+
+    generate()  # warms kernels up
+    start = time.perf_counter()
+    generate()
+    seconds = time.perf_counter() - start
+    # counted on generate's own forwards (the dispatch mode sees nothing under the
+    # inference_mode generate_with_states runs in), plus the prompts' top-k over the head
+    with torch.no_grad(), CountedFlops() as counted:
+        model.generate(input_ids=torch.tensor(prompts), attention_mask=torch.ones(rows, len(
+            prompts[0]), dtype=torch.long), do_sample=False, max_new_tokens=new + 1,
+            eos_token_id=shape["vocab_size"], pad_token_id=0)
+    head = 2 * shape["vocab_size"] * shape["hidden_size"] * rows * size.generate_prompt
+    matmul = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
+    return Stage("regeneration (built-in, states kept)",
+                 f"{rows} prompts x {size.generate_prompt} + {new} new tokens",
+                 sum(counted.by_dtype.values()) + head, (new + 1) * matmul * dtype.itemsize,
+                 seconds, dtype)
 
 
 def step_flops(fc_kv: float, layers: float, head: float, context: float, slots: float
@@ -435,8 +487,8 @@ def report(size: Size, quick: bool) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "smollm2.zarr")
         build_store(store, "smollm2", 192, samples=size.samples)
-        stages = [target_forward(size), drafter_step(store, size), loader_stage(store, size),
-                  writer_stage(Path(tmp), size)]
+        stages = [target_forward(size), regeneration(size), drafter_step(store, size),
+                  loader_stage(store, size), writer_stage(Path(tmp), size)]
     h200 = H200Feed()
     return "\n".join([
         f"{time.strftime('%Y-%m-%d')}, {_cpu_name()}, torch {torch.__version__}, "

@@ -12,7 +12,8 @@ import torch
 from benchmarks import roofline
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = ("target forward", "drafter step", "loader", "store writer")
+STAGES = ("target forward", "regeneration (built-in, states kept)", "drafter step", "loader",
+          "store writer")
 BOUNDS = ("compute (float32 GEMM)", "compute (bfloat16 GEMM)", "memory (copy)",
           "disk (synced write)", "compression (the context codec)")
 
