@@ -88,10 +88,6 @@ class RealTargetConfig:
     anchors_per_seq: int = 16
     """Blocks per sequence per epoch. A step's cost is mostly the lm_head over every block
     slot: over all 49,152 words in float32, 16 anchors took ~4 s a step here, 32 ~7.4 s."""
-    chunk_blocks: int | None = 0
-    """`run.chunk_blocks`: 0 runs a batch's ~340 blocks in one pass. At this width that takes no
-    more memory than 256-block chunks did (~1.15 GB peak either way), and the chunks'
-    recompute in backward cost 10-20 % of a step (docs/benchmarks_history.md, 2026-12-07)."""
     fidelity_prompts: int = 8
     """Held-out prompts decoded live (--online) and compared with offline replay."""
     seed: int = 0
@@ -236,8 +232,7 @@ def train_config(cfg: RealTargetConfig, store: str, run_dir: Path, layers: int,
         optim=OptimConfig(lr=cfg.lr, optimizer=cfg.optimizer, epochs=10**6,
                           max_steps=cfg.steps),
         run=RunConfig(out_dir=str(run_dir), seed=cfg.seed, device="cpu",
-                      anchors_per_seq=cfg.anchors_per_seq, chunk_blocks=cfg.chunk_blocks,
-                      checkpoint_every=cfg.eval_every,
+                      anchors_per_seq=cfg.anchors_per_seq, checkpoint_every=cfg.eval_every,
                       keep_checkpoints=10**6, log_every=25),
         validation=validation,
     )

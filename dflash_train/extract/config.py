@@ -67,8 +67,9 @@ class ExtractConfig:
     in host memory until the part is written in row order); forward: a second forward over
     prompt + answer after generation (memory bounded by batch_tokens). The two differ only by
     float rounding (the same answers). auto: generation where a part's states fit in
-    CAPTURE_HOST_BYTES (rows_per_part rows of the longest prompt + max_new_tokens, at most
-    max_length), else forward. Servers' answers always take the forward."""
+    CAPTURE_HOST_BYTES (rows_per_part rows of max_length - 1 + max_new_tokens tokens), else
+    forward. Servers' answers always take the forward. Recorded in the store when generation,
+    so a resume the other way is refused."""
     sampling: SamplingConfig = GREEDY
     """How `regenerate` draws each token: greedy, or at a temperature with a seed, each
     prompt's draws keyed by its source row (target_model/sampling.py). Recorded in the

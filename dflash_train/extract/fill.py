@@ -269,6 +269,9 @@ def _write_now(run: ExtractRun, fill: _Filling, part_writer: PartWriter,
         items = [todo[i - len(done)] if i >= len(done) else None for i in batch]
         if all(i is None or i.states is not None for i in items):  # states kept in generation
             samples = [_sample(run, i, i.states) for i in items if i is not None]
+            for i in items:
+                if i is not None:
+                    i.states = None  # the writer holds them now; the part's list need not
         else:
             samples = _forward_batch(run, items, [lengths[i] for i in batch])
         fill.writer.append(part_writer, samples)
@@ -308,11 +311,16 @@ def _sample(run: ExtractRun, item: Item, states: TokenStates) -> Sample:
     return Sample(
         input_ids=torch.tensor(item.input_ids, dtype=torch.int32),
         loss_mask=torch.tensor(item.loss_mask, dtype=torch.bool),
-        # a copy even on a CPU target: a view would keep the whole padded batch alive in the
-        # writer's buffer until its next flush
-        context=states.context.to("cpu", copy=True), topk_ids=states.topk_ids.cpu(),
+        context=_owned_on_host(states.context), topk_ids=states.topk_ids.cpu(),
         topk_logits=states.topk_logits.cpu(), lse=states.lse.cpu(), source_row=item.row,
     )
+
+
+def _owned_on_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host in storage of its own: a view of a padded batch (even on a CPU target)
+    would keep the whole batch alive in the writer's buffer until its next flush."""
+    owned = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if t.device.type == "cpu" and owned else t.to("cpu", copy=True)
 
 
 def _padded(items: list[Item | None], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -134,6 +134,7 @@ def store_meta(plan: ExtractPlan, device: torch.device, kernels: str) -> StoreMe
         extra={"mask_token_id": _mask_token_id(plan), "rows_per_part": cfg.rows_per_part,
                "overlong": cfg.overlong,
                "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None,
+               **({"capture": "generation"} if plan.captures_in_generation else {}),
                **_sampling_record(cfg), **cfg.extra},
     )
 

@@ -107,17 +107,17 @@ class ExtractPlan:
 
     @cached_property
     def captures_in_generation(self) -> bool:
-        """Whether the built-in generation's own states are stored (ExtractConfig.capture)."""
+        """Whether the built-in generation's own states are stored (ExtractConfig.capture):
+        decided by the settings alone, so every rank and every resume decides alike."""
         cfg = self.cfg
         if not cfg.regenerate or cfg.servers or cfg.capture == "forward":
             return False
         if cfg.capture == "generation":
             return True
-        longest = max((len(i.input_ids) for i in self.scanned), default=0)
-        tokens = min(cfg.max_length, longest + cfg.max_new_tokens)
+        longest = cfg.max_length - 1 + cfg.max_new_tokens  # a prompt that fits, all answered
         held = bytes_per_token(len(self.layer_ids), self.info.hidden_size,
                                self.dtype.itemsize, cfg.top_k)
-        return cfg.rows_per_part * tokens * held <= CAPTURE_HOST_BYTES
+        return cfg.rows_per_part * longest * held <= CAPTURE_HOST_BYTES
 
     @cached_property
     def budgets(self) -> dict[int, int]:

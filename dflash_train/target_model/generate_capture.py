@@ -8,20 +8,26 @@ plain path makes; only the stopping differs, which no row's tokens depend on (ev
 and attention row of a batch is computed apart from the others):
 - a row's last token must itself be fed once, for its states, so generate runs up to
   max_new_tokens + 1 and a row stops only after its eos was fed; the extra draw is dropped;
-- generate's own eos stop would feed padding after an eos, and end the batch before the last
-  eos is fed: it is turned off and `_EosFed` stops rows instead.
+- generate's own eos stop would end the batch before the last eos is fed: its criterion is
+  replaced by one on an id no draw returns, and `_EosFed` stops rows instead (the eos ids stay
+  in the config, for whatever the model's own generation settings do with them).
 Where each value comes from: the prompt's states and top-k from the prefill (top-k through
 verifier_topk, as the capture forward computes it); an answer token's states from the step
-that fed it, its top-k from the raw logits that step handed the logits processors (the
-logits its own successor was drawn from). Never writes a file.
+that fed it, its top-k from the head's output in that step (the logits its own successor was
+drawn from, before any processor of the model's generation config). Never writes a file.
 """
 
+import logging
+from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from dflash_train.target_model.capture import hooked_layers
 from dflash_train.target_model.errors import TargetError
@@ -45,9 +51,10 @@ class TokenStates:
     """[n] float32."""
 
     def first(self, n: int) -> "TokenStates":
-        """The first n tokens' (causal: what a sequence cut after n tokens would give)."""
-        return TokenStates(self.context[:n], self.topk_ids[:n], self.topk_logits[:n],
-                           self.lse[:n])
+        """The first n tokens' (causal: what a sequence cut after n tokens would give), copied
+        so that the rest is freed."""
+        return TokenStates(self.context[:n].clone(), self.topk_ids[:n].clone(),
+                           self.topk_logits[:n].clone(), self.lse[:n].clone())
 
 
 class _EosFed(StoppingCriteria):
@@ -63,19 +70,6 @@ class _EosFed(StoppingCriteria):
         return torch.isin(fed, self.eos.to(fed.device)).any(dim=-1)
 
 
-class _TopkOfScores(LogitsProcessor):
-    """Records the top-k and lse of the raw logits of every step, before any draw, on the
-    host; hands them on unchanged."""
-
-    def __init__(self, k: int):
-        self.k = k
-        self.steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.steps.append(tuple(t.cpu() for t in topk_of_logits(scores, self.k)))
-        return scores
-
-
 @torch.inference_mode()
 def generate_with_states(target: Target, prompts: list[list[int]], *, layer_ids: list[int],
                          top_k: int, max_new_tokens: int, eos_ids: list[int], pad_id: int,
@@ -87,39 +81,65 @@ def generate_with_states(target: Target, prompts: list[list[int]], *, layer_ids:
     prompt + answer tokens."""
     model, device = target.model, target.device
     input_ids, attention_mask, width = left_padded(prompts, pad_id)
+    config = _generation_config(model, max_new_tokens, eos_ids, pad_id)
     forwards: list[torch.Tensor] = []  # per decoder forward: [B, T, layers, H] on the host
+    step_topk: list[tuple[torch.Tensor, ...]] = []  # per forward: the last position's
     prompt_topk: list = []
-    scores = _TopkOfScores(top_k)
-    processors = LogitsProcessorList([scores])
-    keyed = keyed_draw(sampling, sample_ids, prompts, width, device)
-    if keyed is not None:
-        processors.extend(keyed)
-    config = deepcopy(model.generation_config)
-    config.update(do_sample=False, max_new_tokens=max_new_tokens + 1, pad_token_id=pad_id,
-                  temperature=None, top_p=None, top_k=None)
-    # _EosFed stops rows (see the module docstring); a None here would be filled in again from
-    # the model's own config, so generate's eos is an id no draw can return (one past the head)
-    config.eos_token_id = target.lm_head.weight.shape[0]
 
-    def keep(_decoder, _args, output) -> None:
+    def keep_states(_decoder, _args, output) -> None:
         states = torch.stack([captured[k] for k in layer_ids], dim=2)
         if not forwards:  # the prefill: the prompt tokens' top-k, as the capture forward's
             final = output.last_hidden_state[attention_mask.to(device).bool()]
             prompt_topk.append(verifier_topk(final, target.lm_head, top_k))
         forwards.append(states.cpu())
 
-    with hooked_layers(target.decoder.layers, layer_ids) as captured:
-        handle = target.decoder.register_forward_hook(keep)
+    def keep_topk(_head, _args, logits) -> None:
+        # the head's own output, before any processor generate adds from the model's config
+        step_topk.append(tuple(t.cpu() for t in topk_of_logits(logits[:, -1].float(), top_k)))
+
+    stop = StoppingCriteriaList([_EosFed(width, eos_ids),
+                                 EosTokenCriteria(target.lm_head.weight.shape[0])])
+    with hooked_layers(target.decoder.layers, layer_ids) as captured, _quiet_generate():
+        handles = [target.decoder.register_forward_hook(keep_states),
+                   target.lm_head.register_forward_hook(keep_topk)]
         try:
             out = model.generate(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                generation_config=config, logits_processor=processors,
-                stopping_criteria=StoppingCriteriaList([_EosFed(width, eos_ids)]),
+                generation_config=config, stopping_criteria=stop,
+                logits_processor=keyed_draw(sampling, sample_ids, prompts, width, device),
                 streamer=step_counter(len(prompts), max_new_tokens, eos_ids, on_step))
         finally:
-            handle.remove()
-    return _per_prompt(prompts, out[:, width:].cpu(), forwards, prompt_topk[0], scores.steps,
+            for h in handles:
+                h.remove()
+    return _per_prompt(prompts, out[:, width:].cpu(), forwards, prompt_topk[0], step_topk,
                        max_new_tokens, eos_ids, width)
+
+
+def _generation_config(model, max_new_tokens: int, eos_ids: list[int], pad_id: int):
+    """The model's generation config as continuations() runs it, but for one draw more, one
+    prefill forward over the whole prompt and one forward per new token."""
+    config = deepcopy(model.generation_config)
+    for setting in ("forced_eos_token_id", "max_time"):
+        if getattr(config, setting, None) is not None:
+            raise TargetError(f"the target's generation config sets {setting}, which ends "
+                              "generation before its last token is fed: extract with "
+                              "--capture forward")
+    config.update(do_sample=False, max_new_tokens=max_new_tokens + 1, eos_token_id=eos_ids,
+                  pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+                  use_cache=True, prefill_chunk_size=None)
+    return config
+
+
+@contextmanager
+def _quiet_generate():
+    """generate says once that a custom eos criterion replaces its own: meant here."""
+    logger = logging.getLogger("transformers.generation.utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _per_prompt(prompts, generated, forwards, prompt_topk, step_topk, max_new_tokens,
@@ -139,7 +159,7 @@ def _per_prompt(prompts, generated, forwards, prompt_topk, step_topk, max_new_to
                               f"prompt {b}'s answer of {cut} tokens was fed")
         steps = range(1, cut + 1)
         lo, hi = offsets[b], offsets[b + 1]
-        results.append((answer, TokenStates(
+        states = TokenStates(
             context=torch.cat([forwards[0][b, width - len(p):],
                                *(forwards[s][b] for s in steps)]),
             topk_ids=torch.cat([prompt_topk[0][lo:hi].cpu(), *(step_topk[s][0][b:b + 1]
@@ -148,5 +168,9 @@ def _per_prompt(prompts, generated, forwards, prompt_topk, step_topk, max_new_to
                                                                   for s in steps)]),
             lse=torch.cat([prompt_topk[2][lo:hi].cpu(), *(step_topk[s][2][b:b + 1]
                                                           for s in steps)]),
-        )))
+        )
+        if states.context.shape[0] != len(p) + cut:  # one forward a token, or a bug here
+            raise TargetError(f"prompt {b}: {states.context.shape[0]} states for "
+                              f"{len(p) + cut} tokens")
+        results.append((answer, states))
     return results

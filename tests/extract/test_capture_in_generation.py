@@ -16,9 +16,14 @@ from conftest import (
 from transformers import AutoModelForCausalLM
 
 from dflash_train.extract import fill
+from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.writer import KILL_AFTER_ENV
 from dflash_train.store_schema import open_store, validate
+from dflash_train.target_model.generate_capture import generate_with_states
+from dflash_train.target_model.generation import continuations
+from dflash_train.target_model.loading import load_target
 from dflash_train.target_model.sampling import SamplingConfig
+from tests.evaluate.conftest import EOS_ID
 
 NEW = 6
 LAYERS = [0, 1, 2]
@@ -105,3 +110,42 @@ def test_auto_runs_the_forward_only_where_a_parts_states_would_not_fit(
     run_extract_cfg(qwen3_dir, chats_jsonl, str(tmp_path / "hs.zarr"), regenerate=True,
                     max_new_tokens=NEW)
     assert bool(called) == forwards
+
+
+@pytest.mark.parametrize("penalty", [None, 1.3], ids=["plain", "repetition-penalty"])
+def test_rows_ending_on_eos_at_different_steps_get_the_forwards_states(target, penalty):
+    """Against continuations() (the plain path) and transformers' own forward: rows that end
+    on eos early, late or never; with the model's generation config adding a processor, the
+    answers still follow it while the stored top-k stay the head's raw logits."""
+    loaded = load_target(target, device="cpu", dtype=torch.float32, load_as="causal-lm")
+    if penalty is not None:
+        loaded.model.generation_config.repetition_penalty = penalty
+    prompts = [[5, 9, 12, 40, 41], [7, 8], [30, 31, 32, 33], [60, 2, 61], [90]]
+    how = dict(max_new_tokens=24, eos_ids=[EOS_ID], pad_id=0)
+    plain = continuations(loaded.model, prompts, **how)
+    kept = generate_with_states(loaded, prompts, layer_ids=LAYERS, top_k=4, **how)
+    ends = {len(a) for a in plain if a[-1] == EOS_ID}
+    assert len(ends) > 1 and any(a[-1] != EOS_ID for a in plain), "rows must end apart"
+    for p, answer, (got, states) in zip(prompts, plain, kept, strict=True):
+        assert got == answer
+        context, logits = _hidden_states(loaded.model, torch.tensor(p + answer))
+        torch.testing.assert_close(states.context, context, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(states.topk_logits, logits.topk(4).values, rtol=1e-4,
+                                   atol=1e-4)
+        torch.testing.assert_close(states.lse, torch.logsumexp(logits, -1), rtol=1e-4,
+                                   atol=1e-4)
+
+
+def test_the_store_records_the_capture_and_a_resume_the_other_way_is_refused(qwen3_dir,
+                                                                             tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", make_chats(3))
+    out = str(tmp_path / "hs.zarr")
+    run_extract_cfg(qwen3_dir, data, out, regenerate=True, max_new_tokens=NEW)
+    assert open_store(out).meta.extra["capture"] == "generation"
+    with pytest.raises(ExtractError, match="capture"):
+        run_extract_cfg(qwen3_dir, data, out, regenerate=True, max_new_tokens=NEW,
+                        capture="forward")
+    forward = str(tmp_path / "forward.zarr")  # a forward store's provenance is as it was
+    run_extract_cfg(qwen3_dir, data, forward, regenerate=True, max_new_tokens=NEW,
+                    capture="forward")
+    assert "capture" not in open_store(forward).meta.extra

@@ -28,7 +28,9 @@ def test_mask_token_outside_the_vocabulary_is_refused(qwen3_dir, chats_jsonl, tm
     assert not (tmp_path / "hs.zarr").exists()
 
 
-def test_buffered_samples_do_not_hold_their_batch(qwen3_dir, chats_jsonl, tmp_path, monkeypatch):
+@pytest.mark.parametrize("regenerate", [False, True], ids=["forward", "kept-in-generation"])
+def test_buffered_samples_do_not_hold_their_batch(regenerate, qwen3_dir, chats_jsonl, tmp_path,
+                                                  monkeypatch):
     from dflash_train.extract.writer import BackgroundWriter
 
     seen = []
@@ -39,7 +41,8 @@ def test_buffered_samples_do_not_hold_their_batch(qwen3_dir, chats_jsonl, tmp_pa
         append(self, writer, samples)
 
     monkeypatch.setattr(BackgroundWriter, "append", spy)
-    run_extract_cfg(qwen3_dir, chats_jsonl, str(tmp_path / "hs.zarr"), batch_tokens=400)
+    run_extract_cfg(qwen3_dir, chats_jsonl, str(tmp_path / "hs.zarr"), batch_tokens=400,
+                    **({"regenerate": True, "max_new_tokens": 6} if regenerate else {}))
     assert len(seen) == 14
     for s in seen:  # each sample owns exactly its own bytes, not a slice of a padded batch
         assert s.context.untyped_storage().nbytes() == s.context.numel() * s.context.element_size()
