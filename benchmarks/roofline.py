@@ -219,7 +219,7 @@ def regeneration(size: Size) -> Stage:
     """extract --regenerate's built-in generation keeping the states (generate_with_states)
     on the same random-weight model: prompts of equal length, no eos, FLOPs counted as run.
     Least traffic: the weights once per decoding step (prefill included)."""
-    from dflash_train.target_model.generate_capture import generate_with_states
+    from dflash_train.target_model.generate_capture import StatesToKeep, generate_with_states
     from dflash_train.target_model.loading import Target
 
     model, shape, layer_ids = _random_target(size)
@@ -230,8 +230,8 @@ def regeneration(size: Size) -> Stage:
     prompts = torch.randint(0, shape["vocab_size"], (rows, size.generate_prompt)).tolist()
 
     def generate():
-        generate_with_states(target, prompts, layer_ids=layer_ids, top_k=8,
-                             max_new_tokens=new, eos_ids=[shape["vocab_size"]], pad_id=0)
+        generate_with_states(target, prompts, StatesToKeep(layer_ids, 8), max_new_tokens=new,
+                             eos_ids=[shape["vocab_size"]], pad_id=0)
 
     generate()  # warms kernels up
     start = time.perf_counter()

@@ -23,7 +23,11 @@ from dflash_train.extract.render import (
     render_prompt,
 )
 from dflash_train.extract.server_generate import Ask, Server, server_continuations
-from dflash_train.target_model.generate_capture import TokenStates, generate_with_states
+from dflash_train.target_model.generate_capture import (
+    StatesToKeep,
+    TokenStates,
+    generate_with_states,
+)
 from dflash_train.target_model.generation import continuations, eos_token_ids
 from dflash_train.target_model.loading import Target
 
@@ -147,8 +151,8 @@ def regenerate_items(target: Target, tokenizer, prompts: list[Item], cfg: Extrac
                    on_step=None if bar is None else _counter(bar))
         prompt_ids = [p.input_ids for p in chosen]
         if capture_layers:
-            news = generate_with_states(target, prompt_ids, layer_ids=capture_layers,
-                                        top_k=cfg.top_k, **how)
+            news = generate_with_states(target, prompt_ids,
+                                        StatesToKeep(capture_layers, cfg.top_k), **how)
         else:
             news = [(new, None) for new in continuations(target.model, prompt_ids, **how)]
         for p, (new, states) in zip(chosen, news, strict=True):

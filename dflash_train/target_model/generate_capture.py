@@ -1,6 +1,6 @@
 """Generation that keeps what the target computed on the way: the selected layers' states and
 the verifier's top-k at every token of prompt + answer, so extract --regenerate needs no
-second forward over the same tokens (it was most of extract's time: a full forward again).
+second forward over the same tokens (on SmolLM2 that forward was ~40 % of extract's time).
 
 Owns running `generate` with hooks. The answers are generate's own (the same call, the same
 batches, the same keyed draw as generation.continuations), so the tokens are the ones the
@@ -57,6 +57,16 @@ class TokenStates:
                            self.topk_logits[:n].clone(), self.lse[:n].clone())
 
 
+@dataclass(frozen=True)
+class StatesToKeep:
+    """What generate_with_states keeps of each token."""
+
+    layer_ids: list[int]
+    """The context layers whose outputs are kept."""
+    top_k: int
+    """Verifier top-k logits kept per token."""
+
+
 class _EosFed(StoppingCriteria):
     """A row is done once an eos it generated has been fed back (it is no longer the last
     column)."""
@@ -71,8 +81,8 @@ class _EosFed(StoppingCriteria):
 
 
 @torch.inference_mode()
-def generate_with_states(target: Target, prompts: list[list[int]], *, layer_ids: list[int],
-                         top_k: int, max_new_tokens: int, eos_ids: list[int], pad_id: int,
+def generate_with_states(target: Target, prompts: list[list[int]], keep: StatesToKeep, *,
+                         max_new_tokens: int, eos_ids: list[int], pad_id: int,
                          sampling: SamplingConfig = GREEDY,
                          sample_ids: list[int] | None = None,
                          on_step: OnStep | None = None
@@ -80,6 +90,7 @@ def generate_with_states(target: Target, prompts: list[list[int]], *, layer_ids:
     """The answers generation.continuations gives for `prompts`, each with the states of its
     prompt + answer tokens."""
     model, device = target.model, target.device
+    layer_ids, top_k = keep.layer_ids, keep.top_k
     input_ids, attention_mask, width = left_padded(prompts, pad_id)
     config = _generation_config(model, max_new_tokens, eos_ids, pad_id)
     forwards: list[torch.Tensor] = []  # per decoder forward: [B, T, layers, H] on the host
