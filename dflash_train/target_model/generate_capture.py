@@ -32,6 +32,7 @@ from transformers.generation.stopping_criteria import (
 from dflash_train.target_model.capture import hooked_layers
 from dflash_train.target_model.errors import TargetError
 from dflash_train.target_model.generation import OnStep, keyed_draw, left_padded, step_counter
+from dflash_train.target_model.kv_buffer import buffered_cache
 from dflash_train.target_model.loading import Target
 from dflash_train.target_model.sampling import GREEDY, SamplingConfig
 from dflash_train.target_model.verifier import topk_of_logits, verifier_topk
@@ -118,7 +119,8 @@ def generate_with_states(target: Target, prompts: list[list[int]], keep: StatesT
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                 generation_config=config, stopping_criteria=stop,
                 logits_processor=keyed_draw(sampling, sample_ids, prompts, width, device),
-                streamer=step_counter(len(prompts), max_new_tokens, eos_ids, on_step))
+                streamer=step_counter(len(prompts), max_new_tokens, eos_ids, on_step),
+                cache=buffered_cache(model, width + max_new_tokens + 1))
         finally:
             for h in handles:
                 h.remove()

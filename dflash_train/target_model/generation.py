@@ -17,6 +17,7 @@ from transformers.generation.logits_process import LogitsProcessor, LogitsProces
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_train.target_model.errors import TargetError
+from dflash_train.target_model.kv_buffer import buffered_cache
 from dflash_train.target_model.sampling import GREEDY, SamplingConfig, perturbed_logits
 
 OnStep = Callable[[int, int], None]
@@ -87,6 +88,7 @@ def continuations(model: nn.Module, prompts: list[list[int]], *, max_new_tokens:
         pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
         logits_processor=keyed_draw(sampling, sample_ids, prompts, width, device),
         streamer=step_counter(len(prompts), max_new_tokens, eos_ids, on_step),
+        cache=buffered_cache(model, width + max_new_tokens),
     )
     answers = []
     for row in out[:, width:].tolist():
