@@ -19,6 +19,8 @@ from pathlib import Path
 
 from benchmarks.driver import package_errors_as_one_line
 from benchmarks.real_target import RealTargetConfig, evaluate_drafter, train_drafter
+from dflash_train.store_schema import open_store
+from dflash_train.store_schema.info import summarize
 
 
 def preset_of(run: Path) -> RealTargetConfig:
@@ -26,7 +28,8 @@ def preset_of(run: Path) -> RealTargetConfig:
     recorded = json.loads((run / "results.json").read_text())["config"]
     known = {f.name for f in fields(RealTargetConfig)}
     kept = {k: v for k, v in recorded.items() if k in known}
-    kept["drafter_layers"] = tuple(kept["drafter_layers"])
+    if "drafter_layers" in kept:
+        kept["drafter_layers"] = tuple(kept["drafter_layers"])
     return RealTargetConfig(**kept)
 
 
@@ -38,6 +41,8 @@ def first_answers(run: Path, fraction: float, out: Path) -> str:
         return str(run / "train.zarr")
     rows = sum(1 for _ in (run / "train.jsonl").open())
     cutoff = round(rows * fraction)
+    if cutoff < 1:
+        raise SystemExit(f"--fractions {fraction:g} of {rows} train prompts keeps none")
     url = out / f"train_first_{cutoff}.zarr"
     if not url.exists():  # written under another name, renamed when whole
         partial = out / f".{url.name}.partial"
@@ -49,9 +54,6 @@ def first_answers(run: Path, fraction: float, out: Path) -> str:
 
 def point(run: Path, cfg: RealTargetConfig, fraction: float, out: Path) -> dict:
     """One curve point: the subset's size, its training and its chosen checkpoint's tau."""
-    from dflash_train.store_schema import open_store
-    from dflash_train.store_schema.info import summarize
-
     store = first_answers(run, fraction, out)
     where = run if fraction == 1 else out / f"f{fraction:g}"
     where.mkdir(parents=True, exist_ok=True)
@@ -65,8 +67,9 @@ def point(run: Path, cfg: RealTargetConfig, fraction: float, out: Path) -> dict:
             "held_out": evals["eval"][chosen], "last": evals["eval"][trained["steps"]]}
 
 
-def markdown(points: list[dict], extract_seconds: float, cfg: RealTargetConfig) -> str:
-    full_tokens = max(p["tokens"] for p in points)
+def markdown(points: list[dict], extract_seconds: float, full_tokens: int,
+             cfg: RealTargetConfig) -> str:
+    """The curve's table; `extract_seconds` took the whole store's `full_tokens`."""
     lines = [f"Same recipe ({cfg.steps} steps, checkpoint chosen on validation), first answers "
              "of one train store:\n",
              "| answers | tokens | extract s (pro rata) | train s | chosen step | "
@@ -104,10 +107,11 @@ def main() -> None:
         parser.error(f"{args.run}: no finished real_target run with a validation store "
                      "(results.json, validation.zarr)")
     cfg, out = preset_of(args.run), args.run / "data_vs_tau"
+    spent = json.loads(results.read_text())["seconds"]["extract_train"]
+    full_tokens = summarize(open_store(str(args.run / "train.zarr"))).tokens
     out.mkdir(exist_ok=True)
     points = [point(args.run, cfg, f, out) for f in args.fractions]
-    spent = json.loads(results.read_text())["seconds"]["extract_train"]
-    text = markdown(points, spent, cfg)
+    text = markdown(points, spent, full_tokens, cfg)
     (out / "results.json").write_text(json.dumps(points, indent=1))
     (out / "results.md").write_text(text)
     print(text)

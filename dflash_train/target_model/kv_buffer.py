@@ -43,16 +43,32 @@ class BufferedLayer(DynamicLayer):
         self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
         return self.keys, self.values
 
+    def reset(self) -> None:
+        self.filled = 0
+        super().reset()  # the buffers go with the keys: the next update sizes them again
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last -tokens_to_remove positions (DynamicLayer's convention)."""
+        if tokens_to_remove >= 0 or not self.is_initialized:
+            return super().crop(tokens_to_remove)  # refuses a positive count
+        self.filled = max(0, self.filled + tokens_to_remove)
+        self.keys = self._keys[:, :, :self.filled]
+        self.values = self._values[:, :, :self.filled]
+
     def _unsupported(self, *args, **kwargs) -> None:
-        raise NotImplementedError("a buffered generation cache only grows (greedy or sampled "
-                                  "decoding, no beams or cropping)")
+        raise NotImplementedError("a buffered generation cache holds one batch's rows "
+                                  "(greedy or sampled decoding, no beams)")
 
-    crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _unsupported
+    batch_repeat_interleave = batch_select_indices = reorder_cache = _unsupported
 
 
-def buffered_cache(model: torch.nn.Module, capacity: int) -> DynamicCache:
+def buffered_cache(model: torch.nn.Module, capacity: int) -> DynamicCache | None:
     """transformers' DynamicCache for `model` with every plain full-attention layer replaced by
-    a BufferedLayer of `capacity` positions (prompt width + tokens the generation feeds)."""
+    a BufferedLayer of `capacity` positions (prompt width + tokens the generation feeds); None
+    (generate's own choice) where the model's generation config names a cache implementation,
+    which generate refuses beside a cache passed in."""
+    if getattr(model.generation_config, "cache_implementation", None) is not None:
+        return None
     cache = DynamicCache(config=model.config)
     cache.layers = [BufferedLayer(capacity) if type(layer) is DynamicLayer else layer
                     for layer in cache.layers]

@@ -1,10 +1,12 @@
 """The buffered generation cache: transformers' generate computes with it, bit for bit, what
 it computes with its own DynamicCache (the same keys and values in the same order), on the
 attention-only and the hybrid tiny targets; extract's generation uses it; it refuses to
-overflow or to be cropped."""
+overflow, crops as transformers' own layer does, and gives way to a cache implementation
+the model's generation config names."""
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from dflash_train.assets.tiny import save_qwen3, save_qwen3_5
 from dflash_train.target_model import generation
@@ -41,6 +43,9 @@ def test_generate_computes_the_same_logits_as_with_its_own_cache(model, do_sampl
     assert any(isinstance(layer, BufferedLayer) for layer in cache.layers)
     want_ids, want = _logits(model, None, do_sample)
     got_ids, got = _logits(model, cache, do_sample)
+    # generate fed the prompt and every new token but the last through the buffers
+    assert {layer.filled for layer in cache.layers if isinstance(layer, BufferedLayer)} == {
+        width + NEW - 1}
     assert torch.equal(got_ids, want_ids)
     assert len(got) == len(want) == NEW
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
@@ -61,12 +66,23 @@ def test_continuations_generate_through_the_buffer(model, monkeypatch):
     assert layers and {layer.filled for layer in layers} == {max(map(len, PROMPTS)) + NEW - 1}
 
 
-def test_it_refuses_to_overflow_or_be_cropped():
-    layer = BufferedLayer(capacity=3)
-    kv = torch.zeros(1, 2, 2, 4)
-    keys, _ = layer.update(kv, kv)
-    assert keys.shape[-2] == 2
+def test_it_refuses_to_overflow_and_crops_as_dynamic_layer_does():
+    layer, plain = BufferedLayer(capacity=3), DynamicLayer()
+    kv = torch.arange(16.0).reshape(1, 2, 2, 4)
+    for cache in (layer, plain):
+        cache.update(kv, kv)
+        cache.crop(0)
+        cache.crop(-1)
+        cache.update(kv[:, :, :1] + 100, kv[:, :, :1] + 100)
+    assert torch.equal(layer.keys, plain.keys) and torch.equal(layer.values, plain.values)
     with pytest.raises(RuntimeError, match="3 it was sized for"):
         layer.update(kv, kv)
-    with pytest.raises(NotImplementedError, match="only grows"):
-        layer.crop(-1)
+    with pytest.raises(ValueError):
+        layer.crop(1)
+    with pytest.raises(NotImplementedError, match="no beams"):
+        layer.reorder_cache(torch.tensor([0]))
+
+
+def test_a_model_asking_for_its_own_cache_implementation_gets_it(model, monkeypatch):
+    monkeypatch.setattr(model.generation_config, "cache_implementation", "static")
+    assert buffered_cache(model, 8) is None
