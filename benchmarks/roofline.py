@@ -26,7 +26,10 @@ on the CPU at SmolLM2's shape:
                   states) to a new store, synced to disk: logical bytes per second, vs the
                   least of copy, the disk's own synced write rate (the same bytes raw, the
                   median of three writes) and the rate its context codec encodes at (blosc
-                  byte-shuffle + zstd-1, measured on the context bytes, scaled to all bytes).
+                  byte-shuffle + zstd-1, measured on the context bytes, scaled to all bytes);
+  offline replay, cached live round
+                  eval's two ways of drafting (benchmarks/roofline_decode.py says how), with
+                  the quick preset's drafter (random weights) in eval's float32.
 A stage's bound is the roofline's: the target forward's min(GEMM peak of its dtype, FLOP/byte
 x copy rate) over its least traffic (weights once, inputs and outputs); the drafter step's the
 GEMM peaks mixed by its counted FLOPs per dtype; a byte mover's the least of its ceilings (copy,
@@ -46,78 +49,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
-from benchmarks.train_memory import WIDTHS, build_store
+from benchmarks.roofline_decode import live_round, offline_replay
+from benchmarks.roofline_parts import (
+    CPU,
+    QUICK,
+    SMOLLM2,
+    CountedFlops,
+    Size,
+    Stage,
+    dtype_name,
+    random_target,
+)
+from benchmarks.train_memory import build_store
 
-SMOLLM2 = WIDTHS["smollm2"]
 SMOLLM2_GEMMS = ((512, 576, 1536), (512, 1536, 576), (512, 576, 576))
 """(rows, in, out) of the MLP's up and down projections and the attention's q/o, 512 rows."""
 BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
-CPU = torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class Size:
-    """How big each measurement is: the full run, or --quick's for the test."""
-
-    square: int = 2048
-    copy_mib: int = 256
-    seconds: float = 1.0
-    """Least time each rate is measured over."""
-    target_layers: int = 30
-    target_tokens: int = 512
-    batch_tokens: int = 4096
-    samples: int = 96
-    steps: int = 4
-    writer_tokens: int = 32768
-    generate_rows: int = 32
-    generate_prompt: int = 64
-    generate_tokens: int = 32
-
-
-QUICK = Size(square=1024, copy_mib=32, seconds=0.2, target_layers=2, target_tokens=128,
-             batch_tokens=1024, samples=16, steps=1, writer_tokens=4096, generate_rows=4,
-             generate_prompt=16, generate_tokens=4)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage's measured work: FLOPs (0 for pure data movement) and least bytes moved."""
-
-    name: str
-    shape: str
-    flops: float
-    bytes: float
-    seconds: float
-    dtype: torch.dtype | None = None
-    """The dtype its matmuls run in (its GEMM peak); None: bound by copying alone."""
-    mix: dict[str, float] | None = None
-    """FLOPs per matmul output dtype, where they were counted as run (then `flops` is their
-    sum and the bound mixes the peaks)."""
-    limit: tuple[str, float] | None = None
-    """(what, bytes/s): a ceiling besides copying for a stage that moves bytes (a disk)."""
-
-
-class CountedFlops(TorchDispatchMode):
-    """The FLOPs of every matmul run under it (torch.utils.flop_counter's registry: mm,
-    addmm, bmm, attention, ...), per output dtype. A dispatch mode, not FlopCounterMode,
-    whose module tracker refuses the drafter's chunked autograd.grad backward."""
-
-    def __init__(self):
-        super().__init__()
-        self.by_dtype: dict[str, float] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            dtype = _name((out[0] if isinstance(out, tuple) else out).dtype)
-            flops = count(*args, **kwargs, out_val=out)
-            self.by_dtype[dtype] = self.by_dtype.get(dtype, 0.0) + flops
-        return out
 
 
 def _sync(device: torch.device) -> None:
@@ -163,27 +111,10 @@ def measure_peaks(size: Size, device: torch.device) -> dict[str, float]:
     peaks = {}
     for dtype in (torch.float32, torch.bfloat16):
         for m, k, n in ((s, s, s), *SMOLLM2_GEMMS):
-            peaks[f"{_name(dtype)} {m}x{k}x{n}"] = gemm_rate(m, k, n, dtype, device, size.seconds)
+            name = f"{dtype_name(dtype)} {m}x{k}x{n}"
+            peaks[name] = gemm_rate(m, k, n, dtype, device, size.seconds)
     peaks["copy"] = copy_rate(size.copy_mib, device, size.seconds)
     return peaks
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _random_target(size: Size):
-    """(a random-weight model of SmolLM2's config in extract's auto dtype, its config, five
-    context layer ids spread over it)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dflash_train.dtypes import resolve_dtype
-
-    shape = {**SMOLLM2, "num_hidden_layers": size.target_layers}
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True))
-    layer_ids = list(range(0, size.target_layers, max(1, size.target_layers // 5)))[:5]
-    return model.to(resolve_dtype("auto", CPU)).eval(), shape, layer_ids
 
 
 def target_forward(size: Size) -> Stage:
@@ -191,7 +122,7 @@ def target_forward(size: Size) -> Stage:
     from dflash_train.target_model.capture import forward_states
     from dflash_train.target_model.verifier import verifier_topk
 
-    model, shape, layer_ids = _random_target(size)
+    model, shape, layer_ids = random_target(size)
     dtype = model.dtype
     tokens = size.target_tokens
     ids = torch.randint(0, shape["vocab_size"], (1, tokens))
@@ -222,7 +153,7 @@ def regeneration(size: Size) -> Stage:
     from dflash_train.target_model.generate_capture import StatesToKeep, generate_with_states
     from dflash_train.target_model.loading import Target
 
-    model, shape, layer_ids = _random_target(size)
+    model, shape, layer_ids = random_target(size)
     dtype = model.dtype
     target = Target(model=model, decoder=model.model, lm_head=model.lm_head, info=None,
                     kernels="")
@@ -287,6 +218,15 @@ def drafter_step(store: str, size: Size) -> Stage:
     return Stage("drafter step", f"1 layer, {RECIPE['model.draft_vocab_size']} draft ids, "
                  f"{size.batch_tokens}-token batches", sum(mix.values()), least,
                  statistics.median(seconds), dtype, mix=mix)
+
+
+def eval_drafter(store: str):
+    """The quick preset's drafter (random weights, the store's head) as eval holds it on the
+    CPU: float32, in eval mode."""
+    from benchmarks.optimizer_step import build_run
+    from dflash_train.evaluate.drafting import BlockDrafter
+
+    return BlockDrafter(build_run(store, "adamw", {"run.precision": "fp32"}).model.eval())
 
 
 def loader_stage(store: str, size: Size) -> Stage:
@@ -362,11 +302,11 @@ def bound(stage: Stage, peaks: dict[str, float], square: int) -> tuple[float, st
                       for d, f in stage.mix.items())
         shares = ", ".join(f"{d} {f / stage.flops:.0%}" for d, f in stage.mix.items() if f)
         return stage.flops / at_peak, f"compute (GEMM; FLOPs {shares})"
-    peak = peaks[f"{_name(stage.dtype)} {square}x{square}x{square}"]
+    peak = peaks[f"{dtype_name(stage.dtype)} {square}x{square}x{square}"]
     by_memory = stage.flops / stage.bytes * peaks["copy"]
     if by_memory < peak:
         return by_memory, "memory (copy)"
-    return peak, f"compute ({_name(stage.dtype)} GEMM)"
+    return peak, f"compute ({dtype_name(stage.dtype)} GEMM)"
 
 
 def _si(value: float, unit: str) -> str:
@@ -469,7 +409,7 @@ def h200_table(a: H200Feed) -> list[str]:
     ]
 
 
-def _cpu_name() -> str:
+def _cpudtype_name() -> str:
     info = Path("/proc/cpuinfo")
     for line in info.read_text().splitlines() if info.exists() else []:
         if line.startswith("model name"):
@@ -489,9 +429,11 @@ def report(size: Size, quick: bool) -> str:
         build_store(store, "smollm2", 192, samples=size.samples)
         stages = [target_forward(size), regeneration(size), drafter_step(store, size),
                   loader_stage(store, size), writer_stage(Path(tmp), size)]
+        drafter = eval_drafter(store)
+        stages += [offline_replay(size, drafter), live_round(size, drafter)]
     h200 = H200Feed()
     return "\n".join([
-        f"{time.strftime('%Y-%m-%d')}, {_cpu_name()}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}, {_cpudtype_name()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, native bf16: {native_bf16(CPU)}"
         + (" (--quick: smaller shapes than the full run)" if quick else ""), "",
         *peaks_table(peaks), "",

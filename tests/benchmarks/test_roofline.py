@@ -13,7 +13,7 @@ from benchmarks import roofline
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ("target forward", "regeneration (built-in, states kept)", "drafter step", "loader",
-          "store writer")
+          "store writer", "offline replay", "cached live round")
 BOUNDS = ("compute (float32 GEMM)", "compute (bfloat16 GEMM)", "memory (copy)",
           "disk (synced write)", "compression (the context codec)")
 
@@ -76,6 +76,19 @@ def test_counted_flops_are_each_matmuls_by_its_output_dtype():
         torch.bmm(a[None], b[None])
         a + 1  # no FLOPs counted outside matmuls
     assert counted.by_dtype == {"float32": 2 * (2 * 8 * 16 * 4), "bfloat16": 2 * 8 * 16 * 4}
+
+
+def test_counted_flops_count_the_cpu_flash_attention_as_torch_counts_the_cuda_kernels():
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    q, k, v = (torch.randn(2, 4, n, 16, requires_grad=True) for n in (8, 12, 12))
+    with roofline.CountedFlops() as forward:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    with roofline.CountedFlops() as backward:
+        out.sum().backward()
+    assert forward.by_dtype == {"float32": sdpa_flop_count(q.shape, k.shape, v.shape)}
+    want = sdpa_backward_flop_count(out.shape, q.shape, k.shape, v.shape)
+    assert backward.by_dtype == {"float32": want}
 
 
 def test_the_h200_table_counts_the_capture_in_h200s(quick_run):
