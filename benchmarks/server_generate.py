@@ -70,7 +70,7 @@ def main() -> None:
                if (k := prompt_fits(p, cfg, Counts())) is not None]
     info = target_info(cfg.model, load_target_config(cfg.model))
     need = min(cfg.max_length, max(len(p.input_ids) for p in prompts) + cfg.max_new_tokens)
-    servers = check_servers(cfg.servers, [cfg.model, info.name_or_path], need)
+    servers = check_servers(cfg.servers, [cfg.model, info.name_or_path], need, cfg.server_timeout)
     target = load_target(cfg.model, device="cpu", dtype=torch.float32, load_as=cfg.load_as,
                          revision=None, progress=False)
 
