@@ -409,7 +409,7 @@ def h200_table(a: H200Feed) -> list[str]:
     ]
 
 
-def _cpudtype_name() -> str:
+def _cpu_name() -> str:
     info = Path("/proc/cpuinfo")
     for line in info.read_text().splitlines() if info.exists() else []:
         if line.startswith("model name"):
@@ -433,7 +433,7 @@ def report(size: Size, quick: bool) -> str:
         stages += [offline_replay(size, drafter), live_round(size, drafter)]
     h200 = H200Feed()
     return "\n".join([
-        f"{time.strftime('%Y-%m-%d')}, {_cpudtype_name()}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}, {_cpu_name()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, native bf16: {native_bf16(CPU)}"
         + (" (--quick: smaller shapes than the full run)" if quick else ""), "",
         *peaks_table(peaks), "",

@@ -1,20 +1,21 @@
 """The roofline's two decoding stages, at SmolLM2's shape, on the CPU.
 
-  offline replay     `dflash eval`'s replay (evaluate.drafting.BlockDrafter, what
-                     evaluate/replay.py calls): the drafter's keys/values over whole stored
-                     contexts, then one forward drafting blocks at many anchors of each
-                     sequence, top-k per slot; eval's CPU dtype (float32); FLOPs counted as
-                     run; least traffic the drafter's weights, the context and the drafts.
+  offline replay     `dflash eval`'s default replay walk (evaluate/replay.py's walk_replay,
+                     through evaluate.drafting.BlockDrafter): the drafter's keys/values over
+                     a batch of stored contexts once, then forward after forward drafting one
+                     block per sequence at advancing anchors, top-k per slot; eval's CPU dtype
+                     (float32); FLOPs counted as run; least traffic the drafter's weights once
+                     a forward, the context once and the drafts.
   cached live round  `eval --online`'s loop (evaluate.online.speculative_decode with the
                      cached verifier): draft a block at the last token, verify it in one
                      target forward over the cache, keep the accepted path, extend the
                      drafter's cache. A random drafter against a random target accepts
-                     nothing, so each round commits one token: a round's work with the fewest
-                     tokens to show for it. Seconds per round: two decodes of different
-                     lengths, the difference of their times over that of their rounds (the
-                     prefill cancels). FLOPs: the drafter's counted as run, the target's by
-                     formula (its forward runs under inference_mode, which dispatch modes do
-                     not see); least traffic both models' weights once a round.
+                     (almost) nothing: a round's work with the fewest tokens to show for it.
+                     Seconds per round: the fastest of three decodes of 2R rounds less the
+                     fastest of three of R, over R (the prefill cancels). FLOPs: the drafter's
+                     counted as run, the target's by formula (its forward runs under
+                     inference_mode, which dispatch modes do not see) at the rounds' mean
+                     cache length; least traffic both models' weights once a round.
 The roofline module builds the models and puts these beside its other stages.
 """
 
@@ -39,20 +40,23 @@ def _drafter_weights(drafter) -> int:
 
 
 def offline_replay(size: Size, drafter) -> Stage:
-    """Blocks at `replay_anchors` anchors of each of `replay_sequences` stored contexts, in
-    one drafter forward, as eval replays a batch (its blocks_per_forward)."""
+    """eval's default replay walk over one batch of `replay_sequences` stored contexts: the
+    drafter's keys/values once, then `replay_steps` forwards of one block per sequence at
+    advancing anchors (evaluate/replay.py's walk_replay), top-k per slot."""
     from dflash_train.evaluate.config import EvalSettings
 
     gen = torch.Generator().manual_seed(0)
-    n, length, k = size.replay_sequences, size.replay_length, size.replay_anchors
+    n, length, steps = size.replay_sequences, size.replay_length, size.replay_steps
     layers, hidden = len(drafter.config.target_layer_ids), drafter.config.hidden_size
     context = torch.randn(n, length, layers, hidden, generator=gen)
-    anchors = torch.sort(torch.randint(1, length, (n, k), generator=gen)).values
-    tokens = torch.randint(0, drafter.config.vocab_size, (n, k), generator=gen)
+    anchors = torch.linspace(length // 2, length - 1, steps).long().expand(n, steps)
+    tokens = torch.randint(0, drafter.config.vocab_size, (n, steps), generator=gen)
     top_k = EvalSettings().top_k(drafter.config.vocab_size)
 
     def replay():
-        drafter.draft(drafter.context_cache(context), anchors, tokens, top_k)
+        cache = drafter.context_cache(context)
+        for step in range(steps):
+            drafter.draft(cache, anchors[:, step:step + 1], tokens[:, step:step + 1], top_k)
 
     replay()  # warms kernels up
     start = time.perf_counter()
@@ -60,27 +64,30 @@ def offline_replay(size: Size, drafter) -> Stage:
     seconds = time.perf_counter() - start
     with CountedFlops() as counted:
         replay()
-    drafts = n * k * drafter.block_size * top_k * (4 + 8)  # fp32 log-probs and int64 ids
-    return Stage("offline replay", f"{n} x {length} tokens, {k} blocks each, top-{top_k}",
-                 sum(counted.by_dtype.values()), _drafter_weights(drafter) + context.nbytes
-                 + drafts, seconds, torch.float32)
+    drafts = n * steps * drafter.block_size * top_k * (4 + 8)  # fp32 log-probs, int64 ids
+    return Stage("offline replay", f"{n} x {length} tokens, a walk of {steps} blocks each, "
+                 f"top-{top_k}", sum(counted.by_dtype.values()),
+                 steps * _drafter_weights(drafter) + context.nbytes + drafts, seconds,
+                 torch.float32)
 
 
-def _decode(target, drafter, prompt: list[int], rounds: int) -> tuple[float, float, int]:
-    """(seconds, drafter FLOPs, rounds) of a cached decode committing rounds + 1 tokens,
-    timed on one run and counted on another (the counter's dispatch costs time)."""
+def _decode(target, drafter, prompt: list[int], rounds: int):
+    """(the fastest of three timed decodes committing rounds + 1 tokens, the drafter's
+    FLOPs counted on a fourth (the counter's dispatch costs time), the decode)."""
     from dflash_train.evaluate.config import EvalSettings
     from dflash_train.evaluate.online import CachedVerifier, StopRule, speculative_decode
 
     vocab = target.target.lm_head.weight.shape[0]
     stop = StopRule(eos_ids=[vocab], max_new_tokens=rounds + 1, max_length=10**6)
     top_k = EvalSettings().top_k(drafter.config.vocab_size)  # what eval --online drafts
-    start = time.perf_counter()
-    decode = speculative_decode(CachedVerifier(target), drafter, prompt, stop, top_k)
-    seconds = time.perf_counter() - start
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        decode = speculative_decode(CachedVerifier(target), drafter, prompt, stop, top_k)
+        seconds.append(time.perf_counter() - start)
     with CountedFlops() as counted:
         speculative_decode(CachedVerifier(target), drafter, prompt, stop, top_k)
-    return seconds, sum(counted.by_dtype.values()), len(decode.rounds)
+    return min(seconds), sum(counted.by_dtype.values()), decode
 
 
 def verify_flops(model, block: int, cached: float) -> float:
@@ -109,10 +116,12 @@ def live_round(size: Size, drafter) -> Stage:
     _decode(target, drafter, prompt, 2)  # warms kernels up
     short = _decode(target, drafter, prompt, size.live_rounds)
     long = _decode(target, drafter, prompt, 2 * size.live_rounds)
-    rounds = long[2] - short[2]
-    block = drafter.block_size
-    cached = size.live_prompt + 1.5 * size.live_rounds  # mean cache length over the rounds
-    flops = verify_flops(model, block, cached) + (long[1] - short[1]) / rounds
+    extra = long[2].rounds[len(short[2].rounds):]
+    # a round's anchor is the cache's length before its verify (the anchor token leads the block)
+    cached = sum(r.anchor for r in extra) / len(extra)
+    flops = (verify_flops(model, drafter.block_size, cached)
+             + (long[1] - short[1]) / len(extra))
     traffic = _weights(model) + _drafter_weights(drafter)
-    return Stage("cached live round", f"1 block of {block} at a {size.live_prompt}-token "
-                 "prompt", flops, traffic, (long[0] - short[0]) / rounds, model.dtype)
+    return Stage("cached live round", f"1 block of {drafter.block_size} after a "
+                 f"{size.live_prompt}-token prompt", flops, traffic,
+                 (long[0] - short[0]) / len(extra), model.dtype)

@@ -33,16 +33,19 @@ class Size:
     replay_sequences: int = 32
     replay_length: int = 512
     """Offline replay's batch: eval's default 16,384 tokens."""
-    replay_anchors: int = 16
-    """Blocks drafted per sequence in one forward (eval's blocks_per_forward)."""
+    replay_steps: int = 64
+    """Steps of eval's replay walk over that batch, one block per sequence each (a 128-token
+    answer at tau ~1.4 takes ~90)."""
     live_prompt: int = 256
+    """Tokens the live decodes start from."""
     live_rounds: int = 16
+    """Rounds of the shorter of the two live decodes; the longer runs twice as many."""
 
 
 QUICK = Size(square=1024, copy_mib=32, seconds=0.2, target_layers=5, target_tokens=128,
              batch_tokens=1024, samples=16, steps=1, writer_tokens=4096, generate_rows=4,
              generate_prompt=16, generate_tokens=4, replay_sequences=2, replay_length=64,
-             replay_anchors=4, live_prompt=16, live_rounds=2)
+             replay_steps=4, live_prompt=16, live_rounds=4)
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,14 @@ def _cpu_attention(query, key, value, *args, **kwargs) -> float:
     """The CPU flash attention's forward: QK^T and AV over every query and key position
     (torch's registry counts the CUDA kernels only), K/V heads shared by groups of Q's."""
     batch, heads, queries, dim = query.shape
-    return 4 * batch * heads * queries * key.shape[-2] * dim
+    return 2 * batch * heads * queries * key.shape[-2] * (dim + value.shape[-1])
 
 
 def _cpu_attention_backward(grad_out, query, key, value, *args, **kwargs) -> float:
-    """Its backward: the scores recomputed, then the gradients of Q, K, V and the scores'
-    (five matmuls of the forward's two sizes, as torch counts the CUDA kernels' backward)."""
-    return 2.5 * _cpu_attention(query, key, value)
+    """Its backward, as torch counts the CUDA kernels': the scores recomputed, then the
+    gradients of the scores, V, Q and K."""
+    batch, heads, queries, dim = query.shape
+    return 2 * batch * heads * queries * key.shape[-2] * (3 * dim + 2 * value.shape[-1])
 
 
 CPU_ATTENTION = {

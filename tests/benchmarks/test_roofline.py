@@ -81,14 +81,16 @@ def test_counted_flops_are_each_matmuls_by_its_output_dtype():
 def test_counted_flops_count_the_cpu_flash_attention_as_torch_counts_the_cuda_kernels():
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-    q, k, v = (torch.randn(2, 4, n, 16, requires_grad=True) for n in (8, 12, 12))
-    with roofline.CountedFlops() as forward:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    with roofline.CountedFlops() as backward:
-        out.sum().backward()
-    assert forward.by_dtype == {"float32": sdpa_flop_count(q.shape, k.shape, v.shape)}
-    want = sdpa_backward_flop_count(out.shape, q.shape, k.shape, v.shape)
-    assert backward.by_dtype == {"float32": want}
+    for kv_heads in (4, 2):  # 2: grouped-query attention, K/V heads shared by two Q heads
+        q = torch.randn(2, 4, 8, 16, requires_grad=True)
+        k, v = (torch.randn(2, kv_heads, 12, 16, requires_grad=True) for _ in range(2))
+        with roofline.CountedFlops() as forward:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        with roofline.CountedFlops() as backward:
+            out.sum().backward()
+        assert forward.by_dtype == {"float32": sdpa_flop_count(q.shape, k.shape, v.shape)}
+        want = sdpa_backward_flop_count(out.shape, q.shape, k.shape, v.shape)
+        assert backward.by_dtype == {"float32": want}
 
 
 def test_the_h200_table_counts_the_capture_in_h200s(quick_run):
