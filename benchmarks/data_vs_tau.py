@@ -20,7 +20,6 @@ from pathlib import Path
 from benchmarks.driver import package_errors_as_one_line
 from benchmarks.real_target import RealTargetConfig, evaluate_drafter, train_drafter
 from dflash_train.store_schema import open_store
-from dflash_train.store_schema.info import summarize
 
 
 def preset_of(run: Path) -> RealTargetConfig:
@@ -61,8 +60,8 @@ def point(run: Path, cfg: RealTargetConfig, fraction: float, out: Path) -> dict:
     trained = train_drafter(cfg, store, where, layers, str(run / "validation.zarr"))
     evals, _ = evaluate_drafter(trained, str(run / "held_out.zarr"))
     chosen = evals["chosen_step"]
-    summary = summarize(open_store(store))
-    return {"fraction": fraction, "answers": summary.samples, "tokens": summary.tokens,
+    kept = open_store(store)
+    return {"fraction": fraction, "answers": kept.num_samples, "tokens": kept.num_tokens,
             "train_seconds": trained["train_seconds"], "chosen_step": chosen,
             "held_out": evals["eval"][chosen], "last": evals["eval"][trained["steps"]]}
 
@@ -108,7 +107,7 @@ def main() -> None:
                      "(results.json, validation.zarr)")
     cfg, out = preset_of(args.run), args.run / "data_vs_tau"
     spent = json.loads(results.read_text())["seconds"]["extract_train"]
-    full_tokens = summarize(open_store(str(args.run / "train.zarr"))).tokens
+    full_tokens = open_store(str(args.run / "train.zarr")).num_tokens
     out.mkdir(exist_ok=True)
     points = [point(args.run, cfg, f, out) for f in args.fractions]
     text = markdown(points, spent, full_tokens, cfg)
