@@ -9,17 +9,14 @@ that do the same on a real model. Every stage is the same entry point its CLI co
 (run_extract, train, run_eval); this module never re-implements a stage and never reads or
 writes anything outside `out`.
 
-Extract and train run as one process per usable core (at most MAX_RANKS), each on one torch
-thread: the ranks `dflash extract` and `dflash train` take under torchrun (extract: disjoint
-parts; train: DDP over gloo, which trains what one process trains). A 3M-parameter model's
-ops are too small for torch's intra-op threads to share well: two threads on two cores did
-less than two ranks, and far less whenever anything else ran beside them.
+Extract and train run as one process per usable core (`dflash_train.ranks`): a 3M-parameter
+model's ops are too small for torch's intra-op threads to share well: two threads on two cores
+did less than two ranks, and far less whenever anything else ran beside them.
 """
 
-import os
 import shutil
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +26,7 @@ from dflash_train.assets.embedded import prompt_file, target_dir
 from dflash_train.assets.stdlib_corpus import repeated_ngram_share
 from dflash_train.blocks import MAX_SEED
 from dflash_train.errors import reported_as_one_line
-from dflash_train.ports import free_port
+from dflash_train.ranks import extract_rank, in_ranks, stage_ranks
 
 REAL_MODEL_COMMANDS = """\
 The same on a real target (one GPU machine for extract; any GPU for train and eval):
@@ -45,8 +42,6 @@ The same on a real target (one GPU machine for extract; any GPU for train and ev
 (omit --data to extract the embedded coding prompts this quickstart used)"""
 
 
-MAX_RANKS = 4
-"""Most processes a stage runs in (more would split each training batch too thinly)."""
 TRAIN_ROWS_PER_PART = 256
 HELD_OUT_ROWS_PER_PART = 32
 """Rows per extract part: every rank gets parts of both stores (a part is one rank's unit)."""
@@ -121,82 +116,6 @@ def _first_rows(src: Path, dst: Path, n: int) -> str:
     if not dst.is_file() or dst.read_text() != text:
         dst.write_text(text)
     return str(dst)
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def stage_ranks() -> int:
-    """Processes a stage runs in: one per usable core, at most MAX_RANKS."""
-    return max(1, min(MAX_RANKS, usable_cores()))
-
-
-def _rank_main(rank: int, world: int, port: int, queue, stage, args: tuple) -> None:
-    """One rank of a stage (a spawned process): the environment torchrun would give it."""
-    import torch
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    echo = (lambda line: queue.put(("echo", str(line)))) if rank == 0 else (lambda *_: None)
-    try:
-        result = stage(rank, world, *args, echo=echo)
-    except Exception as e:
-        try:
-            queue.put(("error", e))
-        except Exception:  # an exception that does not pickle: the traceback still shows it
-            pass
-        raise  # a non-zero exit: the other ranks are stopped instead of waiting on this one
-    if rank == 0:
-        queue.put(("result", result))
-
-
-def in_ranks(stage, *args, echo=print, world: int | None = None):
-    """stage(rank, world, *args, echo=...) in `world` spawned ranks; rank 0's result.
-
-    Rank 0's echo lines reach `echo` as they come; the first error a rank raised is raised
-    here as itself. One rank runs in this process, on torch's default threads."""
-    world = stage_ranks() if world is None else world
-    if world == 1:
-        return stage(0, 1, *args, echo=echo)
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(_rank_main, args=(world, free_port(), queue, stage, args),
-                               nprocs=world, join=False, start_method="spawn")
-    got: dict = {}
-
-    def drain() -> None:
-        while not queue.empty():
-            kind, value = queue.get()
-            if kind == "echo":
-                echo(value)
-            else:
-                got.setdefault(kind, value)
-
-    try:
-        while not procs.join(timeout=0.2):
-            drain()
-    except (mp.ProcessRaisedException, mp.ProcessExitedException):
-        drain()
-        if "error" in got:
-            raise got["error"] from None
-        raise
-    drain()
-    return got.get("result")
-
-
-def _extract_rank(rank: int, world: int, jobs: list, echo) -> None:
-    """This rank's parts of every store in `jobs` (ExtractConfigs); bars on rank 0 only."""
-    from dflash_train.extract.pipeline import run_extract
-
-    for job in jobs:
-        run_extract(replace(job, progress=job.progress and rank == 0), rank=rank,
-                    world_size=world, echo=echo)
 
 
 def _extract_job(target: str, data: str, out: str, rows_per_part: int,
@@ -339,7 +258,7 @@ def _extract_stage(cfg: QuickstartConfig, out: Path, target: str, world: int, ec
     held_data = _first_rows(prompt_file("held_out"), out / "held_out_prompts.jsonl",
                             cfg.held_out_prompts)
     train_store, held_store = str(out / "train.zarr"), str(out / "held_out.zarr")
-    in_ranks(_extract_rank, [_extract_job(target, train_data, train_store, TRAIN_ROWS_PER_PART,
+    in_ranks(extract_rank, [_extract_job(target, train_data, train_store, TRAIN_ROWS_PER_PART,
                                           cfg),
                              _extract_job(target, held_data, held_store,
                                           HELD_OUT_ROWS_PER_PART, cfg)],

@@ -4,7 +4,6 @@ trained drafter beats the untrained one on held-out prompts."""
 
 import json
 import math
-import os
 import platform
 
 import pytest
@@ -21,16 +20,11 @@ from dflash_train.assets.stdlib_corpus import (
 from dflash_train.cli import main
 from dflash_train.evaluate.pipeline import EvalConfig, run_eval
 from dflash_train.extract.config import ExtractConfig
-from dflash_train.extract.errors import ExtractError
 from dflash_train.extract.pipeline import with_default_data
 from dflash_train.quickstart import (
     LOOP_FREE_SHARE,
-    MAX_RANKS,
     QuickstartConfig,
-    in_ranks,
     run_quickstart,
-    stage_ranks,
-    usable_cores,
 )
 from dflash_train.store_schema import open_store
 from dflash_train.store_schema.subset import copy_store
@@ -161,28 +155,3 @@ def test_shortened_quickstart_trains_a_drafter_that_beats_the_untrained_one(tmp_
     assert free["trained_tau"] == pytest.approx(trained_alone, abs=1e-12)
 
 
-def _where_am_i(rank: int, world: int, tag: str, echo):
-    echo(f"{tag} from rank {rank}")
-    env = (os.environ.get("RANK"), os.environ.get("WORLD_SIZE"))
-    return {"rank": rank, "world": world, "env": env, "threads": torch.get_num_threads(),
-            "pid": os.getpid()}
-
-
-def _fails_on_rank_1(rank: int, world: int, echo):
-    if rank == 1:
-        raise ExtractError("part 3: bad row")
-    return rank
-
-
-def test_a_stage_runs_in_one_single_threaded_process_per_rank_and_rank_0_speaks():
-    said = []
-    got = in_ranks(_where_am_i, "hello", echo=said.append, world=2)
-    assert said == ["hello from rank 0"]
-    assert got["rank"] == 0 and got["world"] == 2 and got["env"] == ("0", "2")
-    assert got["threads"] == 1 and got["pid"] != os.getpid()
-    with pytest.raises(ExtractError, match="part 3: bad row"):
-        in_ranks(_fails_on_rank_1, echo=said.append, world=2)
-    # one rank: this process itself, its threads untouched
-    alone = in_ranks(_where_am_i, "solo", echo=said.append, world=1)
-    assert alone["pid"] == os.getpid() and said[-1] == "solo from rank 0"
-    assert 1 <= stage_ranks() == min(MAX_RANKS, usable_cores())

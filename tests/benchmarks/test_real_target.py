@@ -165,29 +165,34 @@ class Stopped(Exception):
 
 
 def test_extract_seconds_add_up_over_sittings_and_restart_with_the_store(monkeypatch, tmp_path):
-    import dflash_train.extract.pipeline as pipeline
-
     clock = iter([0.0, 5.0, 10.0, 13.0, 20.0, 22.0])
     monkeypatch.setattr(real_target.time, "perf_counter", lambda: next(clock))
     store, ledger = tmp_path / "train.zarr", tmp_path / "extract_seconds.json"
 
-    def stopped(config, echo):
+    def stopped(model, data, out, cfg):
         store.mkdir(exist_ok=True)
         raise Stopped  # a sitting killed mid-store
 
-    class Summary:
-        def lines(self):
-            return ["extracted"]
-
-    monkeypatch.setattr(pipeline, "run_extract", stopped)
+    monkeypatch.setattr(real_target, "extract_in_ranks", stopped)
     with pytest.raises(Stopped):
         real_target.extract(tmp_path / "m", "d.jsonl", str(store), PRESETS["quick"], ledger)
-    monkeypatch.setattr(pipeline, "run_extract", lambda config, echo: Summary())
+    monkeypatch.setattr(real_target, "extract_in_ranks", lambda *args: None)
     assert real_target.extract(tmp_path / "m", "d.jsonl", str(store), PRESETS["quick"],
                                ledger) == 5.0 + 3.0
     store.rmdir()  # deleted to be redone: its old seconds no longer describe it
     assert real_target.extract(tmp_path / "m", "d.jsonl", str(store), PRESETS["quick"],
                                ledger) == 2.0
+
+
+@pytest.mark.parametrize("rows, world", [(3936, 2), (492, 2), (128, 2), (16, 2), (8, 4),
+                                         (3, 4), (1, 2), (100, 1)])
+def test_every_rank_gets_parts_and_parts_stay_bounded(rows, world):
+    per_part = real_target.rows_per_part(rows, world)
+    parts = -(-rows // per_part)
+    assert 1 <= per_part <= real_target.EXTRACT_ROWS_PER_PART
+    assert parts >= min(rows, world)  # no rank idles while another holds two parts' worth
+    if rows <= world * real_target.EXTRACT_ROWS_PER_PART:
+        assert parts <= world  # a small store: one part a rank at most, not many tiny ones
 
 
 def _main(monkeypatch, *args: str) -> str:
