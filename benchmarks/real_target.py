@@ -285,17 +285,19 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
     them), a finished one is only read back. Its seconds are the sum of its logged step
     times: the real training seconds, however many sittings it took (validation apart)."""
     from dflash_train.quickstart import save_untrained
+    from dflash_train.ranks import in_ranks, stage_ranks, train_rank
     from dflash_train.run_layout import CHECKPOINTS, CONFIG_NAME
     from dflash_train.train.checkpoint import checkpoint_dir
     from dflash_train.train.log_summary import read_log
-    from dflash_train.train.loop import train
 
     run_dir = out / f"run_{layers}L"
     train_cfg = train_config(cfg, store, run_dir, layers, val)
     untrained = out / f"untrained_{layers}L"
     if not (untrained / CONFIG_NAME).is_file():
         save_untrained(train_cfg, untrained)
-    train(train_cfg, resume=(run_dir / CHECKPOINTS).is_dir())
+    # one single-threaded DDP rank per core: each rank iterates half of Muon's matrices
+    in_ranks(train_rank, train_cfg, (run_dir / CHECKPOINTS).is_dir(), echo=print,
+             world=stage_ranks())
     elapsed = seconds_by_step(run_dir)
     steps = max(elapsed)
     saved = list(range(cfg.eval_every, steps + 1, cfg.eval_every))

@@ -26,7 +26,7 @@ from dflash_train.assets.embedded import prompt_file, target_dir
 from dflash_train.assets.stdlib_corpus import repeated_ngram_share
 from dflash_train.blocks import MAX_SEED
 from dflash_train.errors import reported_as_one_line
-from dflash_train.ranks import extract_rank, in_ranks, stage_ranks
+from dflash_train.ranks import extract_rank, in_ranks, stage_ranks, train_rank
 
 REAL_MODEL_COMMANDS = """\
 The same on a real target (one GPU machine for extract; any GPU for train and eval):
@@ -127,12 +127,6 @@ def _extract_job(target: str, data: str, out: str, rows_per_part: int,
                          shard_tokens=4096, progress=cfg.progress)
 
 
-def _train_rank(rank: int, world: int, train_cfg, echo):
-    from dflash_train.train.loop import train
-
-    return train(train_cfg, echo=echo)
-
-
 def response_loop_share(url: str) -> float:
     """Repeated-4-gram share over the assistant tokens of every sample in a store."""
     repeated = total = 0
@@ -219,7 +213,7 @@ def run_quickstart(cfg: QuickstartConfig, echo=print) -> QuickstartResult:
         shutil.rmtree(run_dir)  # a fresh run each time; the stores above are resumed
     train_cfg = _train_config(cfg, train_store, run_dir)
     untrained = save_untrained(train_cfg, out / "untrained")
-    result = in_ranks(_train_rank, train_cfg, echo=echo, world=world)
+    result = in_ranks(train_rank, train_cfg, echo=echo, world=world)
     echo(f"trained {result.steps} steps, final loss {result.final_loss:.3f}"
          + (f" ({world} DDP ranks)" if world > 1 else ""))
 

@@ -91,3 +91,11 @@ def extract_rank(rank: int, world: int, jobs: list, echo) -> None:
     for job in jobs:
         run_extract(replace(job, progress=job.progress and rank == 0), rank=rank,
                     world_size=world, echo=echo)
+
+
+def train_rank(rank: int, world: int, cfg, resume: bool = False, echo=print):
+    """This rank's share of the training run `cfg` (a TrainConfig): DDP over gloo when
+    world > 1; every rank returns the run's result."""
+    from dflash_train.train.loop import train
+
+    return train(cfg, resume=resume, echo=echo)

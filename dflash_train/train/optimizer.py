@@ -6,12 +6,16 @@ drive, one state_dict for the checkpoint and for the FSDP state-dict helpers. Ad
 `Muon` is torch's Muon (its constructor, groups and state) with our step, which runs the
 Newton-Schulz orthogonalisation in float32 where bf16 is emulated (torch's casts every gradient
 to bf16: on an AVX2-only CPU a SmolLM2 step took 32 s against AdamW's 1.4-1.8 s). Where bf16 is
-native the step is torch's, to the bit. `MuonWithAdamW` lets both step over shared groups/state.
+native the step is torch's, to the bit. Under DDP every rank holds the same gradients, so each
+orthogonalises only its share of the matrices and takes the rest from their owners (a
+broadcast): the same bits as one process, without every rank repeating the whole iteration.
+`MuonWithAdamW` lets both step over shared groups/state.
 """
 
 import math
 
 import torch
+import torch.distributed as dist
 
 from dflash_train.devices import native_bf16
 from dflash_train.train.config import OptimConfig
@@ -36,8 +40,11 @@ def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.T
     return matrices, others
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimiser `cfg.optimizer` names over `model`'s trainable parameters."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, ranks: int = 1,
+                    rank: int = 0) -> torch.optim.Optimizer:
+    """The optimiser `cfg.optimizer` names over `model`'s trainable parameters. `ranks` > 1:
+    DDP's ranks (gradients equal on all, in the default process group), among which Muon
+    shares out its Newton-Schulz iterations; this process is `rank`."""
     adamw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), **adamw)
@@ -49,7 +56,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         matrices, ns_dtype=newton_schulz_dtype(matrices[0].device),
         lr=cfg.muon_lr if cfg.muon_lr is not None else cfg.lr,
         weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
-        ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr_fn)
+        ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr_fn, ranks=ranks, rank=rank)
     return MuonWithAdamW(muon, torch.optim.AdamW(others, **adamw) if others else None)
 
 
@@ -79,6 +86,21 @@ def orthogonalise(update: torch.Tensor, coefficients: tuple[float, float, float]
     return x.T if tall else x
 
 
+def newton_schulz_owners(shapes: list[torch.Size], ranks: int) -> list[int]:
+    """The rank that orthogonalises each matrix: the dearest first, each to the least loaded
+    rank so far (an iteration costs ~ 4 m^2 n + 2 m^3 for m <= n); a function of the shapes
+    alone, so every rank computes the same answer."""
+    def cost(shape: torch.Size) -> int:
+        m, n = sorted(shape[:2])
+        return 4 * m * m * n + 2 * m ** 3
+
+    load, owners = [0] * ranks, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-cost(shapes[i]), i)):
+        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owners[i]] += cost(shapes[i])
+    return owners
+
+
 def _adjusted_lr(lr: float, rule: str | None, shape: torch.Size) -> float:
     """Muon's per-matrix LR scale: "original" (Keller's, sqrt(max(1, rows / cols))) or
     "match_rms_adamw" (Moonshot's, 0.2 sqrt(max(rows, cols)): AdamW's update RMS)."""
@@ -101,33 +123,56 @@ class Muon(torch.optim.Muon):
     in `ns_dtype`: float32 where bf16 is emulated. Kept off the param groups so a checkpoint
     from either machine kind loads on the other."""
 
-    def __init__(self, params, ns_dtype: torch.dtype, **kwargs) -> None:
+    def __init__(self, params, ns_dtype: torch.dtype, ranks: int = 1, rank: int = 0,
+                 **kwargs) -> None:
         super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.ranks, self.rank = ns_dtype, ranks, rank
 
     @torch.no_grad()
     def step(self, closure=None):
+        """torch's single-tensor Muon update of every matrix with a gradient: momentum
+        (Nesterov or not), orthogonalised update, decoupled weight decay, then the
+        shape-adjusted LR step."""
         loss = _loss_of(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._step_one(p, group)
+        work = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        owners = newton_schulz_owners([p.shape for p, _ in work], self.ranks)
+        # every rank folds every momentum (the buffers stay equal for a checkpoint); only a
+        # matrix's owner pays for its iteration
+        updates = [self._momentum_update(p, group) for p, group in work]
+        updates = [orthogonalise(update, group["ns_coefficients"], group["ns_steps"],
+                                 group["eps"], self.ns_dtype) if owner == self.rank else None
+                   for update, (_, group), owner in zip(updates, work, owners, strict=True)]
+        if self.ranks > 1:
+            updates = _from_owners(updates, [p for p, _ in work], owners)
+        for (p, group), update in zip(work, updates, strict=True):
+            lr = float(group["lr"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
 
-    def _step_one(self, p: torch.Tensor, group: dict) -> None:
-        """torch's single-tensor Muon update of `p`: momentum (Nesterov or not), orthogonalised
-        update, decoupled weight decay, then the shape-adjusted LR step."""
+    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """`p`'s gradient folded into its momentum buffer; the update to orthogonalise."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         buf, momentum = state["momentum_buffer"], group["momentum"]
         buf.lerp_(p.grad, 1 - momentum)
-        update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-        update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                               self.ns_dtype)
-        lr = float(group["lr"])
-        p.mul_(1 - lr * group["weight_decay"])
-        p.add_(update, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+        return p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+
+def _from_owners(mine: list[torch.Tensor | None], params: list[torch.Tensor],
+                 owners: list[int]) -> list[torch.Tensor]:
+    """Every matrix's update, each broadcast by its owner in float32 (gloo's surest dtype; a
+    bf16 update widens exactly, and adding it to the float32 weight widens it anyway) and
+    contiguous: a tall matrix's update is a transposed view, and a broadcast sends storage
+    order, which the receiver's contiguous buffer would read as the wrong layout."""
+    shared = []
+    for update, p, owner in zip(mine, params, owners, strict=True):
+        tensor = (update.to(torch.float32, memory_format=torch.contiguous_format)
+                  if update is not None else torch.empty(p.shape, device=p.device))
+        dist.broadcast(tensor, src=owner)
+        shared.append(tensor)
+    return shared
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

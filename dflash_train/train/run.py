@@ -182,8 +182,11 @@ def assemble_run(cfg: TrainConfig, model: DFlashDrafter, *, placement: Placement
     model.chunk_blocks = resolve_chunk_blocks(cfg.run, device.type == "cuda")
     model.train()
     # Wrap before the optimiser exists: FSDP2 replaces the parameters with sharded ones.
-    forward = wrap(model, parallel_mode(placement.world, cfg.run.fsdp), device)
-    optimizer = build_optimizer(model, cfg.optim)
+    mode = parallel_mode(placement.world, cfg.run.fsdp)
+    forward = wrap(model, mode, device)
+    # DDP's ranks hold whole, equal gradients: Muon shares out its iterations among them
+    ranks, rank = (placement.world, placement.rank) if mode == "ddp" else (1, 0)
+    optimizer = build_optimizer(model, cfg.optim, ranks=ranks, rank=rank)
     return Run(cfg=cfg, placement=placement, bf16=use_bf16(cfg.run.precision, device),
                model=model, forward=forward, optimizer=optimizer,
                scheduler=_scheduler(optimizer, cfg.optim, total_steps),

@@ -203,3 +203,80 @@ def test_plain_momentum_buffer_is_not_scaled_by_the_float32_orthogonalisation():
     kept = buf.clone()
     orthogonalise(buf, NS, 5, 1e-7, torch.float32)
     assert torch.equal(buf, kept)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+def test_newton_schulz_is_shared_out_by_cost_and_alike_on_every_rank(ranks):
+    shapes = [torch.Size(s) for s in [(576, 576), (192, 576), (192, 576), (576, 576),
+                                      (1536, 576), (1536, 576), (576, 1536), (576, 2880)]]
+    owners = optimizer.newton_schulz_owners(shapes, ranks)
+    assert owners == optimizer.newton_schulz_owners(list(shapes), ranks)
+    assert len(owners) == len(shapes) and set(owners) <= set(range(ranks))
+
+    def cost(shape):  # one iteration's multiply-adds, counted naively: X X^T, A A, (bA + cA^2) X
+        m, n = min(shape), max(shape)
+        return m * m * n + m * m * m + m * m * n
+
+    load = [sum(cost(s) for s, o in zip(shapes, owners, strict=True) if o == r)
+            for r in range(ranks)]
+    # no rank carries more than its fair share plus the dearest single matrix
+    assert max(load) <= sum(load) / ranks + max(map(cost, shapes))
+    assert len(set(owners)) == min(ranks, len(shapes))
+
+
+def _sharded_steps(rank: int, world: int, steps: int, echo):
+    """Muon's steps on this rank of a gloo group; (weights, momenta, iterations run here),
+    and whether every rank ended with the same weights and momenta."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ran = []
+        real = optimizer.orthogonalise
+        optimizer.orthogonalise = lambda update, *a: ran.append(tuple(update.shape)) or real(
+            update, *a)
+        model = _drafter()
+        opt = build_optimizer(model, MUON, ranks=world, rank=rank)
+        for step in range(steps):
+            _fake_grads(model, step)
+            opt.step()
+        mine = ([p.detach().clone() for p in model.parameters()],
+                [s["momentum_buffer"].clone() for s in opt.state.values()
+                 if "momentum_buffer" in s], ran)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        alike = all(all(torch.equal(a, b) for a, b in zip(other[0] + other[1],
+                                                         mine[0] + mine[1], strict=True))
+                    for other in everyone)
+        # plain lists: a tensor crosses the queue as a handle the exiting rank takes with it
+        return ([t.tolist() for t in mine[0]], [t.tolist() for t in mine[1]], ran), alike, \
+            [len(other[2]) for other in everyone]
+    finally:
+        optimizer.orthogonalise = real
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_share_the_iterations_and_step_as_one_process_does():
+    from dflash_train.ranks import in_ranks
+
+    (weights, momenta, _), alike, iterations = in_ranks(_sharded_steps, 3, world=2,
+                                                         echo=lambda _: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank ran
+    try:
+        model = _drafter()
+        opt = build_optimizer(model, MUON)
+        for step in range(3):
+            _fake_grads(model, step)
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    matrices, _ = muon_split(model)
+    assert alike  # both ranks hold the same weights and momenta after every broadcast
+    assert all(torch.equal(torch.tensor(a), b)
+               for a, b in zip(weights, model.parameters(), strict=True))
+    assert all(torch.equal(torch.tensor(a), s["momentum_buffer"])
+               for a, s in zip(momenta, (s for s in opt.state.values() if "momentum_buffer" in s),
+                               strict=True))
+    # each rank iterated only its own matrices: together each matrix once a step
+    assert sum(iterations) == 3 * len(matrices) and 0 < min(iterations)
