@@ -30,7 +30,8 @@ DFLASH2 = ["--set", "model.kind=dflash2", "--set", "model.selector_rank=8",
     (["--set", "run.chunk_blocks=4"], []), (["--fsdp"], []),
     (["--set", "run.chunk_blocks=4"], DPACE), (["--fsdp"], MUON + DPACE),
     (["--set", "run.chunk_blocks=4"], DFLASH2 + DPACE),
-], ids=["ddp", "fsdp", "ddp-dpace", "fsdp-muon-dpace", "ddp-dflash2-dpace"])
+    (["--set", "run.chunk_blocks=4"], MUON),  # each rank iterates its share of the matrices
+], ids=["ddp", "fsdp", "ddp-dpace", "fsdp-muon-dpace", "ddp-dflash2-dpace", "ddp-muon"])
 def test_two_ranks_match_one_process(synthetic_store, tmp_path, sharding, variant):
     # Muon's weights are compared through the losses only: it orthogonalises in bf16 and
     # gives every singular direction a full step, so the all-reduce's rounding (1e-7) moves
