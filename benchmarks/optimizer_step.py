@@ -74,7 +74,8 @@ def build_run(store: str, arm: str, settings: dict[str, str] | None = None):
     model.attach_target_head(rows["embed_tokens"].to(dtype), rows["lm_head"].to(dtype))
     ours = optimizer.Muon
     if arm == "muon-torch":  # build_optimizer's Muon, swapped for torch's own
-        optimizer.Muon = lambda params, ns_dtype, **kw: torch.optim.Muon(params, **kw)
+        optimizer.Muon = lambda params, ns_dtype, ranks=1, rank=0, **kw: torch.optim.Muon(
+            params, **kw)
     try:
         return assemble_run(cfg, model, placement=Placement(CPU), total_steps=1000,
                             loader=loader, layer_rms=noise_layer_rms(cfg, loader, CPU))

@@ -201,7 +201,7 @@ def extract_in_ranks(model: Path, data: str, out: str, cfg: RealTargetConfig) ->
     """The store `out` from one single-threaded process per core: 1.29x one process on two
     threads here, whose decoding matmuls (a token a row) are too thin to share."""
     from dflash_train.extract.config import ExtractConfig
-    from dflash_train.ranks import extract_rank, in_ranks, stage_ranks
+    from dflash_train.ranks import extract_rank, in_ranks, stage_ranks, usable_cores
     from dflash_train.store_schema import open_store
 
     world = stage_ranks()
@@ -209,8 +209,9 @@ def extract_in_ranks(model: Path, data: str, out: str, cfg: RealTargetConfig) ->
     in_ranks(extract_rank, [ExtractConfig(
         model=str(model), data=[data], out=out, device="cpu", regenerate=True,
         max_new_tokens=cfg.max_new_tokens, max_length=1024,
-        rows_per_part=rows_per_part(rows, world), shard_tokens=4096,
-        batch_tokens=EXTRACT_BATCH_TOKENS)], echo=print, world=world)
+        rows_per_part=recorded_rows_per_part(out) or rows_per_part(rows, world),
+        shard_tokens=4096, batch_tokens=EXTRACT_BATCH_TOKENS)], echo=print, world=world,
+        threads=max(1, usable_cores() // world))
     store = open_store(out)
     print(f"extracted {store.num_samples} samples, {store.num_tokens} tokens into {out} "
           f"({world} processes)")
@@ -218,8 +219,24 @@ def extract_in_ranks(model: Path, data: str, out: str, cfg: RealTargetConfig) ->
 
 def rows_per_part(rows: int, world: int) -> int:
     """Parts of at most EXTRACT_ROWS_PER_PART rows, and at least one per rank: a store of
-    fewer rows than world x that many is split evenly, so no core idles."""
+    fewer rows than world x that many is split into one part per rank, of equal rows."""
     return max(1, min(EXTRACT_ROWS_PER_PART, math.ceil(rows / world)))
+
+
+def recorded_rows_per_part(out: str) -> int | None:
+    """The part size a store begun before was made with: its resume must plan the same parts
+    (extract refuses others), whatever the cores of this machine. None: no such store."""
+    from dflash_train.errors import DflashError
+    from dflash_train.store_schema import open_store
+    from dflash_train.store_schema.store import store_exists
+
+    try:
+        if store_exists(out):
+            recorded = open_store(out).meta.extra.get("rows_per_part")
+            return recorded if isinstance(recorded, int) else None
+    except DflashError:  # not a store of ours: extract says so, naming it
+        pass
+    return None
 
 
 def loss_config(cfg: RealTargetConfig):
@@ -285,7 +302,7 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
     them), a finished one is only read back. Its seconds are the sum of its logged step
     times: the real training seconds, however many sittings it took (validation apart)."""
     from dflash_train.quickstart import save_untrained
-    from dflash_train.ranks import in_ranks, stage_ranks, train_rank
+    from dflash_train.ranks import in_ranks, stage_ranks, train_rank, usable_cores
     from dflash_train.run_layout import CHECKPOINTS, CONFIG_NAME
     from dflash_train.train.checkpoint import checkpoint_dir
     from dflash_train.train.log_summary import read_log
@@ -295,9 +312,11 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
     untrained = out / f"untrained_{layers}L"
     if not (untrained / CONFIG_NAME).is_file():
         save_untrained(train_cfg, untrained)
-    # one single-threaded DDP rank per core: each rank iterates half of Muon's matrices
-    in_ranks(train_rank, train_cfg, (run_dir / CHECKPOINTS).is_dir(), echo=print,
-             world=stage_ranks())
+    # one DDP rank per core (at most MAX_RANKS, the cores shared among them): each rank
+    # iterates its share of Muon's matrices
+    world = stage_ranks()
+    in_ranks(train_rank, train_cfg, (run_dir / CHECKPOINTS).is_dir(), echo=print, world=world,
+             threads=max(1, usable_cores() // world))
     elapsed = seconds_by_step(run_dir)
     steps = max(elapsed)
     saved = list(range(cfg.eval_every, steps + 1, cfg.eval_every))

@@ -29,13 +29,14 @@ def stage_ranks() -> int:
     return max(1, min(MAX_RANKS, usable_cores()))
 
 
-def _rank_main(rank: int, world: int, port: int, queue, stage, args: tuple) -> None:
+def _rank_main(rank: int, world: int, port: int, queue, stage, args: tuple,
+               threads: int) -> None:
     """One rank of a stage (a spawned process): the environment torchrun would give it."""
     import torch
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     echo = (lambda line: queue.put(("echo", str(line)))) if rank == 0 else (lambda *_: None)
     try:
         result = stage(rank, world, *args, echo=echo)
@@ -49,8 +50,9 @@ def _rank_main(rank: int, world: int, port: int, queue, stage, args: tuple) -> N
         queue.put(("result", result))
 
 
-def in_ranks(stage, *args, echo=print, world: int | None = None):
-    """stage(rank, world, *args, echo=...) in `world` spawned ranks; rank 0's result.
+def in_ranks(stage, *args, echo=print, world: int | None = None, threads: int = 1):
+    """stage(rank, world, *args, echo=...) in `world` spawned ranks of `threads` torch
+    threads each; rank 0's result.
 
     Rank 0's echo lines reach `echo` as they come; the first error a rank raised is raised
     here as itself. One rank runs in this process, on torch's default threads."""
@@ -60,7 +62,7 @@ def in_ranks(stage, *args, echo=print, world: int | None = None):
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
-    procs = mp.start_processes(_rank_main, args=(world, free_port(), queue, stage, args),
+    procs = mp.start_processes(_rank_main, args=(world, free_port(), queue, stage, args, threads),
                                nprocs=world, join=False, start_method="spawn")
     got: dict = {}
 

@@ -1,9 +1,10 @@
 """The package graph of dflash_train/ is one-way: the stages (extract, train, evaluate) sit
 on the layers below them (store_schema, target_model, drafter and the top-level modules such
 as run_layout and run_reader) and never the other way round; train -> evaluate (validation
-replays with eval's code) is the only edge between stages; only the cli and quickstart drive
-extract. Every import counts, a deferred one inside a function included: it is a dependency
-all the same. `python -m tests.test_import_boundaries` prints the graph."""
+replays with eval's code) is the only edge between stages; only the cli, quickstart and ranks
+(which runs extract and train in one process per core) drive extract. Every import counts, a
+deferred one inside a function included: it is a dependency all the same.
+`python -m tests.test_import_boundaries` prints the graph."""
 
 import ast
 from collections import defaultdict
@@ -11,7 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 STAGES = {"extract", "train", "evaluate"}
-DRIVERS = {"cli", "quickstart", "__main__"}
+DRIVERS = {"cli", "quickstart", "ranks", "__main__"}
 """What runs the stages for a user: may import any of them."""
 STAGE_EDGES = {("train", "evaluate")}
 """The one edge between stages."""

@@ -32,3 +32,4 @@ def test_a_stage_runs_in_one_single_threaded_process_per_rank_and_rank_0_speaks(
     alone = in_ranks(_where_am_i, "solo", echo=said.append, world=1)
     assert alone["pid"] == os.getpid() and said[-1] == "solo from rank 0"
     assert 1 <= stage_ranks() == min(MAX_RANKS, usable_cores())
+    assert in_ranks(_where_am_i, "wide", echo=said.append, world=2, threads=3)["threads"] == 3

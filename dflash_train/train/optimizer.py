@@ -8,7 +8,8 @@ Newton-Schulz orthogonalisation in float32 where bf16 is emulated (torch's casts
 to bf16: on an AVX2-only CPU a SmolLM2 step took 32 s against AdamW's 1.4-1.8 s). Where bf16 is
 native the step is torch's, to the bit. Under DDP every rank holds the same gradients, so each
 orthogonalises only its share of the matrices and takes the rest from their owners (a
-broadcast): the same bits as one process, without every rank repeating the whole iteration.
+broadcast): from equal gradients, the bits one process would compute, without every rank
+repeating the whole iteration.
 `MuonWithAdamW` lets both step over shared groups/state.
 """
 
@@ -132,47 +133,55 @@ class Muon(torch.optim.Muon):
     def step(self, closure=None):
         """torch's single-tensor Muon update of every matrix with a gradient: momentum
         (Nesterov or not), orthogonalised update, decoupled weight decay, then the
-        shape-adjusted LR step."""
+        shape-adjusted LR step. One process applies each update as it comes; DDP's ranks
+        first iterate all of their own matrices (so that the ranks compute side by side),
+        then broadcast and apply the updates one by one."""
         loss = _loss_of(closure)
         work = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         owners = newton_schulz_owners([p.shape for p, _ in work], self.ranks)
-        # every rank folds every momentum (the buffers stay equal for a checkpoint); only a
-        # matrix's owner pays for its iteration
-        updates = [self._momentum_update(p, group) for p, group in work]
-        updates = [orthogonalise(update, group["ns_coefficients"], group["ns_steps"],
-                                 group["eps"], self.ns_dtype) if owner == self.rank else None
-                   for update, (_, group), owner in zip(updates, work, owners, strict=True)]
+        mine = {}
+        for i, ((p, group), owner) in enumerate(zip(work, owners, strict=True)):
+            buf = self._folded_momentum(p, group)  # every rank: the buffers stay equal
+            if owner != self.rank:
+                continue
+            update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"],
+                                   group["eps"], self.ns_dtype)  # a copy: `buf` stays
+            if self.ranks == 1:
+                _apply(p, group, update)
+            else:
+                mine[i] = update
         if self.ranks > 1:
-            updates = _from_owners(updates, [p for p, _ in work], owners)
-        for (p, group), update in zip(work, updates, strict=True):
-            lr = float(group["lr"])
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            for i, ((p, group), owner) in enumerate(zip(work, owners, strict=True)):
+                _apply(p, group, _from_owner(mine.pop(i, None), p, owner))
         return loss
 
-    def _momentum_update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """`p`'s gradient folded into its momentum buffer; the update to orthogonalise."""
+    def _folded_momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """`p`'s momentum buffer with its gradient folded in."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        buf, momentum = state["momentum_buffer"], group["momentum"]
-        buf.lerp_(p.grad, 1 - momentum)
-        return p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+        return state["momentum_buffer"].lerp_(p.grad, 1 - group["momentum"])
 
 
-def _from_owners(mine: list[torch.Tensor | None], params: list[torch.Tensor],
-                 owners: list[int]) -> list[torch.Tensor]:
-    """Every matrix's update, each broadcast by its owner in float32 (gloo's surest dtype; a
-    bf16 update widens exactly, and adding it to the float32 weight widens it anyway) and
-    contiguous: a tall matrix's update is a transposed view, and a broadcast sends storage
-    order, which the receiver's contiguous buffer would read as the wrong layout."""
-    shared = []
-    for update, p, owner in zip(mine, params, owners, strict=True):
-        tensor = (update.to(torch.float32, memory_format=torch.contiguous_format)
-                  if update is not None else torch.empty(p.shape, device=p.device))
-        dist.broadcast(tensor, src=owner)
-        shared.append(tensor)
-    return shared
+def _apply(p: torch.Tensor, group: dict, update: torch.Tensor) -> None:
+    """Decoupled weight decay, then the shape-adjusted LR step."""
+    lr = float(group["lr"])
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(update, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def _from_owner(update: torch.Tensor | None, p: torch.Tensor, owner: int) -> torch.Tensor:
+    """`p`'s orthogonalised update, broadcast by its owner (`update` there, None elsewhere)
+    through a fresh float32 buffer of `p`'s shape on every rank: a broadcast sends storage
+    order, and a tall matrix's update is a transposed view (in float32, `.to` would hand
+    that view back uncopied); float32 is gloo's surest dtype, a bf16 update widens exactly,
+    and adding it to the float32 weight widens it anyway."""
+    buffer = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+    if update is not None:
+        buffer.copy_(update)
+    dist.broadcast(buffer, src=owner)
+    return buffer
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

@@ -195,6 +195,19 @@ def test_every_rank_gets_parts_and_parts_stay_bounded(rows, world):
         assert parts <= world  # a small store: one part a rank at most, not many tiny ones
 
 
+def test_a_store_begun_before_keeps_its_part_size_whatever_the_cores(tmp_path):
+    from dflash_train.store_schema import create_store
+    from tests.store_factory import store_meta
+
+    url = str(tmp_path / "held_out.zarr")
+    assert real_target.recorded_rows_per_part(url) is None  # nothing there yet: the rule's
+    create_store(url, store_meta(extra={"rows_per_part": 256}), shard_tokens=64)
+    assert real_target.recorded_rows_per_part(url) == 256  # a resume plans the same parts
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "zarr.json").write_text("{}")  # not a store of ours: extract says so
+    assert real_target.recorded_rows_per_part(str(tmp_path / "other")) is None
+
+
 def _main(monkeypatch, *args: str) -> str:
     """real_target.main's exit line for `args`; nothing may have started running."""
     monkeypatch.setattr(sys, "argv", ["real_target.py", "--quick", *args])
