@@ -1,11 +1,11 @@
-"""A stage in one single-threaded process per usable core, as torchrun would start it.
+"""A stage in one process per usable core (at most MAX_RANKS), as torchrun would start it.
 
 Owns spawning the ranks `dflash extract` and `dflash train` take under torchrun (extract:
 disjoint parts; train: DDP over gloo, which trains what one process trains), relaying rank 0's
-lines, and raising the first error a rank raised. On a few CPU cores this beats one process
-on all of them: ops of a small model, or the thin matmuls of a batch decoding one token a row,
-are too small for torch's intra-op threads to share well (SmolLM2-135M's regeneration: 1.29x
-on two cores, docs/benchmarks.md).
+lines, and raising the first error a rank raised. On a few CPU cores, one single-threaded rank
+per core beats one process on all of them: ops of a small model, or the thin matmuls of a
+batch decoding one token a row, are too small for torch's intra-op threads to share well
+(SmolLM2-135M's regeneration: 1.29x on two cores, docs/benchmarks.md).
 """
 
 import os

@@ -153,5 +153,3 @@ def test_shortened_quickstart_trains_a_drafter_that_beats_the_untrained_one(tmp_
                                       for c in alone.report["checkpoints"])
     assert free["untrained_tau"] == pytest.approx(untrained_alone, abs=1e-12)
     assert free["trained_tau"] == pytest.approx(trained_alone, abs=1e-12)
-
-
