@@ -201,7 +201,7 @@ def extract_in_ranks(model: Path, data: str, out: str, cfg: RealTargetConfig) ->
     """The store `out` from one single-threaded process per core: 1.29x one process on two
     threads here, whose decoding matmuls (a token a row) are too thin to share."""
     from dflash_train.extract.config import ExtractConfig
-    from dflash_train.ranks import extract_rank, in_ranks, stage_ranks, usable_cores
+    from dflash_train.ranks import extract_rank, in_ranks, stage_ranks, threads_per_rank
     from dflash_train.store_schema import open_store
 
     world = stage_ranks()
@@ -211,7 +211,7 @@ def extract_in_ranks(model: Path, data: str, out: str, cfg: RealTargetConfig) ->
         max_new_tokens=cfg.max_new_tokens, max_length=1024,
         rows_per_part=recorded_rows_per_part(out) or rows_per_part(rows, world),
         shard_tokens=4096, batch_tokens=EXTRACT_BATCH_TOKENS)], echo=print, world=world,
-        threads=max(1, usable_cores() // world))
+        threads=threads_per_rank(world))
     store = open_store(out)
     print(f"extracted {store.num_samples} samples, {store.num_tokens} tokens into {out} "
           f"({world} processes)")
@@ -302,7 +302,7 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
     them), a finished one is only read back. Its seconds are the sum of its logged step
     times: the real training seconds, however many sittings it took (validation apart)."""
     from dflash_train.quickstart import save_untrained
-    from dflash_train.ranks import in_ranks, stage_ranks, train_rank, usable_cores
+    from dflash_train.ranks import in_ranks, stage_ranks, threads_per_rank, train_rank
     from dflash_train.run_layout import CHECKPOINTS, CONFIG_NAME
     from dflash_train.train.checkpoint import checkpoint_dir
     from dflash_train.train.log_summary import read_log
@@ -316,7 +316,7 @@ def train_drafter(cfg: RealTargetConfig, store: str, out: Path, layers: int,
     # iterates its share of Muon's matrices
     world = stage_ranks()
     in_ranks(train_rank, train_cfg, (run_dir / CHECKPOINTS).is_dir(), echo=print, world=world,
-             threads=max(1, usable_cores() // world))
+             threads=threads_per_rank(world))
     elapsed = seconds_by_step(run_dir)
     steps = max(elapsed)
     saved = list(range(cfg.eval_every, steps + 1, cfg.eval_every))

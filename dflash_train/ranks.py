@@ -29,6 +29,11 @@ def stage_ranks() -> int:
     return max(1, min(MAX_RANKS, usable_cores()))
 
 
+def threads_per_rank(world: int) -> int:
+    """The usable cores' share of each of `world` ranks (at least one thread)."""
+    return max(1, usable_cores() // world)
+
+
 def _rank_main(rank: int, world: int, port: int, queue, stage, args: tuple,
                threads: int) -> None:
     """One rank of a stage (a spawned process): the environment torchrun would give it."""

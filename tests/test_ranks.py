@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_train.extract.errors import ExtractError
-from dflash_train.ranks import MAX_RANKS, in_ranks, stage_ranks, usable_cores
+from dflash_train.ranks import MAX_RANKS, in_ranks, stage_ranks, threads_per_rank, usable_cores
 
 
 def _where_am_i(rank: int, world: int, tag: str, echo):
@@ -33,3 +33,12 @@ def test_a_stage_runs_in_one_single_threaded_process_per_rank_and_rank_0_speaks(
     assert alone["pid"] == os.getpid() and said[-1] == "solo from rank 0"
     assert 1 <= stage_ranks() == min(MAX_RANKS, usable_cores())
     assert in_ranks(_where_am_i, "wide", echo=said.append, world=2, threads=3)["threads"] == 3
+
+
+def test_ranks_share_the_cores_without_oversubscribing_them():
+    cores = usable_cores()
+    for world in range(1, MAX_RANKS + 1):
+        threads = threads_per_rank(world)
+        assert threads >= 1
+        assert world * threads <= max(cores, world)  # never more threads than cores, past 1 each
+        assert world * (threads + 1) > cores  # and no core left over for another thread each
