@@ -647,15 +647,15 @@ def _split_attend(layout: BlockLayout, causal: bool, window: int | None) -> Atte
     n, k = layout.anchors.shape
     b = layout.block_size
     start, stop = context_span(layout, window)
-    hide = ~torch.cat([context_mask(layout, causal, window, (start, stop)),
-                       own_block_mask(layout, causal, window)], dim=-1)[:, None, None]
+    hide_ctx = ~context_mask(layout, causal, window, (start, stop))[:, None, None]
+    hide_own = ~own_block_mask(layout, causal, window)[:, None, None]
 
     def attend(q, context_kv, block_kv):
         kv_heads, d = context_kv[0].shape[1], q.shape[-1]
         q = q.view(n, kv_heads, -1, k, b, d)  # grouped-query heads as [kv heads, group]
-        kc, vc = (t[:, :, None, start:stop] for t in context_kv)
+        kc, vc = (t[:, :, start:stop] for t in context_kv)
         kb, vb = (t.view(n, kv_heads, 1, k, b, d) for t in block_kv)
-        out = split_attention(q, kc, vc, kb, vb, hide)
+        out = split_attention(q, kc, vc, kb, vb, hide_ctx, hide_own)
         return out.flatten(1, 2).flatten(2, 3)
 
     return attend

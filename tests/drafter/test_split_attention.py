@@ -10,19 +10,19 @@ N, KV, G, K, B, S, D = 2, 2, 3, 3, 4, 5, 8
 def _inputs(seed: int, dtype=torch.float64, context: int = S):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(N, KV, G, K, B, D, generator=gen, dtype=dtype)
-    kc, vc = (torch.randn(N, KV, 1, context, D, generator=gen, dtype=dtype) for _ in "kv")
+    kc, vc = (torch.randn(N, KV, context, D, generator=gen, dtype=dtype) for _ in "kv")
     kb, vb = (torch.randn(N, KV, 1, K, B, D, generator=gen, dtype=dtype) for _ in "kv")
     hide = torch.rand(N, 1, 1, K, B, context + B, generator=gen) < 0.5
     hide[..., torch.arange(B), context + torch.arange(B)] = False  # every slot sees itself
-    return [t.requires_grad_() for t in (q, kc, vc, kb, vb)], hide
+    return [t.requires_grad_() for t in (q, kc, vc, kb, vb)], hide.split([context, B], -1)
 
 
 def _reference(q, kc, vc, kb, vb, hide):
     """Each query against its own key list: the context rows, then its block's rows."""
-    out = torch.zeros_like(q)
+    out, hide = torch.zeros_like(q), torch.cat(hide, -1)
     for n, h, g, k, b in torch.cartesian_prod(*map(torch.arange, q.shape[:5])).tolist():
-        keys = torch.cat([kc[n, h, 0], kb[n, h, 0, k]])
-        values = torch.cat([vc[n, h, 0], vb[n, h, 0, k]])
+        keys = torch.cat([kc[n, h], kb[n, h, 0, k]])
+        values = torch.cat([vc[n, h], vb[n, h, 0, k]])
         scores = keys @ q[n, h, g, k, b] / D**0.5
         weights = scores.masked_fill(hide[n, 0, 0, k, b], float("-inf")).softmax(-1)
         out[n, h, g, k, b] = weights @ values
@@ -31,7 +31,7 @@ def _reference(q, kc, vc, kb, vb, hide):
 
 def test_split_attention_is_softmax_attention_over_the_visible_keys():
     (q, kc, vc, kb, vb), hide = _inputs(0)
-    got = split_attention(q, kc, vc, kb, vb, hide)
+    got = split_attention(q, kc, vc, kb, vb, *hide)
     want = _reference(q, kc, vc, kb, vb, hide)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     d_out = torch.randn_like(got)
@@ -43,12 +43,12 @@ def test_split_attention_is_softmax_attention_over_the_visible_keys():
 
 def test_split_attention_passes_gradcheck():
     inputs, hide = _inputs(1)
-    assert torch.autograd.gradcheck(lambda *t: split_attention(*t, hide), inputs, fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *t: split_attention(*t, *hide), inputs, fast_mode=True)
 
 
 def test_an_empty_context_leaves_only_the_own_block():
     (q, kc, vc, kb, vb), hide = _inputs(2, context=0)
-    got = split_attention(q, kc, vc, kb, vb, hide)
+    got = split_attention(q, kc, vc, kb, vb, *hide)
     torch.testing.assert_close(got, _reference(q, kc, vc, kb, vb, hide), rtol=1e-12, atol=1e-12)
     got.sum().backward()
     assert torch.isfinite(q.grad).all() and kc.grad.shape == kc.shape
@@ -56,10 +56,19 @@ def test_an_empty_context_leaves_only_the_own_block():
 
 def test_bf16_autocast_keeps_the_softmax_in_fp32_and_stays_close():
     (q, kc, vc, kb, vb), hide = _inputs(3, dtype=torch.float32)
-    want = split_attention(q, kc, vc, kb, vb, hide)
+    want = split_attention(q, kc, vc, kb, vb, *hide)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = split_attention(q, kc, vc, kb, vb, hide)
+        got = split_attention(q, kc, vc, kb, vb, *hide)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
     got.float().sum().backward()
     assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+def test_a_slot_may_see_none_of_its_own_block():
+    (q, kc, vc, kb, vb), (hide_ctx, hide_own) = _inputs(4)
+    hide_ctx, hide_own = hide_ctx.clone(), torch.ones_like(hide_own)
+    hide_ctx[..., 0] = False  # the first context key only, for some slots
+    got = split_attention(q, kc, vc, kb, vb, hide_ctx, hide_own)
+    want = _reference(q, kc, vc, kb, vb, (hide_ctx, hide_own))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
