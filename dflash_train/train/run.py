@@ -261,7 +261,8 @@ def _silent(_: str) -> None:
 
 def _placement(cfg: TrainConfig) -> Placement:
     """This process's rank, the world size and the device it trains on."""
-    rank, world = _distributed()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
     device = resolve_device(cfg.run.device, TrainError, rank)
     if device.type == "cuda":
         # NCCL object collectives (the resume agreement) place buffers on the current device
@@ -269,14 +270,15 @@ def _placement(cfg: TrainConfig) -> Placement:
     elif cfg.run.attention == "flex":
         raise TrainError(f"run.attention flex trains on CUDA only (flex_attention has no "
                          f"backward on {device.type}); use split or dense")
+    _join_ranks(world, device)
     return Placement(device=device, rank=rank, world=world)
 
 
-def _distributed() -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def _join_ranks(world: int, device: torch.device) -> None:
+    """torchrun's process group, by the device trained on, not by what the host has: NCCL
+    holds no CPU tensor, so CPU training on a GPU host needs gloo too."""
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
 def _claim_run_dir(run_dir: Path, cfg: TrainConfig, resume: bool, placement: Placement,
