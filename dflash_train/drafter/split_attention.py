@@ -3,11 +3,11 @@
 Every query of a block sees some context positions and some slots of its own block, never
 another block (masks.py). `split_attention` scores the two key sets apart, [K, B, S] and
 [K, B, B] per head instead of the dense [K*B, S + K*B], and takes one softmax over both
-without joining them. Its backward recomputes the probabilities from the saved log-sum-exp
-instead of keeping them (flash-attention style), so what stays for backward is the size of
-q, k, v and the output.
-Grouped-query heads broadcast over the key heads; keys are never repeated. This module
-never decides who sees whom; the caller passes the masks.
+without joining them (a join copies the scores each time). Its backward recomputes the
+probabilities from the saved log-sum-exp instead of keeping them (flash-attention style), so
+what stays for backward is the size of q, k, v and the output. Grouped-query heads broadcast
+over the key heads; keys are never repeated. This module never decides who sees whom; the
+caller passes the masks.
 """
 
 import functools
@@ -22,9 +22,9 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 def _scores(x, ctx, own):
     """x [N, kv, g, K, B, d] scored against the context rows ctx [N, kv, S, d] ([..., K, B, S])
-    and its own block's rows own [N, kv, 1, K, B, d] ([..., K, B, B]), kept apart: joined
-    they cost a copy of the scores each time. Every query of a key head meets the context
-    rows in one matmul, [g K B, d] x [d, S], so the rows are not repeated per group head."""
+    and its own block's rows own [N, kv, 1, K, B, d] ([..., K, B, B]). Every query of a key
+    head meets the context rows in one matmul, [g K B, d] x [d, S], so the rows are not
+    repeated per group head."""
     on_ctx = (x.flatten(2, 4) @ ctx.transpose(-1, -2)).view(*x.shape[:5], ctx.shape[-2])
     return on_ctx, x @ own.transpose(-1, -2)
 

@@ -5,6 +5,7 @@ checkpoint code sees plain tensors whatever the mode. Both DDP and FSDP2 average
 over ranks; the loop scales its loss for that, not this module.
 """
 
+import inspect
 from typing import Literal
 
 import torch
@@ -29,13 +30,9 @@ def parallel_mode(world: int, fsdp: bool) -> Mode:
 def wrap(model: torch.nn.Module, mode: Mode, device: torch.device) -> torch.nn.Module:
     """The module the loop calls forward on; `model` itself stays the one to save."""
     if mode == "ddp":
-        # The drafter's buffers are the target's frozen embedding and head (and the draft
-        # vocabulary's rows): DDP's default re-broadcast them from rank 0 before every
-        # forward, 2 x 49,152 x 576 floats for SmolLM2 (~90 ms of a ~1.1 s CPU step), 2.5 GB
-        # each for Qwen3.6-27B. Construction syncs them once; nothing writes them after.
         return torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None,
-            forward_sync_buffers=False)
+            **_no_buffer_sync_per_forward())
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -43,6 +40,21 @@ def wrap(model: torch.nn.Module, mode: Mode, device: torch.device) -> torch.nn.M
             fully_shard(layer)
         fully_shard(model)
     return model
+
+
+def _no_buffer_sync_per_forward() -> dict:
+    """DDP's argument that keeps it from re-sending the buffers before every forward.
+
+    The drafter's buffers are the target's frozen embedding and head (and the draft
+    vocabulary's rows): DDP's default re-broadcast them from rank 0 each step, 2 x 49,152 x
+    576 floats for SmolLM2 (~90 ms of a ~1.1 s CPU step), 2.5 GB each for Qwen3.6-27B. Nothing
+    writes them after construction. torch >= 2.13 still syncs them once there; older torch's
+    broadcast_buffers=False skips that too, which is safe as every rank builds the same
+    buffers from the same files."""
+    ddp_options = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    if "forward_sync_buffers" in ddp_options:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def full_states(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:

@@ -67,8 +67,14 @@ def test_bf16_autocast_keeps_the_softmax_in_fp32_and_stays_close():
 
 def test_a_slot_may_see_none_of_its_own_block():
     (q, kc, vc, kb, vb), (hide_ctx, hide_own) = _inputs(4)
-    hide_ctx, hide_own = hide_ctx.clone(), torch.ones_like(hide_own)
-    hide_ctx[..., 0] = False  # the first context key only, for some slots
+    hide_ctx, hide_own = hide_ctx.clone(), hide_own.clone()
+    hide_own[..., ::2, :] = True  # every other slot sees only context keys
+    hide_ctx[..., 0] = False  # and each slot sees the first one at least
     got = split_attention(q, kc, vc, kb, vb, hide_ctx, hide_own)
     want = _reference(q, kc, vc, kb, vb, (hide_ctx, hide_own))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    d_out = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (q, kc, vc, kb, vb), d_out)
+    expected = torch.autograd.grad(want, (q, kc, vc, kb, vb), d_out)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
