@@ -29,16 +29,20 @@ def _reference(q, kc, vc, kb, vb, hide):
     return out
 
 
-def test_split_attention_is_softmax_attention_over_the_visible_keys():
-    (q, kc, vc, kb, vb), hide = _inputs(0)
-    got = split_attention(q, kc, vc, kb, vb, *hide)
-    want = _reference(q, kc, vc, kb, vb, hide)
+def _assert_matches_reference(inputs, hide):
+    """Output and every input's gradient equal the longhand reference's (float64)."""
+    got = split_attention(*inputs, *hide)
+    want = _reference(*inputs, hide)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     d_out = torch.randn_like(got)
-    grads = torch.autograd.grad(got, (q, kc, vc, kb, vb), d_out)
-    expected = torch.autograd.grad(want, (q, kc, vc, kb, vb), d_out)
+    grads = torch.autograd.grad(got, inputs, d_out)
+    expected = torch.autograd.grad(want, inputs, d_out)
     for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_split_attention_is_softmax_attention_over_the_visible_keys():
+    _assert_matches_reference(*_inputs(0))
 
 
 def test_split_attention_passes_gradcheck():
@@ -66,15 +70,8 @@ def test_bf16_autocast_keeps_the_softmax_in_fp32_and_stays_close():
 
 
 def test_a_slot_may_see_none_of_its_own_block():
-    (q, kc, vc, kb, vb), (hide_ctx, hide_own) = _inputs(4)
+    inputs, (hide_ctx, hide_own) = _inputs(4)
     hide_ctx, hide_own = hide_ctx.clone(), hide_own.clone()
     hide_own[..., ::2, :] = True  # every other slot sees only context keys
     hide_ctx[..., 0] = False  # and each slot sees the first one at least
-    got = split_attention(q, kc, vc, kb, vb, hide_ctx, hide_own)
-    want = _reference(q, kc, vc, kb, vb, (hide_ctx, hide_own))
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    d_out = torch.randn_like(got)
-    grads = torch.autograd.grad(got, (q, kc, vc, kb, vb), d_out)
-    expected = torch.autograd.grad(want, (q, kc, vc, kb, vb), d_out)
-    for g, e in zip(grads, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    _assert_matches_reference(inputs, (hide_ctx, hide_own))
