@@ -75,7 +75,8 @@ class _SplitAttention(torch.autograd.Function):
         d_vc, d_vb = _apply_t(p_ctx, p_own, d_out)
         # d score = p * (d p - sum_j p_j d p_j), with sum_j p_j d p_j = d_out . out
         rowdot = (_wide(d_out) * _wide(out)).sum(-1, keepdim=True)
-        d_ctx, d_own = (_wide(s).sub_(rowdot).mul_(p)
+        # the score gradients cast to q's dtype once, for both matmuls that take them
+        d_ctx, d_own = (_wide(s).sub_(rowdot).mul_(p).to(q.dtype)
                         for s, p in zip(_scores(d_out, vc, vb), (p_ctx, p_own), strict=True))
         d_kc, d_kb = _apply_t(d_ctx, d_own, q)
         d_q = _apply(d_ctx, d_own, kc, kb, q.dtype) * q.shape[-1] ** -0.5
