@@ -1,14 +1,18 @@
-"""What answers are worth: held-out tau of the same recipe trained on the first part of a
-`benchmarks.real_target` run's train store, at the same step budget (equal training time).
+"""What answers are worth: held-out tau of the same recipe trained on the answers to the
+first train prompts of a `benchmarks.real_target` run, at the same step budget (equal
+training time).
 
-    python -m benchmarks.real_target --long --out RUN          # the stores and the full run
     python -m benchmarks.data_vs_tau RUN --fractions 0.125,0.25,0.5,1
 
-Each fraction f keeps the answers to the first f of the run's train prompts (a store copy;
-f = 1 is the run's own drafter, read back), trains the run's recipe for its step budget with
-its validation store choosing the checkpoint, and evaluates that checkpoint on its held-out
-store. Extract seconds are the run's measured extract of the whole train store, pro rata by
-tokens. Writes RUN/data_vs_tau/results.md and prints it. A benchmark: it measures.
+Each fraction f keeps the answers to the first f of the run's train prompts (a store copy),
+trains the run's recipe for its step budget with its validation store choosing the
+checkpoint, and evaluates that checkpoint on its held-out store. RUN is either a finished
+run (`python -m benchmarks.real_target --long --out RUN`: its recipe and stores are used, and
+f = 1 is its own drafter, read back) or any other directory: there the long preset's
+held-out and validation stores and the answers to the first largest-f of its train prompts
+only are extracted first (resumable), so the points below f = 1 never wait for the full
+store. Extract seconds are the measured extract of the train store used, pro rata by tokens.
+Writes RUN/data_vs_tau/results.md and prints it. A benchmark: it measures.
 """
 
 import argparse
@@ -17,9 +21,17 @@ import shutil
 from dataclasses import fields
 from pathlib import Path
 
-from benchmarks.driver import package_errors_as_one_line
-from benchmarks.real_target import RealTargetConfig, evaluate_drafter, train_drafter
+from benchmarks.driver import package_errors_as_one_line, writable_dir
+from benchmarks.real_target import (
+    PRESETS,
+    RealTargetConfig,
+    evaluate_drafter,
+    extract_stores,
+    prepare,
+    train_drafter,
+)
 from dflash_train.store_schema import open_store
+from scripts.prepare_smollm2 import default_cache
 
 
 def preset_of(run: Path) -> RealTargetConfig:
@@ -32,36 +44,37 @@ def preset_of(run: Path) -> RealTargetConfig:
     return RealTargetConfig(**kept)
 
 
-def first_answers(run: Path, fraction: float, out: Path) -> str:
-    """A store of the answers to the first `fraction` of the run's train prompts."""
+def train_rows(run: Path) -> int:
+    """The run's train prompts (train.jsonl lists them all, however many were extracted)."""
+    return sum(1 for _ in (run / "train.jsonl").open())
+
+
+def first_answers(source: str, source_rows: int, cutoff: int, out: Path) -> str:
+    """A store of the answers to the first `cutoff` train prompts, copied out of the train
+    store `source` of the first `source_rows` (itself where the two are the same)."""
     from dflash_train.store_schema.subset import copy_store
 
-    if fraction == 1:
-        return str(run / "train.zarr")
-    rows = sum(1 for _ in (run / "train.jsonl").open())
-    cutoff = round(rows * fraction)
-    if cutoff < 1:
-        raise SystemExit(f"--fractions {fraction:g} of {rows} train prompts keeps none")
+    if cutoff == source_rows:
+        return source
     url = out / f"train_first_{cutoff}.zarr"
     if not url.exists():  # written under another name, renamed when whole
         partial = out / f".{url.name}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        copy_store(str(run / "train.zarr"), str(partial), keep=lambda s: s.source_row < cutoff)
+        copy_store(source, str(partial), keep=lambda s: s.source_row < cutoff)
         partial.rename(url)
     return str(url)
 
 
-def point(run: Path, cfg: RealTargetConfig, fraction: float, out: Path) -> dict:
-    """One curve point: the subset's size, its training and its chosen checkpoint's tau."""
-    store = first_answers(run, fraction, out)
-    where = run if fraction == 1 else out / f"f{fraction:g}"
+def point(cfg: RealTargetConfig, stores: dict[str, str], train: str, where: Path) -> dict:
+    """One curve point: the train store's size, its training in `where` and its chosen
+    checkpoint's tau."""
     where.mkdir(parents=True, exist_ok=True)
     layers = max(cfg.drafter_layers)
-    trained = train_drafter(cfg, store, where, layers, str(run / "validation.zarr"))
-    evals, _ = evaluate_drafter(trained, str(run / "held_out.zarr"))
+    trained = train_drafter(cfg, train, where, layers, stores["validation"])
+    evals, _ = evaluate_drafter(trained, stores["held_out"])
     chosen = evals["chosen_step"]
-    kept = open_store(store)
-    return {"fraction": fraction, "answers": kept.num_samples, "tokens": kept.num_tokens,
+    kept = open_store(train)
+    return {"answers": kept.num_samples, "tokens": kept.num_tokens,
             "train_seconds": trained["train_seconds"], "chosen_step": chosen,
             "held_out": evals["eval"][chosen], "last": evals["eval"][trained["steps"]]}
 
@@ -92,26 +105,58 @@ def fractions_arg(text: str) -> list[float]:
     return values
 
 
+def finished_run(run: Path) -> tuple[RealTargetConfig, dict[str, str], float]:
+    """(recipe, stores, train store's extract seconds) of a finished real_target run."""
+    results = json.loads((run / "results.json").read_text())
+    stores = {name: str(run / f"{name}.zarr") for name in ("train", "validation", "held_out")}
+    if not Path(stores["validation"]).exists():
+        raise SystemExit(f"{run}: a finished run without a validation store (the long "
+                         "preset's chooses the checkpoint)")
+    return preset_of(run), stores, results["seconds"]["extract_train"]
+
+
+def prefix_run(run: Path, cache: Path, largest: float) -> tuple[RealTargetConfig, dict, float]:
+    """(recipe, stores, train store's extract seconds) of the long preset with the answers
+    to the first `largest` of its train prompts only, extracted (or continued) in `run`."""
+    cfg = PRESETS["long"]
+    model, sharegpt = prepare(cache)
+    stores, seconds = extract_stores(cfg, run, model, sharegpt, train_share=largest)
+    return cfg, stores, seconds["extract_train"]
+
+
 @package_errors_as_one_line
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=Path, help="A benchmarks.real_target --out directory "
-                        "with a validation store (the long preset's).")
+    parser.add_argument("run", type=Path, help="A finished `benchmarks.real_target --long` "
+                        "--out directory, or a directory for the long preset's stores (made "
+                        "there: only the train answers the largest fraction needs).")
     parser.add_argument("--fractions", type=fractions_arg, default=[0.125, 0.25, 0.5, 1.0],
                         help="Shares of the train prompts, comma-separated (default: "
                         "0.125,0.25,0.5,1).")
+    parser.add_argument("--cache", type=Path, default=default_cache(),
+                        help="Where scripts/prepare_smollm2.py keeps the model and data "
+                        "(a directory without a finished run only).")
     args = parser.parse_args()
-    results = args.run / "results.json"
-    if not results.is_file() or not (args.run / "validation.zarr").exists():
-        parser.error(f"{args.run}: no finished real_target run with a validation store "
-                     "(results.json, validation.zarr)")
-    cfg, out = preset_of(args.run), args.run / "data_vs_tau"
-    spent = json.loads(results.read_text())["seconds"]["extract_train"]
-    full_tokens = open_store(str(args.run / "train.zarr")).num_tokens
+    run = writable_dir("RUN", args.run.expanduser().resolve())
+    largest = max(args.fractions)
+    if (run / "results.json").is_file():
+        cfg, stores, spent = finished_run(run)
+        source_rows = train_rows(run)
+    else:
+        cache = writable_dir("--cache", args.cache.expanduser().resolve())
+        cfg, stores, spent = prefix_run(run, cache, largest)
+        source_rows = round(train_rows(run) * largest)
+    out, rows = run / "data_vs_tau", train_rows(run)
+    if round(rows * args.fractions[0]) < 1:
+        raise SystemExit(f"--fractions {args.fractions[0]:g} of {rows} train prompts keeps none")
     out.mkdir(exist_ok=True)
-    points = [point(args.run, cfg, f, out) for f in args.fractions]
-    text = markdown(points, spent, full_tokens, cfg)
-    (out / "results.json").write_text(json.dumps(points, indent=1))
+    points = []
+    for f in args.fractions:
+        train = first_answers(stores["train"], source_rows, round(rows * f), out)
+        where = run if f == 1 else out / f"f{f:g}"
+        points.append({"fraction": f, **point(cfg, stores, train, where)})
+        (out / "results.json").write_text(json.dumps(points, indent=1))
+    text = markdown(points, spent, open_store(stores["train"]).num_tokens, cfg)
     (out / "results.md").write_text(text)
     print(text)
 

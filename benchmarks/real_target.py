@@ -217,6 +217,30 @@ def extract_in_ranks(model: Path, data: str, out: str, cfg: RealTargetConfig) ->
           f"({world} processes)")
 
 
+def extract_stores(cfg: RealTargetConfig, out: Path, model: Path, sharegpt: Path,
+                   train_share: float = 1.0) -> tuple[dict[str, str], dict[str, float]]:
+    """({store name: url}, {"extract_<name>": seconds over every sitting}) of the run's
+    prompt sets, each extracted (or continued) in `out`. With `train_share` < 1 the train
+    store holds the answers to the first that share of the train prompts only
+    (train_first_<n>.zarr; train.jsonl still lists them all): what data_vs_tau needs of a
+    run never extracted in full."""
+    sets = prompt_sets(*first_turn_prompts(sharegpt, cfg), cfg.val_prompts)
+    print(", ".join(f"{len(p)} {name}" for name, p in sets.items()) + " prompts")
+    stores, seconds = {}, {}
+    for name, prompts in sets.items():
+        stem = name
+        if name == "train" and train_share < 1:
+            first = round(len(prompts) * train_share)
+            if first < 1:
+                raise SystemExit(f"{train_share:g} of {len(prompts)} train prompts keeps none")
+            write_prompts(prompts, out / "train.jsonl")
+            stem, prompts = f"train_first_{first}", prompts[:first]
+        stores[name] = str(out / f"{stem}.zarr")
+        seconds[f"extract_{name}"] = extract(model, write_prompts(prompts, out / f"{stem}.jsonl"),
+                                             stores[name], cfg, out / "extract_seconds.json")
+    return stores, seconds
+
+
 def rows_per_part(rows: int, world: int) -> int:
     """Parts of at most EXTRACT_ROWS_PER_PART rows, and at least one per rank: a store of
     fewer rows than world x that many is split into one part per rank, of equal rows."""
@@ -487,13 +511,8 @@ def run(cfg: RealTargetConfig, preset: str, out: Path, cache: Path) -> dict:
     clock = time.perf_counter()
     model, sharegpt = prepare(cache)
     seconds["prepare"] = time.perf_counter() - clock
-    sets = prompt_sets(*first_turn_prompts(sharegpt, cfg), cfg.val_prompts)
-    print(", ".join(f"{len(p)} {name}" for name, p in sets.items()) + " prompts")
-    stores = {}
-    for name, prompts in sets.items():
-        stores[name] = str(out / f"{name}.zarr")
-        seconds[f"extract_{name}"] = extract(model, write_prompts(prompts, out / f"{name}.jsonl"),
-                                             stores[name], cfg, out / "extract_seconds.json")
+    stores, extracted = extract_stores(cfg, out, model, sharegpt)
+    seconds.update(extracted)
     drafters, reported_paths = {}, {}
     for layers in cfg.drafter_layers:
         trained = train_drafter(cfg, stores["train"], out, layers, stores.get("validation"))
