@@ -4,15 +4,17 @@ training time).
 
     python -m benchmarks.data_vs_tau RUN --fractions 0.125,0.25,0.5,1
 
-Each fraction f keeps the answers to the first f of the run's train prompts (a store copy),
-trains the run's recipe for its step budget with its validation store choosing the
-checkpoint, and evaluates that checkpoint on its held-out store. RUN is either a finished
-run (`python -m benchmarks.real_target --long --out RUN`: its recipe and stores are used, and
-f = 1 is its own drafter, read back) or any other directory: there the long preset's
-held-out and validation stores and the answers to the first largest-f of its train prompts
-only are extracted first (resumable), so the points below f = 1 never wait for the full
-store. Extract seconds are the measured extract of the train store used, pro rata by tokens.
-Writes RUN/data_vs_tau/results.md and prints it. A benchmark: it measures.
+Each fraction f keeps the answers to the first f of the run's train prompts, trains the
+run's recipe for its step budget with its validation store choosing the checkpoint, and
+evaluates that checkpoint on its held-out store. RUN is either a finished run
+(`python -m benchmarks.real_target --long --out RUN`: its recipe and stores are used, f = 1
+is its own drafter, read back; results in RUN/data_vs_tau) or any other directory: there the
+long preset's held-out and validation stores and the answers to the first largest-f of its
+train prompts only are extracted first (resumable), so the points below f = 1 never wait
+for the full store (results in RUN/data_vs_tau_<that store>). Smaller fractions train on
+copies of the train store's first answers. Extract seconds are the measured extract of the
+train store used, pro rata by tokens. Writes results.md there and prints it. A benchmark: it
+measures.
 """
 
 import argparse
@@ -105,22 +107,31 @@ def fractions_arg(text: str) -> list[float]:
     return values
 
 
-def finished_run(run: Path) -> tuple[RealTargetConfig, dict[str, str], float]:
+def refuse_an_empty_point(rows: int, smallest: float) -> None:
+    if round(rows * smallest) < 1:
+        raise SystemExit(f"--fractions {smallest:g} of {rows} train prompts keeps none")
+
+
+def finished_run(run: Path, smallest: float) -> tuple[RealTargetConfig, dict[str, str], float]:
     """(recipe, stores, train store's extract seconds) of a finished real_target run."""
     results = json.loads((run / "results.json").read_text())
     stores = {name: str(run / f"{name}.zarr") for name in ("train", "validation", "held_out")}
     if not Path(stores["validation"]).exists():
         raise SystemExit(f"{run}: a finished run without a validation store (the long "
                          "preset's chooses the checkpoint)")
+    refuse_an_empty_point(train_rows(run), smallest)
     return preset_of(run), stores, results["seconds"]["extract_train"]
 
 
-def prefix_run(run: Path, cache: Path, largest: float) -> tuple[RealTargetConfig, dict, float]:
+def prefix_run(run: Path, cache: Path, fractions: list[float]
+               ) -> tuple[RealTargetConfig, dict[str, str], float]:
     """(recipe, stores, train store's extract seconds) of the long preset with the answers
-    to the first `largest` of its train prompts only, extracted (or continued) in `run`."""
+    to the first largest of `fractions` of its train prompts only, extracted (or continued)
+    in `run`."""
     cfg = PRESETS["long"]
+    refuse_an_empty_point(cfg.train_prompts - cfg.val_prompts, fractions[0])
     model, sharegpt = prepare(cache)
-    stores, seconds = extract_stores(cfg, run, model, sharegpt, train_share=largest)
+    stores, seconds = extract_stores(cfg, run, model, sharegpt, train_share=fractions[-1])
     return cfg, stores, seconds["extract_train"]
 
 
@@ -137,21 +148,19 @@ def main() -> None:
                         help="Where scripts/prepare_smollm2.py keeps the model and data "
                         "(a directory without a finished run only).")
     args = parser.parse_args()
-    run = writable_dir("RUN", args.run.expanduser().resolve())
-    largest = max(args.fractions)
+    run, fractions = writable_dir("RUN", args.run.expanduser().resolve()), args.fractions
     if (run / "results.json").is_file():
-        cfg, stores, spent = finished_run(run)
-        source_rows = train_rows(run)
+        cfg, stores, spent = finished_run(run, fractions[0])
+        source_rows, out = train_rows(run), run / "data_vs_tau"
     else:
         cache = writable_dir("--cache", args.cache.expanduser().resolve())
-        cfg, stores, spent = prefix_run(run, cache, largest)
-        source_rows = round(train_rows(run) * largest)
-    out, rows = run / "data_vs_tau", train_rows(run)
-    if round(rows * args.fractions[0]) < 1:
-        raise SystemExit(f"--fractions {args.fractions[0]:g} of {rows} train prompts keeps none")
+        cfg, stores, spent = prefix_run(run, cache, fractions)
+        # the copies and trainings of one train store apart from those of any other
+        source_rows = round(train_rows(run) * fractions[-1])
+        out = run / f"data_vs_tau_{Path(stores['train']).stem}"
     out.mkdir(exist_ok=True)
-    points = []
-    for f in args.fractions:
+    points, rows = [], train_rows(run)
+    for f in fractions:
         train = first_answers(stores["train"], source_rows, round(rows * f), out)
         where = run if f == 1 else out / f"f{f:g}"
         points.append({"fraction": f, **point(cfg, stores, train, where)})
@@ -159,6 +168,7 @@ def main() -> None:
     text = markdown(points, spent, open_store(stores["train"]).num_tokens, cfg)
     (out / "results.md").write_text(text)
     print(text)
+    print(f"written: {out}/results.json, results.md")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ def _extracted(monkeypatch, tmp_path, share: float) -> tuple[dict, dict]:
 def test_a_run_never_extracted_in_full_extracts_only_the_first_answers(monkeypatch, tmp_path):
     whole, given_whole = _extracted(monkeypatch, tmp_path / "whole", 1.0)
     part, given_part = _extracted(monkeypatch, tmp_path / "part", 0.25)
+    assert whole == {name: str(tmp_path / "whole" / f"{name}.zarr")
+                     for name in ("train", "held_out", "validation")}
     assert given_whole[whole["train"]] == [f"t{i}" for i in range(16)]
     assert part["train"] == str(tmp_path / "part" / "train_first_4.zarr")
     assert given_part[part["train"]] == ["t0", "t1", "t2", "t3"]
@@ -89,10 +91,9 @@ def test_fractions_outside_0_1_are_refused(text):
         fractions_arg(text)
 
 
-def test_without_a_finished_run_the_largest_fraction_trains_on_the_extracted_answers(
-        monkeypatch, tmp_path):
-    """40 train prompts, fractions 1/8 and 1/4: only the first 10 answers are extracted; the
-    1/4 point trains on that store itself, the 1/8 point on a copy of its first 5 rows."""
+def _stages_faked(monkeypatch) -> dict:
+    """extract builds a synthetic store of the rows it is given (104 drawn train prompts: 40
+    train, 64 validation), training is skipped: {training folder: (train store, its rows)}."""
     from benchmarks import data_vs_tau
 
     def extract(model, data, out, cfg, ledger):
@@ -115,15 +116,50 @@ def test_without_a_finished_run_the_largest_fraction_trains_on_the_extracted_ans
     monkeypatch.setattr(real_target, "extract", extract)
     monkeypatch.setattr(data_vs_tau, "prepare", lambda cache: (cache / "m", cache / "s"))
     monkeypatch.setattr(data_vs_tau, "point", point)
-    run = tmp_path / "run"
-    monkeypatch.setattr("sys.argv", ["data_vs_tau", str(run), "--fractions", "0.125,0.25",
-                                     "--cache", str(tmp_path / "cache")])
+    return trained
+
+
+def _main(monkeypatch, run: Path, fractions: str) -> None:
+    from benchmarks import data_vs_tau
+
+    monkeypatch.setattr("sys.argv", ["data_vs_tau", str(run), "--fractions", fractions,
+                                     "--cache", str(run.parent / "cache")])
     data_vs_tau.main()
+
+
+def test_without_a_finished_run_the_largest_fraction_trains_on_the_extracted_answers(
+        monkeypatch, tmp_path):
+    """40 train prompts, fractions 1/8 and 1/4: only the first 10 answers are extracted; the
+    1/4 point trains on that store itself, the 1/8 point on a copy of its first 5 rows."""
+    trained, run = _stages_faked(monkeypatch), tmp_path / "run"
+    _main(monkeypatch, run, "0.125,0.25")
     assert trained["f0.25"] == (str(run / "train_first_10.zarr"), list(range(10)))
     assert trained["f0.125"][1] == list(range(5))
     assert not (run / "train.zarr").exists()
-    table = (run / "data_vs_tau" / "results.md").read_text().splitlines()
-    assert [row.split(" | ")[0] for row in table[-2:]] == ["| 5", "| 10"]
-    monkeypatch.setattr("sys.argv", ["data_vs_tau", str(run), "--fractions", "0.01,0.25"])
-    with pytest.raises(SystemExit, match="--fractions 0.01 of 40 train prompts keeps none"):
-        data_vs_tau.main()
+    table = (run / "data_vs_tau_train_first_10" / "results.md").read_text().splitlines()[-2:]
+    assert [row.split(" | ")[0] for row in table] == ["| 5", "| 10"]
+    with pytest.raises(SystemExit, match="--fractions 0.0001 of 3936 train prompts keeps none"):
+        _main(monkeypatch, tmp_path / "other", "0.0001,0.25")
+    assert not (tmp_path / "other" / "held_out.zarr").exists()  # refused before extracting
+
+
+def test_a_finished_run_gives_its_stores_its_extract_seconds_and_its_own_drafter(
+        monkeypatch, tmp_path):
+    trained, run = _stages_faked(monkeypatch), tmp_path / "run"
+    run.mkdir()
+    build_store(str(run / "train.zarr"), rows=10).write_files("tokenizer", {"t.json": b"{}"})
+    (run / "train.jsonl").write_text("{}\n" * 10)
+    (run / "held_out.zarr").mkdir()
+    (run / "results.json").write_text(json.dumps({"config": asdict(PRESETS["long"]),
+                                                  "seconds": {"extract_train": 400.0}}))
+    with pytest.raises(SystemExit, match="without a validation store"):
+        _main(monkeypatch, run, "0.5,1")
+    (run / "validation.zarr").mkdir()
+    _main(monkeypatch, run, "0.5,1")
+    assert trained["run"] == (str(run / "train.zarr"), list(range(10)))  # f = 1: the run's own
+    assert trained["f0.5"] == (str(run / "data_vs_tau" / "train_first_5.zarr"), list(range(5)))
+    half, whole = (open_store(trained[k][0]).num_tokens for k in ("f0.5", "run"))
+    table = (run / "data_vs_tau" / "results.md").read_text().splitlines()[-2:]
+    assert [row.split(" | ")[2] for row in table] == [f"{400 * half / whole:,.0f}", "400"]
+    with pytest.raises(SystemExit, match="--fractions 0.01 of 10 train prompts keeps none"):
+        _main(monkeypatch, run, "0.01,1")
