@@ -52,6 +52,9 @@ ONEDNN_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512
 matmul at SmolLM2's 512x576x1536 ran 1.3 GFLOP/s against float32's 33 on an AVX-512 BF16 CPU
 (emulated, as on an AVX2-only Zen 3), whatever the hardware probes say."""
 
+ONEDNN_BELOW_AMX = (*ONEDNN_BELOW_BF16, "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512")
+"""ONEDNN_MAX_CPU_ISA caps that leave oneDNN its AVX-512 BF16 kernels but not AMX's."""
+
 
 def native_bf16(device: torch.device) -> str | None:
     """What runs bf16 matmuls natively on `device` ("cuda", "amx" or "avx512_bf16"), or None
@@ -72,11 +75,13 @@ def native_bf16(device: torch.device) -> str | None:
         return "cuda" if torch.cuda.get_device_capability(device) >= (8, 0) else None
     if device.type != "cpu":
         return None
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_BELOW_BF16:
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if cap in ONEDNN_BELOW_BF16:
         return None
     # torch.cpu's probes are private; a torch without them is treated as having neither
     for name, probe in (("amx", "_is_amx_tile_supported"),
                         ("avx512_bf16", "_is_avx512_bf16_supported")):
-        if getattr(torch.cpu, probe, lambda: False)():
+        if getattr(torch.cpu, probe, lambda: False)() and not (
+                name == "amx" and cap in ONEDNN_BELOW_AMX):
             return name
     return None

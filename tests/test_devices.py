@@ -102,15 +102,20 @@ def _no_overrides(monkeypatch) -> None:
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("cap", ["AVX2", "avx512_core"])
-def test_a_onednn_cap_below_bf16_makes_a_bf16_cpu_emulate_it(monkeypatch, cap):
+def test_a_onednn_cap_below_bf16_makes_a_bf16_cpu_emulate_it(monkeypatch, cap, amx):
     # measured: ONEDNN_MAX_CPU_ISA=AVX2 took a bf16 GEMM from 39 to 1.3 GFLOP/s
     _no_overrides(monkeypatch)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     assert native_bf16(torch.device("cpu")) is None
+    # capped below AMX, an AMX CPU runs bf16 on its AVX-512 BF16 kernels
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     assert native_bf16(torch.device("cpu")) == "avx512_bf16"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert native_bf16(torch.device("cpu")) == ("amx" if amx else "avx512_bf16")
 
 
 @pytest.mark.parametrize("value, cuda_too", [("0", False), ("1", True)])
