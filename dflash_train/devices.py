@@ -53,7 +53,7 @@ matmul at SmolLM2's 512x576x1536 ran 1.3 GFLOP/s against float32's 33 on an AVX-
 (emulated, as on an AVX2-only Zen 3), whatever the hardware probes say."""
 
 ONEDNN_BELOW_AMX = (*ONEDNN_BELOW_BF16, "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512")
-"""ONEDNN_MAX_CPU_ISA caps that leave oneDNN its AVX-512 BF16 kernels but not AMX's."""
+"""ONEDNN_MAX_CPU_ISA caps that keep oneDNN off AMX (the three added: on AVX-512 BF16)."""
 
 
 def native_bf16(device: torch.device) -> str | None:
