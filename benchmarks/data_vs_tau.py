@@ -151,15 +151,17 @@ def main() -> None:
     run, fractions = writable_dir("RUN", args.run.expanduser().resolve()), args.fractions
     if (run / "results.json").is_file():
         cfg, stores, spent = finished_run(run, fractions[0])
-        source_rows, out = train_rows(run), run / "data_vs_tau"
+        rows = source_rows = train_rows(run)
+        out = run / "data_vs_tau"
     else:
         cache = writable_dir("--cache", args.cache.expanduser().resolve())
         cfg, stores, spent = prefix_run(run, cache, fractions)
         # the copies and trainings of one train store apart from those of any other
-        source_rows = round(train_rows(run) * fractions[-1])
+        rows = train_rows(run)
+        source_rows = round(rows * fractions[-1])
         out = run / f"data_vs_tau_{Path(stores['train']).stem}"
     out.mkdir(exist_ok=True)
-    points, rows = [], train_rows(run)
+    points = []
     for f in fractions:
         train = first_answers(stores["train"], source_rows, round(rows * f), out)
         where = run if f == 1 else out / f"f{f:g}"
